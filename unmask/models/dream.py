@@ -1,0 +1,86 @@
+"""Dream (`model_type: Dream`): the Qwen2 layout with bidirectional attention.
+
+Dream predicts position i from the hidden state at i-1. `forward` returns the raw per-token
+logits (as Qwen2 does); `logit_shift = 1` tells the decoding runner to read position i's
+prediction from token i-1, which stays correct when a forward covers only a subset of positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from unmask.config import ModelConfig
+from unmask.kv import Frame
+from unmask.models.layers import RMSNorm, attention, rope_cos_sin, swiglu
+
+
+class DreamAttention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        kv_dim = c.n_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(c.d_model, c.d_model, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.d_model, kv_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.d_model, kv_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.d_model, c.d_model, bias=False)
+
+
+class DreamMLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.d_model, c.mlp_hidden_size, bias=False)
+        self.up_proj = nn.Linear(c.d_model, c.mlp_hidden_size, bias=False)
+        self.down_proj = nn.Linear(c.mlp_hidden_size, c.d_model, bias=False)
+
+
+class DreamLayer(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads = c.n_heads, c.n_kv_heads
+        self.self_attn = DreamAttention(c)
+        self.mlp = DreamMLP(c)
+        self.input_layernorm = RMSNorm(c.d_model, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.d_model, c.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, frame: Frame | None) -> Tensor:
+        a, h = self.self_attn, self.input_layernorm(x)
+        x = x + a.o_proj(attention(a.q_proj(h), a.k_proj(h), a.v_proj(h), cos, sin,
+                                   self.n_heads, self.n_kv_heads, self.layer, frame))
+        m = self.mlp
+        return x + swiglu(self.post_attention_layernorm(x), m.gate_proj, m.up_proj, m.down_proj)
+
+
+class DreamModel(nn.Module):
+    logit_shift = 1
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.model.layers = nn.ModuleList(DreamLayer(config, i) for i in range(config.n_layers))
+        self.model.norm = RMSNorm(config.d_model, config.rms_norm_eps)
+        if not config.weight_tying:
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, cache: Frame | None = None,
+                embeds: Tensor | None = None) -> Tensor:
+        """input_ids, position_ids: (B, T) -> unshifted logits (B, T, vocab_size)."""
+        x = self.embed(input_ids) if embeds is None else embeds
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache)
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if self.config.weight_tying else self.lm_head.weight
+        return x @ head.T
+
+    def init_weights(self, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)

@@ -1,0 +1,61 @@
+"""Layers shared by the LLaMA-family dLLMs (LLaDA and Dream): RMSNorm, RoPE, attention, SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unmask.kv import Frame
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 like the reference implementations, then cast back.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape (B, 1, T, head_dim) for explicit position ids (gaps allowed)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                             dtype=torch.float32) / head_dim))
+    angles = position_ids[..., None].float() * inv_freq  # (B, T, head_dim/2)
+    emb = torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, T, head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads: int,
+              n_kv_heads: int, layer: int, frame: Frame | None) -> Tensor:
+    """Bidirectional multi-head attention with grouped K/V.
+
+    q: (B, T, H*D), k/v: (B, T, H_kv*D) projections of the forwarded tokens. Returns (B, T, H*D).
+    """
+    b, t, _ = q.shape
+    q = q.view(b, t, n_heads, -1).transpose(1, 2)  # (B, H, T, D)
+    k = k.view(b, t, n_kv_heads, -1).transpose(1, 2)  # (B, H_kv, T, D)
+    v = v.view(b, t, n_kv_heads, -1).transpose(1, 2)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    mask = None
+    if frame is not None:
+        k, v, mask = frame.keys(layer, k, v)  # k/v now (B, H_kv, K, D) with K >= T
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                         enable_gqa=n_heads != n_kv_heads)
+    return out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
+
+
+def swiglu(x: Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> Tensor:
+    return down(F.silu(gate(x)) * up(x))

@@ -1,0 +1,84 @@
+"""LLaDA (`model_type: llada`): a LLaMA block stack with bidirectional attention.
+
+Module names mirror the public checkpoint's tensor names (model.transformer.blocks.N.q_proj...),
+so state_dict() keys are the safetensors keys with no renaming table.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from unmask.config import ModelConfig
+from unmask.kv import Frame
+from unmask.models.layers import RMSNorm, attention, rope_cos_sin, swiglu
+
+
+class LLaDABlock(nn.Module):
+    def __init__(self, c: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads = c.n_heads, c.n_kv_heads
+        kv_dim = c.n_kv_heads * c.head_dim
+        bias = c.include_bias
+        self.attn_norm = RMSNorm(c.d_model, c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.d_model, c.d_model, bias=bias)
+        self.k_proj = nn.Linear(c.d_model, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(c.d_model, kv_dim, bias=bias)
+        self.attn_out = nn.Linear(c.d_model, c.d_model, bias=bias)
+        self.ff_norm = RMSNorm(c.d_model, c.rms_norm_eps)
+        self.ff_proj = nn.Linear(c.d_model, c.mlp_hidden_size, bias=bias)  # SiLU-gated branch
+        self.up_proj = nn.Linear(c.d_model, c.mlp_hidden_size, bias=bias)
+        self.ff_out = nn.Linear(c.mlp_hidden_size, c.d_model, bias=bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, frame: Frame | None) -> Tensor:
+        h = self.attn_norm(x)
+        x = x + self.attn_out(attention(self.q_proj(h), self.k_proj(h), self.v_proj(h), cos, sin,
+                                        self.n_heads, self.n_kv_heads, self.layer, frame))
+        return x + swiglu(self.ff_norm(x), self.ff_proj, self.up_proj, self.ff_out)
+
+
+class LLaDAModel(nn.Module):
+    logit_shift = 0  # position i is predicted from the hidden state at i
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        t = nn.ModuleDict({
+            "wte": nn.Embedding(config.embedding_size, config.d_model),
+            "blocks": nn.ModuleList(LLaDABlock(config, i) for i in range(config.n_layers)),
+            "ln_f": RMSNorm(config.d_model, config.rms_norm_eps),
+        })
+        if not config.weight_tying:
+            t["ff_out"] = nn.Linear(config.d_model, config.embedding_size, bias=False)
+        self.model = nn.Module()
+        self.model.transformer = t
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.transformer.wte(input_ids)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, cache: Frame | None = None,
+                embeds: Tensor | None = None) -> Tensor:
+        """input_ids, position_ids: (B, T) -> logits (B, T, vocab_size).
+
+        embeds: optional (B, T, d_model) input embeddings replacing the lookup of input_ids.
+        """
+        t = self.model.transformer
+        x = self.embed(input_ids) if embeds is None else embeds
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for block in t.blocks:
+            x = block(x, cos, sin, cache)
+        x = t.ln_f(x)
+        head = t.wte.weight if self.config.weight_tying else t.ff_out.weight
+        return (x @ head.T)[..., : self.config.vocab_size]
+
+    def init_weights(self, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        with torch.no_grad():
+            for block in self.model.transformer.blocks:  # scale residual projections by depth
+                block.attn_out.weight.mul_((2 * self.config.n_layers) ** -0.5)
+                block.ff_out.weight.mul_((2 * self.config.n_layers) ** -0.5)
