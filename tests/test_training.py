@@ -1,0 +1,137 @@
+"""Fast checks of the training data, tokenizer and objective (tiny config, CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+
+from unmask.tasks import TASKS
+from unmask.tasks import code as code_task
+from unmask.tasks import math as math_task
+from unmask.training.tokenizer import BOS, EOS, MASK, SPECIAL_TOKENS, build_tokenizer, save_tokenizer
+from unmask.training.train import DataStream, TextEncoder, _model_config, mask_batch, sft_loss
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    texts = []
+    for p in math_task.make_split("train", 2000, seed=0):
+        texts += [p.prompt, p.response]
+    for c in code_task.make_split("train", 300, seed=0):
+        texts += [c.prompt, c.response]
+    out = tmp_path_factory.mktemp("tok")
+    save_tokenizer(build_tokenizer(texts, vocab_size=600), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def enc(tok_dir: Path) -> TextEncoder:
+    return TextEncoder(tok_dir / "tokenizer.json")
+
+
+def test_math_splits_disjoint() -> None:
+    train = {p.prompt for p in math_task.make_split("train", 5000, seed=0)}
+    held = {p.prompt for p in math_task.make_split("heldout", 500, seed=0)}
+    assert train.isdisjoint(held)
+    assert all(math_task.is_heldout(p) for p in held)
+    assert not any(math_task.is_heldout(p) for p in train)
+
+
+def test_code_splits_disjoint_by_file() -> None:
+    train, held = code_task.make_split("train"), code_task.make_split("heldout")
+    assert len(train) > 500 and len(held) > 20
+    assert {c.source for c in train}.isdisjoint({c.source for c in held})
+    assert {c.prompt for c in train}.isdisjoint({c.prompt for c in held})
+
+
+def test_math_families_and_checker() -> None:
+    rng = random.Random(0)
+    for gen in math_task.FAMILIES.values():
+        for _ in range(50):
+            p = gen(rng)
+            assert math_task.check(p.response, p.answer)
+            assert math_task.extract_answer(p.response) == p.answer
+            wrong = p.response.rsplit("####", 1)[0] + "#### 12345678"
+            assert not math_task.check(wrong, p.answer)
+    assert not math_task.check("no answer here", "3")
+    ex = math_task.gen_add(random.Random(1))
+    assert ex.response.endswith(f"#### {ex.answer}")
+
+
+def test_canonical_prompt_in_distribution() -> None:
+    prompts = {p.prompt for p in math_task.make_split("train", 3000, seed=0)}
+    assert any(p.startswith("What is ") and " + " in p and p.endswith("?") for p in prompts)
+
+
+def test_math_responses_average_40_tokens(enc: TextEncoder) -> None:
+    ps = math_task.make_split("train", 500, seed=3)
+    assert statistics.mean(len(enc.response(p.response)) for p in ps) >= 40
+
+
+def test_code_checker() -> None:
+    ex = code_task.make_split("heldout", 5, seed=0)[0]
+    assert code_task.check(ex.prompt, ex.response)
+    assert not code_task.check(ex.prompt, "    return (((\n")
+    task = TASKS["code"]
+    e = task.load("heldout", 3)[0]
+    assert task.check(e, e.response)
+    m = TASKS["math"].load("heldout", 3)[0]
+    assert TASKS["math"].check(m, m.response) and not TASKS["math"].check(m, "#### -1")
+
+
+def test_chat_template(tok_dir: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    t = PreTrainedTokenizerFast.from_pretrained(str(tok_dir))
+    s = t.apply_chat_template([{"role": "user", "content": "What is 47 + 38?"}],
+                              add_generation_prompt=True, tokenize=False)
+    assert s == "<|bos|><|user|>\nWhat is 47 + 38?<|assistant|>\n"
+    assert t.bos_token == BOS and t.eos_token == EOS and t.mask_token == MASK
+    assert [t.convert_tokens_to_ids(x) for x in SPECIAL_TOKENS] == list(range(5))
+    ids = t("12345", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 5  # digits are split one per token
+
+
+def test_masking_never_touches_prompt(enc: TextEncoder) -> None:
+    data = DataStream(enc, batch_tokens=2048, seed=0, code_frac=0.5)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        b = data.next_batch()
+        noisy, masked, _ = mask_batch(b, enc.mask_id, gen)
+        assert not (masked & b.prompt_mask).any()
+        assert torch.equal(noisy[b.prompt_mask], b.input_ids[b.prompt_mask])
+        assert masked.any()
+        assert int(b.response_len.min()) >= 48
+        assert (b.input_ids[:, -1] == enc.eos_id).all()  # responses are EOS-padded to the canvas
+
+
+def test_few_steps_lower_loss(enc: TextEncoder) -> None:
+    from unmask.models import build_model
+
+    torch.manual_seed(0)
+    ns = argparse.Namespace(d_model=64, n_heads=4, n_layers=2, mlp_hidden=128, max_seq_len=2048)
+    cfg = _model_config(ns, enc)
+    model = build_model(cfg)
+    model.init_weights()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    data = DataStream(enc, batch_tokens=1024, seed=0, code_frac=0.0)
+    data.canvas_length = lambda: 64  # type: ignore[method-assign]
+    batch = data.next_batch()
+    gen = torch.Generator().manual_seed(0)
+
+    def loss_now() -> float:
+        with torch.no_grad():
+            return float(sft_loss(model, batch, cfg.mask_token_id, torch.Generator().manual_seed(1)))
+
+    before = loss_now()
+    for _ in range(15):
+        loss = sft_loss(model, batch, cfg.mask_token_id, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss_now() < 0.8 * before

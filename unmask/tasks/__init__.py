@@ -1,0 +1,63 @@
+"""Task registry used by training and benchmarks.
+
+Each task exposes the same two calls:
+
+- ``TASKS[name].load(split, n, seed=0) -> list[Example]`` with ``split`` in {"train", "heldout"};
+  held-out examples never appear in training (see each module for how that is guaranteed).
+- ``TASKS[name].check(example, text) -> bool``: is the generated ``text`` (the assistant's reply,
+  special tokens removed) a correct answer for ``example``.
+
+``math``: worked arithmetic, checked by the final ``#### answer`` line.
+``code``: stdlib function bodies, checked by parsing the body under the prompt's signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from unmask.tasks import code as _code
+from unmask.tasks import math as _math
+
+
+@dataclass(frozen=True)
+class Example:
+    """A prompt (user message), its reference response, and the answer a checker compares to."""
+
+    prompt: str
+    response: str
+    answer: str | None
+    family: str
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    _load: Callable[[str, int | None, int], list[Example]]
+    _check: Callable[[Example, str], bool]
+
+    def load(self, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
+        if split not in ("train", "heldout"):
+            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+        return self._load(split, n, seed)
+
+    def check(self, example: Example, text: str) -> bool:
+        return self._check(example, text)
+
+
+def _load_math(split: str, n: int | None, seed: int) -> list[Example]:
+    ps = _math.make_split(split, 500 if n is None else n, seed=seed)  # type: ignore[arg-type]
+    return [Example(p.prompt, p.response, p.answer, p.family) for p in ps]
+
+
+def _load_code(split: str, n: int | None, seed: int) -> list[Example]:
+    cs = _code.make_split(split, n, seed=seed)  # type: ignore[arg-type]
+    return [Example(c.prompt, c.response, None, "code") for c in cs]
+
+
+TASKS: dict[str, Task] = {
+    "math": Task("math", _load_math, lambda ex, text: _math.check(text, ex.answer or "")),
+    "code": Task("code", _load_code, lambda ex, text: _code.check(ex.prompt, text)),
+}
+
+__all__ = ["Example", "Task", "TASKS"]

@@ -1,0 +1,1 @@
+"""Training of the embedded default model: tokenizer, data stream, LLaDA SFT objective."""

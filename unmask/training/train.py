@@ -1,0 +1,416 @@
+"""Train a small LLaDA-format model with the masked-diffusion SFT objective.
+
+Objective (LLaDA SFT): the prompt is never masked; every response position — including the EOS
+padding that fills the canvas — is masked independently with probability p = (1 - eps) t + eps,
+t ~ U(0, 1) per sequence. The loss is cross-entropy on masked positions weighted by 1/p, summed
+per sequence, divided by that sequence's response length, and averaged over the batch.
+
+Data: worked arithmetic (``unmask.tasks.math``) and stdlib function bodies
+(``unmask.tasks.code``), generated on the fly from the training splits only. Every batch has
+one canvas length sampled from a short-skewed distribution that reaches 1024, so the model
+learns the EOS tail at the canvas sizes it will be decoded with, while short batches (most of
+them) waste little compute on padding.
+
+Schedule: linear warm-up then cosine decay over a "progress" in [0, 1] which is the larger of
+step / max_steps and elapsed / time_budget, so a run with a wall-clock budget ends on time with
+a fully decayed learning rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unmask.training.tokenizer import EOS, MASK, format_prompt
+
+# ------------------------------------------------------------------------------------ data
+
+
+@dataclass(frozen=True)
+class CanvasBucket:
+    """Canvas lengths drawn uniformly from [lo, hi] with probability ``weight``."""
+
+    lo: int
+    hi: int
+    weight: float
+
+
+# Skewed short (where the answers are) but reaching 1024 so gen_length 256/512/1024 all work.
+DEFAULT_BUCKETS = (CanvasBucket(56, 144, 0.60), CanvasBucket(145, 384, 0.27), CanvasBucket(385, 1024, 0.13))
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor  # (B, T) prompt tokens then response tokens padded with EOS
+    prompt_mask: Tensor  # (B, T) bool, True on prompt positions (never masked)
+    response_len: Tensor  # (B,) number of response positions (answer + EOS padding)
+
+
+class TextEncoder:
+    """Wraps a `tokenizers.Tokenizer`; encodes chat prompts and responses to id lists."""
+
+    def __init__(self, tokenizer_file: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(tokenizer_file))
+        self.eos_id = self.tok.token_to_id(EOS)
+        self.mask_id = self.tok.token_to_id(MASK)
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def prompt(self, question: str) -> list[int]:
+        return self.tok.encode(format_prompt(question), add_special_tokens=False).ids
+
+    def response(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids + [self.eos_id]
+
+
+class DataStream:
+    """Endless batches from the training splits (math + code), with a resumable RNG."""
+
+    def __init__(self, enc: TextEncoder, *, split: str = "train", code_frac: float = 0.25,
+                 batch_tokens: int = 8192, max_batch: int = 128,
+                 buckets: tuple[CanvasBucket, ...] = DEFAULT_BUCKETS, seed: int = 0) -> None:
+        from unmask.tasks import code as code_task
+        from unmask.tasks import math as math_task
+
+        self.enc, self.split, self.code_frac = enc, split, code_frac
+        self.batch_tokens, self.max_batch, self.buckets = batch_tokens, max_batch, buckets
+        self.rng = random.Random(seed + (0 if split == "train" else 7_000_001))
+        self._math = math_task
+        # Code examples are few (thousands): tokenize once. Drop the ones too long for any canvas.
+        max_canvas = max(b.hi for b in buckets)
+        self.code = [(enc.prompt(c.prompt), enc.response(c.response))
+                     for c in code_task.make_split(split, None, seed=0)]  # type: ignore[arg-type]
+        self.code = [c for c in self.code if len(c[1]) <= max_canvas and len(c[0]) <= 512]
+
+    def _example(self, max_resp: int, is_code: bool) -> tuple[list[int], list[int]]:
+        """One (prompt ids, response ids incl. one EOS) pair whose response fits ``max_resp``."""
+        while True:
+            if is_code:
+                p, r = self.code[self.rng.randrange(len(self.code))]
+            else:
+                prob = self._math.generate_problem(self.rng)
+                if self._math.is_heldout(prob.prompt) != (self.split == "heldout"):
+                    continue
+                p, r = self.enc.prompt(prob.prompt), self.enc.response(prob.response)
+            if len(r) <= max_resp:
+                return p, r
+
+    def canvas_length(self) -> int:
+        b = self.rng.choices(self.buckets, weights=[b.weight for b in self.buckets])[0]
+        return self.rng.randint(b.lo, b.hi)
+
+    def next_batch(self) -> Batch:
+        canvas = self.canvas_length()
+        # Batches are all-math or all-code: code prompts are ~5x longer than math prompts, and a
+        # mixed batch would pad every math row to the longest code prompt.
+        is_code = bool(self.code) and self.rng.random() < self.code_frac
+        prompt_guess = 160 if is_code else 32
+        n = max(1, min(self.max_batch, self.batch_tokens // (canvas + prompt_guess)))
+        pairs = [self._example(canvas, is_code) for _ in range(n)]
+        # Rows share one total length T = longest prompt + canvas; a shorter prompt gets a longer
+        # canvas, whose extra EOS padding is legitimately part of the response.
+        t_len = max(len(p) for p, _ in pairs) + canvas
+        ids = torch.full((n, t_len), self.enc.eos_id, dtype=torch.long)
+        prompt_mask = torch.zeros((n, t_len), dtype=torch.bool)
+        resp_len = torch.empty(n, dtype=torch.long)
+        for i, (p, r) in enumerate(pairs):
+            ids[i, : len(p)] = torch.tensor(p)
+            ids[i, len(p): len(p) + len(r)] = torch.tensor(r)
+            prompt_mask[i, : len(p)] = True
+            resp_len[i] = t_len - len(p)
+        return Batch(ids, prompt_mask, resp_len)
+
+
+# ------------------------------------------------------------------------------------ loss
+
+
+def mask_batch(batch: Batch, mask_id: int, gen: torch.Generator | None = None,
+               eps: float = 1e-3) -> tuple[Tensor, Tensor, Tensor]:
+    """LLaDA forward process on the response: returns (noisy ids, masked bool, p_mask (B,T))."""
+    ids = batch.input_ids
+    b, t_len = ids.shape
+    t = torch.rand(b, generator=gen, device=ids.device)
+    p_mask = ((1 - eps) * t + eps)[:, None].expand(b, t_len)
+    masked = (torch.rand(b, t_len, generator=gen, device=ids.device) < p_mask) & ~batch.prompt_mask
+    noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
+    return noisy, masked, p_mask
+
+
+def sft_loss(model: nn.Module, batch: Batch, mask_id: int, gen: torch.Generator | None = None) -> Tensor:
+    """LLaDA SFT loss: sum over masked positions of CE / p_mask / response_len, mean over batch."""
+    noisy, masked, p_mask = mask_batch(batch, mask_id, gen)
+    b, t_len = noisy.shape
+    pos = torch.arange(t_len, device=noisy.device).expand(b, t_len)
+    logits = model(noisy, pos)  # (B, T, V)
+    ce = F.cross_entropy(logits[masked].float(), batch.input_ids[masked], reduction="none")
+    weights = 1.0 / (p_mask[masked] * batch.response_len[:, None].expand(b, t_len)[masked])
+    return (ce * weights).sum() / b
+
+
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    return Batch(batch.input_ids.to(device), batch.prompt_mask.to(device), batch.response_len.to(device))
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+def lr_at(progress: float, peak: float, warmup: float, final_frac: float = 0.1) -> float:
+    """Linear warm-up over the first ``warmup`` of progress, then cosine to final_frac * peak."""
+    if progress < warmup:
+        return peak * progress / warmup
+    x = min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))
+    return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * x)))
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = p.add_argument_group("run")
+    g.add_argument("--out", default="runs/default", help="run folder (checkpoints, logs)")
+    g.add_argument("--resume", action="store_true", help="continue from OUT/state.pt")
+    g.add_argument("--export", default=None, help="also write the final model folder here")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--threads", default="auto",
+                   help="torch CPU threads, or 'auto': re-measure 1 vs 2 threads every 200 steps "
+                        "(on a shared 2-core machine 2 threads ran 4x slower than 1 under contention)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (trained if absent)")
+    g.add_argument("--vocab-size", type=int, default=2048)
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=int, default=256)
+    g.add_argument("--n-layers", type=int, default=4)
+    g.add_argument("--n-heads", type=int, default=4)
+    g.add_argument("--mlp-hidden", type=int, default=768)
+    g.add_argument("--max-seq-len", type=int, default=2048)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max-steps", type=int, default=10_000)
+    g.add_argument("--time-budget-min", type=float, default=None,
+                   help="stop (with LR fully decayed) after this many minutes of training")
+    g.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (B x T)")
+    g.add_argument("--lr", type=float, default=1.5e-3)
+    g.add_argument("--warmup", type=float, default=0.03, help="fraction of progress")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--code-frac", type=float, default=0.25)
+    g = p.add_argument_group("evaluation and checkpoints")
+    g.add_argument("--eval-every", type=int, default=200, help="steps between held-out losses")
+    g.add_argument("--eval-batches", type=int, default=8)
+    g.add_argument("--ckpt-minutes", type=float, default=5.0)
+    g.add_argument("--log-every", type=int, default=20)
+    return p
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _model_config(args: argparse.Namespace, enc: TextEncoder):  # -> ModelConfig
+    from unmask.config import ModelConfig
+
+    return ModelConfig(
+        model_type="llada", d_model=args.d_model, n_heads=args.n_heads, n_kv_heads=args.n_heads,
+        n_layers=args.n_layers, mlp_hidden_size=args.mlp_hidden, vocab_size=enc.vocab_size,
+        embedding_size=enc.vocab_size, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_sequence_length=args.max_seq_len, weight_tying=False, mask_token_id=enc.mask_id,
+        eos_token_id=enc.eos_id, include_bias=False,
+    )
+
+
+def _optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    # No decay on norms (1-D) and embeddings: decaying them only hurts tiny models.
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "wte" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+@torch.no_grad()
+def heldout_loss(model: nn.Module, batches: list[Batch], mask_id: int, device: torch.device) -> float:
+    model.eval()
+    gen = torch.Generator(device=device).manual_seed(1234)  # same masks every evaluation
+    total = sum(float(sft_loss(model, batch_to(b, device), mask_id, gen)) for b in batches)
+    model.train()
+    return total / len(batches)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _export(model: nn.Module, folder: Path, tok_dir: Path) -> None:
+    from unmask.checkpoint import save_checkpoint
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_checkpoint(model, tmp, tokenizer_dir=tok_dir)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train (or resume) a run in ``args.out``; returns a summary dict (also saved as JSON)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from unmask.models import build_model
+    from unmask.training.tokenizer import train_tokenizer
+
+    console = Console(stderr=False)
+    auto_threads = args.threads == "auto"
+    torch.set_num_threads(2 if auto_threads else int(args.threads))
+    device = _device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tok_dir = Path(args.tokenizer) if args.tokenizer else out / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file():
+        console.print(f"training tokenizer (vocab {args.vocab_size}) -> {tok_dir}")
+        train_tokenizer(tok_dir, vocab_size=args.vocab_size, seed=args.seed)
+    enc = TextEncoder(tok_dir / "tokenizer.json")
+
+    torch.manual_seed(args.seed)
+    config = _model_config(args, enc)
+    model = build_model(config)
+    model.init_weights()
+    model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = _optimizer(model, args)
+    data = DataStream(enc, code_frac=args.code_frac, batch_tokens=args.batch_tokens, seed=args.seed)
+    eval_data = DataStream(enc, split="heldout", code_frac=args.code_frac,
+                           batch_tokens=args.batch_tokens, seed=args.seed)
+    eval_batches = [eval_data.next_batch() for _ in range(args.eval_batches)]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+
+    step, elapsed, tokens_seen, history = 0, 0.0, 0, []
+    state_path = out / "state.pt"
+    if args.resume and state_path.is_file():
+        st = torch.load(state_path, map_location=device, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        step, elapsed, tokens_seen, history = st["step"], st["elapsed"], st["tokens"], st["history"]
+        data.rng.setstate(st["data_rng"])
+        gen.set_state(st["gen_state"])
+        torch.set_rng_state(st["torch_rng"])
+        console.print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min)")
+    (out / "args.json").write_text(json.dumps(vars(args), indent=2) + "\n")
+    prog = "python -m unmask.training" if sys.argv[0].endswith("__main__.py") else "unmask train"
+    command = " ".join([prog, *sys.argv[1:]])
+    console.print(f"model: {n_params / 1e6:.2f}M params, config {asdict(config)}; device {device}")
+
+    def progress_of() -> float:
+        p = step / args.max_steps
+        if args.time_budget_min:
+            p = max(p, elapsed / (args.time_budget_min * 60))
+        return p
+
+    def save_state() -> None:
+        _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                      "elapsed": elapsed, "tokens": tokens_seen, "history": history,
+                      "data_rng": data.rng.getstate(), "gen_state": gen.get_state(),
+                      "torch_rng": torch.get_rng_state(), "args": vars(args)}, state_path)
+        _export(model, out / "latest", tok_dir)
+
+    def pick_threads() -> int:
+        """Time forward+backward of a fixed small batch with 1 and 2 threads; keep the faster."""
+        probe = batch_to(eval_batches[0], device)
+        best, best_t = 1, float("inf")
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            t0 = time.time()
+            for _ in range(2):
+                sft_loss(model, probe, config.mask_token_id, gen).backward()
+            if time.time() - t0 < best_t:
+                best, best_t = n, time.time() - t0
+        opt.zero_grad(set_to_none=True)
+        torch.set_num_threads(best)
+        return best
+
+    n_threads = torch.get_num_threads()
+    last_ckpt = time.time()
+    last_eval_loss = float("nan")
+    ema_loss, win_tokens, win_time = None, 0, 0.0
+    columns = [TextColumn("step {task.fields[step]}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
+               TextColumn("loss {task.fields[loss]:.4f} eval {task.fields[eval]:.4f}"),
+               TextColumn("{task.fields[tps]:.0f} tok/s"), TimeElapsedColumn()]
+    model.train()
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("train", total=1.0, loss=float("nan"), eval=float("nan"), tps=0.0, step=step)
+        tick = time.time()  # `elapsed` is wall time (eval, checkpoints included) so budgets hold
+        while progress_of() < 1.0:
+            if auto_threads and device.type == "cpu" and step % 200 == 0:
+                n_threads = pick_threads()
+            t0 = time.time()
+            lr = lr_at(progress_of(), args.lr, args.warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            batch = batch_to(data.next_batch(), device)
+            loss = sft_loss(model, batch, config.mask_token_id, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = float(nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
+            opt.step()
+            dt = time.time() - t0
+            step += 1
+            elapsed += time.time() - tick
+            tick = time.time()
+            n_tok = batch.input_ids.numel()
+            tokens_seen += n_tok
+            win_tokens, win_time = win_tokens + n_tok, win_time + dt
+            lv = float(loss.detach())
+            ema_loss = lv if ema_loss is None else 0.98 * ema_loss + 0.02 * lv
+            if step % args.eval_every == 0:
+                last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device)
+            if step % args.log_every == 0 or step % args.eval_every == 0:
+                tps = win_tokens / max(win_time, 1e-9)
+                rec = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(ema_loss, 4),
+                       "eval_loss": round(last_eval_loss, 4), "lr": lr, "grad_norm": round(gnorm, 3),
+                       "tok_per_s": round(tps), "tokens": tokens_seen, "threads": n_threads}
+                history.append(rec)
+                bar.update(task, completed=min(1.0, progress_of()), step=step, loss=ema_loss,
+                           eval=last_eval_loss, tps=tps)
+                if not console.is_terminal:  # under nohup the live bar is invisible: log lines
+                    print(json.dumps(rec), flush=True)
+                win_tokens, win_time = 0, 0.0
+            if time.time() - last_ckpt > args.ckpt_minutes * 60:
+                save_state()
+                last_ckpt = time.time()
+
+    last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device)
+    save_state()
+    _export(model, out / "final", tok_dir)
+    summary = {"command": command, "params": n_params, "steps": step, "train_minutes": round(elapsed / 60, 2),
+               "tokens": tokens_seen, "final_train_loss": round(ema_loss or float("nan"), 4),
+               "final_heldout_loss": round(last_eval_loss, 4), "config": asdict(config),
+               "args": vars(args)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if args.export:
+        _export(model, Path(args.export), tok_dir)
+    console.print(f"done: {step} steps, {elapsed / 60:.1f} min, final held-out loss {last_eval_loss:.4f}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m unmask.training", description=__doc__.split("\n")[0])
+    add_train_arguments(p)
+    run_train(p.parse_args(argv))
