@@ -110,7 +110,16 @@ def test_masking_never_touches_prompt(enc: TextEncoder) -> None:
         assert (b.input_ids[:, -1] == enc.eos_id).all()  # responses are EOS-padded to the canvas
 
 
-def test_few_steps_lower_loss(enc: TextEncoder) -> None:
+@pytest.fixture
+def one_thread():
+    # Two threads on a busy 2-core machine run several times slower than one (oversubscription).
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_few_steps_lower_loss(enc: TextEncoder, one_thread: None) -> None:
     from unmask.models import build_model
 
     torch.manual_seed(0)

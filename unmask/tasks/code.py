@@ -12,7 +12,10 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import json
+import os
 import random
+import sys
 import sysconfig
 import textwrap
 from dataclasses import dataclass
@@ -85,9 +88,40 @@ def _functions_in(source: str, rel: str) -> list[CodeExample]:
     return out
 
 
+_CACHE_FORMAT = 1  # bump when extraction rules change
+
+
+def _cache_path() -> Path:
+    """Per-interpreter cache of the (slow, ~5-10 s) stdlib scan, keyed by path, version, rules."""
+    key = f"{stdlib_dir()}|{sys.version}|{_CACHE_FORMAT}|{MAX_BODY_CHARS}|{MIN_BODY_CHARS}|{MAX_PROMPT_CHARS}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "unmask" / f"stdlib_functions_{digest}.json"
+
+
 @functools.cache
 def _all_functions() -> tuple[tuple[CodeExample, ...], tuple[CodeExample, ...]]:
-    """(train, heldout) functions from the stdlib, in a deterministic order."""
+    """(train, heldout) functions from the stdlib, in a deterministic order (cached on disk)."""
+    path = _cache_path()
+    try:
+        raw = json.loads(path.read_text())
+        return tuple(CodeExample(**c) for c in raw["train"]), tuple(CodeExample(**c) for c in raw["heldout"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    train, held = _scan_stdlib()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fields = ("prompt", "response", "source")
+        tmp.write_text(json.dumps({"train": [{f: getattr(c, f) for f in fields} for c in train],
+                                   "heldout": [{f: getattr(c, f) for f in fields} for c in held]}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home only costs the rescan next time
+    return train, held
+
+
+def _scan_stdlib() -> tuple[tuple[CodeExample, ...], tuple[CodeExample, ...]]:
     root = stdlib_dir()
     train: list[CodeExample] = []
     held: list[CodeExample] = []
