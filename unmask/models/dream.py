@@ -7,7 +7,6 @@ prediction from token i-1, which stays correct when a forward covers only a subs
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from unmask.config import ModelConfig

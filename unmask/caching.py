@@ -1,0 +1,101 @@
+"""K/V cache policies for bidirectional decoding: which positions a step recomputes.
+
+A policy looks at the rows about to be forwarded and returns, per row, whether the step is a
+full refresh and otherwise which slots to recompute; every other visible slot is read from the
+K/V store (unmask.kv). The model and the decoding rules know nothing of this.
+
+- none: every step forwards every visible position (vanilla).
+- prefix (Fast-dLLM): full forward at each block start; then the block and everything after it,
+  reusing the prefix's K/V.
+- dual (Fast-dLLM): full forward at each block start; then only the block, reusing prefix and
+  suffix K/V.
+- entropy (EntropyCache): forward the block plus the `recent_k` most recently committed positions;
+  when the maximum entropy of the tokens committed by the last step exceeds `entropy_tau`, the
+  step is a full refresh (and, optionally, at each block start). The decision is O(V) per step:
+  the entropies come with the logits that committed those tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from unmask.decoding.params import DecodeParams
+
+
+@dataclass
+class StepView:
+    """The R rows about to be forwarded (decoded rows, or FreeDave drafts of them)."""
+
+    slots: Tensor  # (S,) slot indices
+    block_start: Tensor  # (R,) first slot of each row's current block
+    block_end: Tensor  # (R,) one past its last slot
+    new_entropy: Tensor  # (R,) max entropy of the tokens the last step committed (-inf: none)
+    commit_step: Tensor  # (R, S) step at which each slot was committed (-1: never / prompt)
+    store_block: Tensor  # (R,) block_start the row's K/V store was last fully refreshed at (-1)
+
+    @property
+    def in_block(self) -> Tensor:  # (R, S)
+        return (self.slots >= self.block_start[:, None]) & (self.slots < self.block_end[:, None])
+
+    @property
+    def block_changed(self) -> Tensor:  # (R,)
+        return self.block_start != self.store_block
+
+
+class CachePolicy:
+    """Interface: `plan` -> (refresh (R,) bool, recompute (R, S) bool for non-refresh rows)."""
+
+    uses_store = True
+
+    def __init__(self, params: DecodeParams) -> None:
+        self.params = params
+
+    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+
+class NoCache(CachePolicy):
+    uses_store = False
+
+    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+        return torch.ones_like(v.block_start, dtype=torch.bool), v.in_block
+
+
+class PrefixCache(CachePolicy):
+    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+        return v.block_changed, v.slots >= v.block_start[:, None]
+
+
+class DualCache(CachePolicy):
+    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+        return v.block_changed, v.in_block
+
+
+class EntropyCache(CachePolicy):
+    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+        p = self.params
+        refresh = (v.new_entropy > p.entropy_tau) | (v.store_block < 0)
+        if p.refresh_on_block:
+            refresh |= v.block_changed
+        recompute = v.in_block
+        if p.recent_k > 0:
+            # The recent_k most recently committed slots: volatility persists after unmasking.
+            recency = v.commit_step.masked_fill(v.commit_step < 0, -1).float()
+            k = min(p.recent_k, recency.shape[1])
+            top = recency.topk(k, dim=-1)
+            recent = torch.zeros_like(recompute)
+            recent.scatter_(1, top.indices, top.values >= 0)
+            recompute = recompute | recent
+        return refresh, recompute
+
+
+POLICIES: dict[str, type[CachePolicy]] = {
+    "none": NoCache, "prefix": PrefixCache, "dual": DualCache, "entropy": EntropyCache,
+}
+
+
+def make_cache_policy(params: DecodeParams) -> CachePolicy:
+    return POLICIES[params.cache](params)

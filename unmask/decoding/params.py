@@ -1,0 +1,175 @@
+"""Decoding parameters and the one decoder-spec grammar: ``NAME[,key=value]*``.
+
+NAME is a method (static, static-1, threshold, freedave, freedave++) or a preset (exact, fast);
+keys are DecodeParams fields. The same parser serves the CLI, the bench, the Python API and the
+server, so a spec means the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("static", "static-1", "threshold", "freedave", "freedave++")
+REMASKING = ("low_confidence", "maskgit_plus", "topk_margin", "entropy", "random")
+CACHES = ("none", "prefix", "dual", "entropy")
+SUFFIXES = ("full", "window", "structured")
+MIDDLE_RULES = ("even", "decay")
+
+
+class SpecError(ValueError):
+    """A decoder spec or parameter value that is not valid; the message lists valid choices."""
+
+
+@dataclass(frozen=True)
+class DecodeParams:
+    """Everything that decides which tokens a decoder commits.
+
+    Defaults of the approximate methods' knobs are the measured ones (BENCHMARKS.md).
+    """
+
+    method: str = "static-1"
+    gen_length: int = 128
+    block_length: int = 32
+    steps: int | None = None  # static only; None = gen_length (one token per step)
+    temperature: float = 0.0
+    seed: int = 0
+    remasking: str = "low_confidence"
+    threshold: float = 0.9
+    draft_steps: int = 4
+    early_exit: bool = False
+    suppress_eos: bool = False
+    # K/V cache policy (unmask.caching)
+    cache: str = "none"
+    entropy_tau: float = 1.0
+    recent_k: int = 4
+    refresh_on_block: bool = True
+    # suffix policy (unmask.suffix)
+    suffix: str = "full"
+    suffix_local: int = 32
+    suffix_middle: int = 8
+    suffix_tail: int = 8
+    suffix_rule: str = "even"
+    inject: float = 0.0
+    # the spec this came from, for reports
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        _choice("method", self.method, METHODS)
+        _choice("remasking", self.remasking, REMASKING)
+        _choice("cache", self.cache, CACHES)
+        _choice("suffix", self.suffix, SUFFIXES)
+        _choice("suffix_rule", self.suffix_rule, MIDDLE_RULES)
+        if self.gen_length <= 0:
+            raise SpecError(f"gen_length must be a positive integer, got {self.gen_length}")
+        if self.block_length <= 0:
+            raise SpecError(f"block_length must be a positive integer, got {self.block_length}")
+        if self.gen_length % self.block_length:
+            raise SpecError(f"gen_length ({self.gen_length}) must be a multiple of block_length "
+                            f"({self.block_length})")
+        if self.steps is not None:
+            if self.method != "static":
+                raise SpecError(f"steps applies to the static method only, not {self.method}")
+            if not 1 <= self.steps <= self.gen_length or self.steps % self.num_blocks:
+                raise SpecError(f"steps ({self.steps}) must be in 1..{self.gen_length} and a "
+                                f"multiple of the number of blocks ({self.num_blocks})")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise SpecError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.threshold <= 1:
+            raise SpecError(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.draft_steps < 1:
+            raise SpecError(f"draft_steps must be >= 1, got {self.draft_steps}")
+        if self.entropy_tau < 0:
+            raise SpecError(f"entropy_tau must be >= 0 (inf allowed), got {self.entropy_tau}")
+        for key in ("recent_k", "suffix_local", "suffix_middle", "suffix_tail"):
+            if getattr(self, key) < 0:
+                raise SpecError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if not 0 <= self.inject <= 1:
+            raise SpecError(f"inject must be in [0, 1], got {self.inject}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        """Tokens-per-step schedule of `static`: steps split evenly over blocks."""
+        return (self.steps or self.gen_length) // self.num_blocks
+
+    @property
+    def spec(self) -> str:
+        return self.name or to_spec(self)
+
+    def replace(self, **changes: Any) -> DecodeParams:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def parse(cls, spec: str, **overrides: Any) -> DecodeParams:
+        """Parse ``NAME[,key=value]*``; keyword overrides (e.g. gen_length from a CLI flag) win
+        over the preset but lose to keys written in the spec."""
+        spec = spec.strip()
+        if not spec:
+            raise SpecError("empty decoder spec; expected NAME[,key=value]*")
+        name, *pairs = [p.strip() for p in spec.split(",")]
+        if name in PRESETS:
+            values = dict(PRESETS[name])
+        elif name in METHODS:
+            values = {"method": name}
+        else:
+            raise SpecError(f"unknown decoder {name!r}; valid: {', '.join(METHODS + tuple(PRESETS))}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        types = {f.name: f.type for f in fields(cls)}
+        for pair in pairs:
+            key, sep, raw = pair.partition("=")
+            key = key.strip()
+            if not sep or not key:
+                raise SpecError(f"malformed {pair!r} in decoder spec; expected key=value")
+            if key not in SPEC_KEYS:
+                raise SpecError(f"unknown decoder key {key!r}; valid: {', '.join(SPEC_KEYS)}")
+            values[key] = _convert(key, raw.strip(), types[key])
+        return cls(**values, name=spec)
+
+
+SPEC_KEYS = tuple(f.name for f in fields(DecodeParams) if f.name not in ("method", "name"))
+
+# Presets are plain parameter sets; `exact` has no approximation, so it is token-identical to
+# static-1. `fast` values come from the sweeps in BENCHMARKS.md.
+PRESETS: dict[str, dict[str, Any]] = {
+    "exact": {"method": "freedave", "draft_steps": 4},
+    "fast": {"method": "freedave++", "draft_steps": 4, "cache": "entropy", "suffix": "structured",
+             "early_exit": True},
+}
+
+
+def to_spec(p: DecodeParams) -> str:
+    default = DecodeParams()
+    parts = [p.method] + [f"{f.name}={getattr(p, f.name)}" for f in fields(p)
+                          if f.name not in ("method", "name", "gen_length", "block_length")
+                          and getattr(p, f.name) != getattr(default, f.name)]
+    return ",".join(parts)
+
+
+def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise SpecError(f"{key} must be one of {', '.join(valid)}; got {value!r}")
+
+
+def _convert(key: str, raw: str, typ: Any) -> Any:
+    typ = str(typ)
+    try:
+        if "bool" in typ:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if "int" in typ:
+            return None if raw.lower() == "none" and "None" in typ else int(raw)
+        if "float" in typ:
+            return float(raw)
+    except ValueError:
+        kind = "true/false" if "bool" in typ else typ.split("|")[0].strip()
+        raise SpecError(f"{key}={raw!r} is not a valid {kind}") from None
+    return raw

@@ -1,0 +1,51 @@
+"""Suffix policies: which masked positions after the current block take part in a forward.
+
+- full: all of them (the reference).
+- window: only the first `suffix_local` positions after the block (the prior approach).
+- structured: local (first `suffix_local` after the block), tail (last `suffix_tail` of the
+  canvas) and `suffix_middle` positions of the middle chosen by a deterministic rule (`even`:
+  evenly spaced; `decay`: denser near the block). Dropped positions are left out of the forward
+  entirely; kept ones keep their true position ids. With `inject` > 0 a kept position's input
+  embedding carries the previous step's prediction: e = E[mask] + inject * (E[pred] - E[mask]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from unmask.decoding.params import DecodeParams
+
+
+def keep_mask(params: DecodeParams, slots: Tensor, block_end: Tensor) -> Tensor:
+    """(R, S) bool: slots kept in this step's forward (everything up to the block end, plus the
+    chosen suffix positions)."""
+    end = block_end[:, None]  # (R, 1)
+    keep = slots[None, :] < end
+    if params.suffix == "full":
+        return torch.ones_like(keep)
+    local_end = end + params.suffix_local
+    keep = keep | (slots[None, :] < local_end)
+    if params.suffix == "window":
+        return keep
+    n_slots = slots.shape[0]
+    tail_start = max(n_slots - params.suffix_tail, 0)
+    keep = keep | (slots[None, :] >= tail_start)
+    if params.suffix_middle > 0:
+        keep = keep | _middle(params, slots, local_end.squeeze(1), tail_start)
+    return keep
+
+
+def _middle(params: DecodeParams, slots: Tensor, mid_start: Tensor, mid_end: int) -> Tensor:
+    """N_mid positions of [mid_start, mid_end) per row, by the deterministic rule."""
+    n = params.suffix_middle
+    width = (mid_end - mid_start).clamp_min(0).float()  # (R,)
+    frac = (torch.arange(n, device=slots.device).float() + 0.5) / n  # (n,) in (0, 1)
+    if params.suffix_rule == "decay":
+        frac = frac**2  # quadratic spacing: denser next to the block, sparser far away
+    picks = mid_start[:, None] + (frac[None, :] * width[:, None]).long()  # (R, n)
+    picks = torch.where(picks < mid_end, picks, mid_start[:, None].clamp_max(max(mid_end - 1, 0)))
+    out = torch.zeros(mid_start.shape[0], slots.shape[0], dtype=torch.bool, device=slots.device)
+    valid = mid_start[:, None] < mid_end
+    out.scatter_(1, picks.clamp(0, slots.shape[0] - 1), valid.expand_as(picks))
+    return out
