@@ -1,0 +1,54 @@
+"""Fill MODEL_CARD.md for a trained run from its summary.json (written by `run_train`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+TEMPLATE = Path(__file__).with_name("MODEL_CARD.md.template")
+
+
+def render_model_card(summary: dict[str, Any], scores: str = "To be added by the eval command.",
+                      hardware: str | None = None) -> str:
+    from unmask.tasks import code
+
+    cfg, args = summary["config"], summary["args"]
+    code_frac = float(args.get("code_frac", 0.25))
+    return TEMPLATE.read_text().format(
+        params=summary["params"], params_m=summary["params"] / 1e6,
+        d_model=cfg["d_model"], n_layers=cfg["n_layers"], n_heads=cfg["n_heads"],
+        mlp_hidden_size=cfg["mlp_hidden_size"], vocab_size=cfg["vocab_size"],
+        max_sequence_length=cfg["max_sequence_length"],
+        math_pct=round(100 * (1 - code_frac)), code_pct=round(100 * code_frac),
+        n_code_train=len(code.all_examples("train")), n_code_heldout=len(code.all_examples("heldout")),
+        py_version=platform.python_version(), command=summary["command"],
+        weight_decay=args["weight_decay"], lr=args["lr"], grad_clip=args["grad_clip"],
+        batch_tokens=args["batch_tokens"], steps=summary["steps"], tokens=summary["tokens"],
+        train_minutes=summary["train_minutes"],
+        hardware=hardware or f"a {os.cpu_count()}-core {platform.machine()} CPU",
+        final_train_loss=summary["final_train_loss"], final_heldout_loss=summary["final_heldout_loss"],
+        scores=scores,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("run_dir", help="run folder with summary.json")
+    ap.add_argument("model_dir", help="model folder to write MODEL_CARD.md into")
+    ap.add_argument("--hardware", default=None)
+    ap.add_argument("--scores", default="To be added by the eval command.")
+    a = ap.parse_args(argv)
+    summary = json.loads((Path(a.run_dir) / "summary.json").read_text())
+    card = render_model_card(summary, a.scores, a.hardware)
+    (Path(a.model_dir) / "MODEL_CARD.md").write_text(card)
+    print(f"wrote {Path(a.model_dir) / 'MODEL_CARD.md'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
