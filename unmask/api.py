@@ -1,0 +1,117 @@
+"""The Python API: ``LLM(path).generate(prompts, params)``.
+
+This is the edge where tokenization, device and dtype are decided; the engine below works on
+token ids only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from unmask.checkpoint import CheckpointError, load_model
+from unmask.decoding.params import DecodeParams, SpecError
+from unmask.engine.decoder import Decoder
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
+
+
+class InputError(ValueError):
+    """A request the model cannot serve (empty prompt, canvas too long, ...)."""
+
+
+@dataclass
+class Generation:
+    """One prompt's output and what it cost."""
+
+    text: str
+    token_ids: list[int]  # all gen_length generated tokens, EOS padding included
+    nfe: int
+    token_forwards: int
+    tpf: float  # committed generated positions per forward
+    tps: float  # useful tokens (up to the first EOS) per second
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_tokenizer(path: str | Path):
+    """The checkpoint's fast tokenizer (with its chat template), from local files only."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import PreTrainedTokenizerFast
+
+    folder = Path(path)
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"{folder} has no tokenizer.json")
+    return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+
+
+class LLM:
+    """A dLLM checkpoint ready to generate. path None = the embedded default model."""
+
+    def __init__(self, path: str | Path | None = None, device: str | None = None,
+                 dtype: str | None = None) -> None:
+        if path is None:
+            path = DEFAULT_MODEL
+            if not (path / "model.safetensors").is_file():
+                raise CheckpointError(
+                    f"the embedded default model is not in this install ({path}); "
+                    "pass a model folder with --model / LLM(path=...)")
+        self.path = Path(path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = load_model(self.path, self.device, dtype)
+        self.config = self.model.config
+        self.tokenizer = load_tokenizer(self.path)
+
+    def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        if not prompt.strip():
+            raise InputError("empty prompt: give the model something to answer")
+        tok = self.tokenizer
+        if chat and tok.chat_template:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                           add_generation_prompt=True, tokenize=False)
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(prompt, add_special_tokens=False)
+
+    def generate(self, prompts: str | list[str], params: DecodeParams | str | None = None,
+                 chat: bool = True, batch_size: int = 8, **overrides) -> list[Generation]:
+        """Generate for each prompt. params: a DecodeParams or a decoder spec string; keyword
+        overrides (gen_length=..., block_length=...) apply on top of a spec's preset."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if params is None or isinstance(params, str):
+            params = DecodeParams.parse(params or "static-1", **overrides)
+        elif overrides:
+            params = params.replace(**overrides)
+        ids = [self.encode_prompt(p, chat) for p in prompts]
+        limit = self.config.max_sequence_length
+        for p_ids in ids:
+            if len(p_ids) + params.gen_length > limit:
+                raise InputError(f"prompt ({len(p_ids)} tokens) + gen_length ({params.gen_length}) "
+                                 f"exceeds max_sequence_length {limit}; valid total: <= {limit}")
+        return [g for i in range(0, len(ids), batch_size)
+                for g in self.generate_ids(ids[i : i + batch_size], params)]
+
+    def generate_ids(self, prompt_ids: list[list[int]], params: DecodeParams) -> list[Generation]:
+        """Generate for already tokenized prompts, as one batch."""
+        if not isinstance(params, DecodeParams):
+            raise SpecError("params must be a DecodeParams")
+        dec = Decoder(self.model, params, self.config.mask_token_id, self.config.eos_token_id)
+        out = []
+        for r in dec.generate(prompt_ids):
+            useful = useful_length(r.token_ids, self.config.eos_token_id)
+            text = self.tokenizer.decode(r.token_ids[:useful], skip_special_tokens=True)
+            out.append(Generation(
+                text=text, token_ids=r.token_ids, nfe=r.nfe, token_forwards=r.token_forwards,
+                tpf=len(r.token_ids) / max(r.nfe, 1),
+                tps=useful / r.seconds if r.seconds > 0 else 0.0, seconds=r.seconds))
+        return out
+
+
+def useful_length(token_ids: list[int], eos_id: int) -> int:
+    """Tokens up to (not including) the first EOS."""
+    return token_ids.index(eos_id) if eos_id in token_ids else len(token_ids)
