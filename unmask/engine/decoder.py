@@ -74,22 +74,24 @@ class Decoder:
         self.done = torch.zeros(b, dtype=torch.bool, device=dev)
         self.seconds = [0.0] * b
         self.store = self._new_store(b, s) if self.cache.uses_store else None
+        self.preds: Forwarded | None = None
         t0 = time.perf_counter()
 
         rows = torch.arange(b, device=dev)
         first = Drafts(x.clone(), rows, torch.full((b,), float("-inf"), device=dev),
                        torch.zeros_like(x, dtype=torch.bool))
-        self.preds = self._forward(first)
-        self._count(first, self.preds)
-        self._accept(first, self.preds, rows)
+        need = torch.ones(b, dtype=torch.bool, device=dev)
+        fw = self._forward(first, need)
+        self._count(first, fw, need)
+        self._accept(first, fw, rows, need)
         self._finish(t0)
         while not bool(self.done.all()):
             drafts = self._draft()
             need = (drafts.x[:, self.P :] == self.mask_id).any(-1)  # complete drafts need no call
             fw = self._forward(drafts, need)
-            self._count(drafts, fw)
+            self._count(drafts, fw, need)
             chosen = self._verify(drafts, fw, need)
-            self._accept(drafts, fw, chosen)
+            self._accept(drafts, fw, chosen, need)
             self._finish(t0)
         return [DecodeResult(self.x[i, self.P :].tolist(), int(self.nfe[i]), int(self.tok_fw[i]),
                              self.seconds[i]) for i in range(b)]
@@ -150,8 +152,9 @@ class Decoder:
         self.block_step[live] += 1
         return count.clamp_min(1)
 
-    def _forward(self, d: Drafts, need: Tensor | None = None) -> Forwarded | None:
-        if need is not None and not bool(need.all()):
+    def _forward(self, d: Drafts, need: Tensor) -> Forwarded | None:
+        """Forward the drafts with masks left (`need`); returns their rows in order."""
+        if not bool(need.all()):
             sub = need.nonzero(as_tuple=True)[0]
             if sub.numel() == 0:
                 return None
@@ -171,15 +174,17 @@ class Decoder:
             valid = self.store.valid[parent]
             active = torch.where(refresh[:, None], visible, (recompute | ~valid) & visible)
             if not bool(refresh.all()):
-                store = self.store.rows(parent)
+                same = parent.numel() == self.x.shape[0] and bool(
+                    (parent == torch.arange(parent.numel(), device=parent.device)).all())
+                # One draft per row reads the store in place; several drafts need their own rows.
+                store = self.store if same else self.store.rows(parent)
         masked = (x == self.mask_id) & visible
         predict = masked & view.in_block
         if self.params.inject > 0:
             predict |= masked & active & (self.slots >= end[:, None])
+        prev = self.preds.token[parent] if self.preds is not None else torch.full_like(x, self.mask_id)
         return self.runner.forward(x, self.pad[parent], visible, active, predict, refresh, store,
-                                   self.preds.token[parent] if hasattr(self, "preds")
-                                   else torch.full_like(x, self.mask_id),
-                                   self._noise(x, start), start)
+                                   prev, self._noise(x, start), start)
 
     def _noise(self, x: Tensor, start: Tensor) -> Tensor | None:
         """Per-row uniforms keyed by (seed, tokens committed so far): the same canvas state
@@ -195,12 +200,10 @@ class Decoder:
             out.append(torch.rand(p.block_length, vocab, generator=g, dtype=torch.float64))
         return torch.stack(out).to(self.device)
 
-    def _count(self, d: Drafts, fw: Forwarded | None) -> None:
+    def _count(self, d: Drafts, fw: Forwarded | None, need: Tensor) -> None:
         if fw is None:
             return
-        # Which drafts were forwarded: the first rows of each parent with masks left.
-        need = (d.x[:, self.P :] == self.mask_id).any(-1)
-        parents = d.parent[need] if need.sum() == fw.ok.shape[0] else d.parent
+        parents = d.parent[need]
         took_part = torch.zeros_like(self.done)
         took_part[parents] = True
         self.nfe += took_part.long()
@@ -208,9 +211,6 @@ class Decoder:
 
     def _verify(self, d: Drafts, fw: Forwarded | None, need: Tensor) -> Tensor:
         """Index (into d) of the accepted draft of each live row, by the chain rule."""
-        n = d.x.shape[0]
-        fwd_index = torch.full((n,), -1, dtype=torch.long, device=self.device)
-        fwd_index[need] = torch.arange(int(need.sum()), device=self.device)
         rows = d.parent.tolist()
         firsts: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
@@ -236,9 +236,8 @@ class Decoder:
             chosen.append(kids[best])
         return torch.tensor(chosen, device=self.device)
 
-    def _accept(self, d: Drafts, fw: Forwarded | None, chosen: Tensor) -> None:
+    def _accept(self, d: Drafts, fw: Forwarded | None, chosen: Tensor, need: Tensor) -> None:
         rows = d.parent[chosen]
-        need = (d.x[:, self.P :] == self.mask_id).any(-1)
         self.x[rows] = d.x[chosen]
         self.commit_step[rows] = torch.where(d.added[chosen], self.step[rows, None],
                                              self.commit_step[rows])
@@ -250,8 +249,10 @@ class Decoder:
         rows, fi = rows[has], fwd_index[chosen[has]]
         if rows.numel() == 0:
             return
-        pr = self.preds if hasattr(self, "preds") else None
-        if pr is not None and pr is not fw:
+        pr = self.preds
+        if pr is None:
+            self.preds = fw  # the first forward covers every row
+        else:
             keep_old = ~fw.fresh[fi]
             pr.token[rows] = torch.where(keep_old, pr.token[rows], fw.token[fi])
             pr.conf[rows] = torch.where(keep_old, float("-inf"), fw.conf[fi])
