@@ -1,18 +1,219 @@
-"""Placeholder until the bench lands: argument hooks for `unmask bench` and `unmask eval`."""
+"""`unmask bench` (decoders side by side) and `unmask eval` (one decoder's accuracy).
+
+Both go through :func:`measure`: load the task and model, run the decoders interleaved with a
+rich progress bar, reduce to metrics. eval is the one-decoder, no-warm-up case.
+"""
+
+from __future__ import annotations
+
 import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from unmask.cli import _positive, add_model_arguments
+from unmask.decoding.params import DecodeParams
+
+DEFAULT_GEN_LENGTH = 256
+DEFAULT_BLOCK_LENGTH = 32
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_common(p: argparse.ArgumentParser, n_default: int, batch_default: int) -> None:
+    add_model_arguments(p)
+    p.add_argument("--task", default=None,
+                   help="math, code, gsm8k:PATH or humaneval (see --list-tasks)")
+    p.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
+    p.add_argument("--n", type=_positive, default=n_default,
+                   help=f"number of prompts (default: {n_default})")
+    p.add_argument("--gen-length", type=_positive, default=DEFAULT_GEN_LENGTH,
+                   help=f"generated positions L (default: {DEFAULT_GEN_LENGTH})")
+    p.add_argument("--block-length", type=_positive, default=DEFAULT_BLOCK_LENGTH,
+                   help=f"semi-AR block length (default: {DEFAULT_BLOCK_LENGTH})")
+    p.add_argument("--batch-size", type=_positive, default=batch_default,
+                   help=f"prompts per model call (default: {batch_default})")
+    p.add_argument("--seed", type=int, default=0,
+                   help="selects the task's prompts and the decoders' sampling seed (default: 0)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--allow-code-execution", action="store_true",
+                   help="allow tasks that execute generated code (humaneval)")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    _add_common(p, n_default=20, batch_default=1)
+    p.add_argument("--decoder", action="append", default=None, metavar="SPEC",
+                   help="decoder spec NAME[,key=value]*; repeat for each decoder; the first is "
+                        "the baseline for speedup and exact-match")
+    p.add_argument("--warmup", type=_non_negative, default=1,
+                   help="prompts each decoder decodes untimed before measuring (default: 1)")
+    p.add_argument("--plot", default=None, metavar="FILE", help="speedup-vs-accuracy plot (PNG)")
+    p.add_argument("--markdown", default=None, metavar="FILE",
+                   help="write a BENCHMARKS.md section: header, command line, table")
 
 
 def add_eval_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    _add_common(p, n_default=100, batch_default=8)
+    p.add_argument("--decoder", default="static-1", metavar="SPEC",
+                   help="decoder spec NAME[,key=value]* (default: static-1)")
+
+
+# --------------------------------------------------------------------------- shared core
+
+
+def _print_tasks() -> int:
+    from unmask.bench.tasks import list_tasks
+
+    width = max(len(name) for name, _ in list_tasks())
+    for name, help_ in list_tasks():
+        print(f"{name.ljust(width)}  {help_}")
+    return 0
+
+
+def _parse_decoders(specs: list[str], args: argparse.Namespace) -> list[DecodeParams]:
+    decoders = [DecodeParams.parse(s, gen_length=args.gen_length, block_length=args.block_length,
+                                   seed=args.seed) for s in specs]
+    lengths = {d.gen_length for d in decoders}
+    if len(lengths) > 1:
+        # Outputs of different lengths are never token-identical, and TPS over different
+        # canvases is not a like-for-like comparison.
+        raise ValueError(f"all decoders must share one gen_length; got {sorted(lengths)}")
+    return decoders
+
+
+def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> str:
+    """The canonical command that reproduces these measurements (output files left out)."""
+    argv = ["unmask", command]
+    if args.model:
+        argv += ["--model", str(args.model)]
+    for flag in ("device", "dtype"):
+        if getattr(args, flag):
+            argv += [f"--{flag}", getattr(args, flag)]
+    argv += ["--task", args.task]
+    for s in specs:
+        argv += ["--decoder", s]
+    argv += ["--n", str(args.n), "--gen-length", str(args.gen_length),
+             "--block-length", str(args.block_length), "--batch-size", str(args.batch_size),
+             "--seed", str(args.seed)]
+    if command == "bench":
+        argv += ["--warmup", str(args.warmup)]
+    if args.threads:
+        argv += ["--threads", str(args.threads)]
+    if args.allow_code_execution:
+        argv += ["--allow-code-execution"]
+    return shlex.join(argv)
+
+
+def measure(args: argparse.Namespace, specs: list[str], warmup: int,
+            ) -> tuple[dict[str, Any], str]:
+    """Run ``specs`` side by side as the arguments say; (JSON document, metric name)."""
+    from unmask.api import LLM
+    from unmask.bench.report import machine_info
+    from unmask.bench.runner import run_side_by_side, summarize
+    from unmask.bench.tasks import load_task
+
+    if not args.task:
+        raise ValueError("--task is required (see --list-tasks)")
+    decoders = _parse_decoders(specs, args)  # before loading anything: a bad spec fails fast
+    task = load_task(args.task, args.n, seed=args.seed,
+                     allow_code_execution=args.allow_code_execution)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+
+    total = len(task.examples) * len(decoders)
+    console = Console(stderr=True)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[spec]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                  console=console, transient=False) as progress:
+        bar = progress.add_task(f"{args.task}", total=total, spec="warm-up")
+        samples = run_side_by_side(
+            llm, task, decoders, batch_size=args.batch_size, warmup=warmup,
+            on_progress=lambda done, spec: progress.update(bar, completed=done, spec=spec))
+
+    results = [{"decoder": d.spec, **m} for d, m in zip(decoders, summarize(samples), strict=True)]
+    doc = {
+        "machine": machine_info(llm.device),
+        "model": str(args.model) if args.model else "embedded default model",
+        "task": args.task,
+        "gen_length": decoders[0].gen_length,
+        "block_length": decoders[0].block_length,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "metric": task.metric,
+        "results": results,
+    }
+    return doc, task.metric
+
+
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- commands
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    from unmask.bench.report import METRIC_LABELS, markdown_section, markdown_table
+
+    if args.list_tasks:
+        return _print_tasks()
+    if not args.decoder:
+        raise ValueError("give at least one --decoder SPEC (the first is the baseline)")
+    doc, metric = measure(args, args.decoder, warmup=args.warmup)
+    cmd = command_line(args, "bench", args.decoder)
+    doc["command"] = cmd
+    print(markdown_table(doc["results"], metric))
+    sys.stdout.flush()
+    if args.json:
+        _write_json(args.json, doc)
+    if args.markdown:
+        out = Path(args.markdown)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(markdown_section(doc, cmd, metric))
+    if args.plot:
+        from unmask.bench.plot import plot_speedup_accuracy
+
+        n = doc["results"][0]["n"]
+        plot_speedup_accuracy(doc["results"], args.plot,
+                              title=f"{doc['task']}, gen_length {doc['gen_length']}, n {n} — "
+                                    f"{doc['model']}",
+                              metric_label=METRIC_LABELS.get(metric, metric))
+    return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    from unmask.bench.report import METRIC_LABELS
+
+    if args.list_tasks:
+        return _print_tasks()
+    doc, metric = measure(args, [args.decoder], warmup=0)
+    doc["command"] = command_line(args, "eval", [args.decoder])
+    r = doc["results"][0]
+    correct = round(r["accuracy"] * r["n"])
+    print(f"{doc['task']} {METRIC_LABELS.get(metric, metric)}: {100 * r['accuracy']:.1f}% "
+          f"({correct}/{r['n']}) | {r['decoder']} | gen_length {doc['gen_length']} | "
+          f"NFE {r['nfe']:.1f} | TPF {r['tpf']:.2f} | {r['tps']:.1f} tokens/s")
+    if args.json:
+        _write_json(args.json, doc)
+    return 0

