@@ -10,6 +10,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
 
     total = len(task.examples) * len(decoders)
+    started = time.perf_counter()
     console = Console(stderr=True)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[spec]}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -149,6 +151,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
             llm, task, decoders, batch_size=args.batch_size, warmup=warmup,
             on_progress=lambda done, spec: progress.update(bar, completed=done, spec=spec))
 
+    wall = time.perf_counter() - started
     results = [{"decoder": d.spec, **m} for d, m in zip(decoders, summarize(samples), strict=True)]
     doc = {
         "machine": machine_info(llm.device),
@@ -159,6 +162,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
         "batch_size": args.batch_size,
         "seed": args.seed,
         "metric": task.metric,
+        "wall_seconds": wall,  # the whole run, warm-up included
         "results": results,
     }
     return doc, task.metric
@@ -213,7 +217,7 @@ def run_eval(args: argparse.Namespace) -> int:
     correct = round(r["accuracy"] * r["n"])
     print(f"{doc['task']} {METRIC_LABELS.get(metric, metric)}: {100 * r['accuracy']:.1f}% "
           f"({correct}/{r['n']}) | {r['decoder']} | gen_length {doc['gen_length']} | "
-          f"NFE {r['nfe']:.1f} | TPF {r['tpf']:.2f} | {r['tps']:.1f} tokens/s")
+          f"NFE {r['nfe']:.1f} | TPF {r['tpf']:.2f} | {doc['wall_seconds']:.1f} s")
     if args.json:
         _write_json(args.json, doc)
     return 0

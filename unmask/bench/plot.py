@@ -1,10 +1,17 @@
-"""Speedup-vs-accuracy scatter of a bench run (matplotlib, Agg: no display needed)."""
+"""Speedup-vs-accuracy scatter of a bench run (matplotlib, Agg: no display needed).
+
+A bench often has a dozen decoders at nearly the same accuracy and speedup, and full decoder specs
+written next to the points would overprint each other. So each point carries a short number,
+nudged upward until it clears the numbers already placed, and a legend maps numbers to specs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+MARKERS = "os^Dvp*Xh<>"
 
 
 def plot_speedup_accuracy(results: Sequence[dict[str, Any]], out: str | Path, title: str,
@@ -15,15 +22,14 @@ def plot_speedup_accuracy(results: Sequence[dict[str, Any]], out: str | Path, ti
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
-    pts = [(r["speedup"], r["accuracy"], r["decoder"]) for r in results if r["speedup"]]
-    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    # Decoders with no defined speedup (baseline never produced a useful token) cannot be drawn.
+    pts = [(i + 1, r["speedup"], 100 * r["accuracy"], r["decoder"])
+           for i, r in enumerate(results) if r["speedup"]]
+    fig, ax = plt.subplots(figsize=(10, 6), dpi=120)
     try:
-        for i, (x, y, label) in enumerate(pts):
-            ax.scatter([x], [100 * y], s=50, zorder=3, color=f"C{i % 10}")
-            # Alternate label offsets so neighbouring points' labels do not sit on each other.
-            dy = 8 if i % 2 == 0 else -14
-            ax.annotate(label, (x, 100 * y), textcoords="offset points", xytext=(6, dy),
-                        fontsize=8, color=f"C{i % 10}")
+        for num, x, y, label in pts:
+            ax.scatter([x], [y], s=45, zorder=3, color=f"C{(num - 1) % 10}",
+                       marker=MARKERS[(num - 1) % len(MARKERS)], label=f"{num}  {label}")
         ax.set_xscale("log")
         # "0.5x" reads better than matplotlib's default "5 x 10^-1" on a log axis.
         times = FuncFormatter(lambda v, _: f"{v:g}x")
@@ -31,18 +37,38 @@ def plot_speedup_accuracy(results: Sequence[dict[str, Any]], out: str | Path, ti
         ax.xaxis.set_minor_formatter(times)
         ax.tick_params(axis="x", which="minor", labelsize=7)
         ax.axvline(1.0, color="grey", lw=0.8, ls="--", zorder=1)
-        if pts:
-            xs = [p[0] for p in pts]
-            ax.set_xlim(min(xs + [1.0]) / 1.5, max(xs + [1.0]) * 2.0)
+        xs = [p[1] for p in pts] + [1.0]
+        ax.set_xlim(min(xs) / 1.3, max(xs) * 1.3)
         ax.set_ylim(-5, 105)
-        ax.set_xlabel("speedup over baseline (TPS ratio, log scale)")
+        ax.set_xlabel("speedup over the baseline (median per-prompt TPS ratio, log scale)")
         ax.set_ylabel(f"{metric_label} (%)")
         ax.set_title(title, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
+        if pts:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
+                      borderaxespad=0)
         fig.tight_layout()
+        _place_numbers(ax, pts)
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out)
+        fig.savefig(out, bbox_inches="tight")
     finally:
         plt.close(fig)
     return out
+
+
+def _place_numbers(ax: Any, pts: Sequence[tuple[int, float, float, str]]) -> None:
+    """Write each point's number just above-right of it, moving up in steps of one text line
+    while it would overlap a number already written (boxes in display pixels)."""
+    placed: list[tuple[float, float, float, float]] = []
+    line_px, char_px, gap = 11.0, 7.5, 4.0
+    for num, x, y, _ in sorted(pts, key=lambda p: (p[2], p[1])):
+        px, py = ax.transData.transform((x, y))
+        w = char_px * len(str(num))
+        dy = 4.0
+        while any(px + 4 - gap < bx1 and bx0 < px + 4 + w + gap and py + dy < by1
+                  and by0 < py + dy + line_px for bx0, by0, bx1, by1 in placed):
+            dy += line_px
+        placed.append((px + 4, py + dy, px + 4 + w, py + dy + line_px))
+        ax.annotate(str(num), (x, y), textcoords="offset pixels", xytext=(4, dy), fontsize=7,
+                    color=f"C{(num - 1) % 10}", va="bottom")

@@ -49,6 +49,8 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
         "device": str(device),
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        # Other processes skew CPU timings; the load average says how busy the machine was.
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -59,6 +61,18 @@ def machine_line(m: dict[str, Any]) -> str:
     dev = m.get("gpu") or m["device"]
     return (f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, threads {m['threads']}, "
             f"device {dev}, Python {m['python']}, {m['date']}")
+
+
+def machine_markdown(m: dict[str, Any]) -> str:
+    """The machine section of BENCHMARKS.md, as a bullet list."""
+    lines = [f"- CPU: {m['cpu']} ({m['cores']} cores)",
+             f"- device: {m.get('gpu') or m['device']}",
+             f"- torch {m['torch']}, {m['threads']} thread(s); Python {m['python']}",
+             f"- date: {m['date']}"]
+    if m.get("loadavg"):
+        lines.append("- load average at the end of the run (1/5/15 min): "
+                     + " / ".join(f"{x:.2f}" for x in m["loadavg"]))
+    return "\n".join(lines)
 
 
 def _cell(value: Any, fmt: str) -> str:
