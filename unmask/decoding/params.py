@@ -39,6 +39,9 @@ class DecodeParams:
     remasking: str = "low_confidence"
     threshold: float = 0.9
     draft_steps: int = 4
+    # FreeDave drafts only positions at least this confident: verification keeps the output
+    # exact whatever it is; it only trims drafts unlikely to be accepted (each costs compute).
+    draft_conf: float = 0.0
     early_exit: bool = False
     suppress_eos: bool = False
     # K/V cache policy (unmask.caching)
@@ -81,6 +84,8 @@ class DecodeParams:
             raise SpecError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.draft_steps < 1:
             raise SpecError(f"draft_steps must be >= 1, got {self.draft_steps}")
+        if not 0 <= self.draft_conf <= 1:
+            raise SpecError(f"draft_conf must be in [0, 1], got {self.draft_conf}")
         if self.entropy_tau < 0:
             raise SpecError(f"entropy_tau must be >= 0 (inf allowed), got {self.entropy_tau}")
         for key in ("recent_k", "suffix_local", "suffix_middle", "suffix_tail"):

@@ -128,11 +128,13 @@ class Decoder:
             n0 = self._static_count(live, x, cand)
         else:
             n0 = self._rule_count(conf, cand)
-        n_cand = cand.sum(-1)
+        # Drafts past the block's end would repeat; drafts adding unconfident positions are
+        # unlikely to pass verification.
+        n_max = ((conf >= self.params.draft_conf) & cand).sum(-1)
         xs, parents, ents, added = [], [], [], []
         for k in range(self.n_drafts):
             sel = select_top(conf, cand, n0 + k)
-            keep = (n0 + k <= n_cand) | (k == 0)  # drafts past the block's end would repeat
+            keep = (n0 + k <= n_max) | (k == 0)
             if not bool(keep.any()):
                 break
             sel, rows = sel[keep], live[keep]
