@@ -1,0 +1,77 @@
+"""Shared test helpers: tiny random models and model folders written by unmask itself.
+
+Import from a test file as ``from helpers import tiny_model_dir`` (pytest puts tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unmask.checkpoint import save_checkpoint
+from unmask.config import ModelConfig
+from unmask.models import build_model
+from unmask.training.tokenizer import EOS, MASK, build_tokenizer, save_tokenizer
+
+SENTENCES = [
+    "hello world, this is a tiny tokenizer for tests.",
+    "the quick brown fox jumps over the lazy dog.",
+    "what is 12 + 34? the answer is 46.",
+    "def add(a, b):\n    return a + b\n",
+    "masked diffusion language models unmask tokens in parallel.",
+    "sort the list [3, 1, 2] to get [1, 2, 3].",
+] * 4
+
+# A small, well-conditioned default: big enough weights that logits are far from ties (so batch
+# padding or float noise cannot flip an argmax), small enough to run in milliseconds.
+TINY = dict(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, mlp_hidden_size=64,
+            max_sequence_length=256)
+
+
+def tiny_config(model_type: str = "llada", vocab_size: int = 300, **overrides: Any) -> ModelConfig:
+    kw: dict[str, Any] = dict(TINY, model_type=model_type, vocab_size=vocab_size,
+                              embedding_size=vocab_size, mask_token_id=2, eos_token_id=1)
+    if model_type == "Dream":
+        kw["qkv_bias"] = True
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def tiny_model(model_type: str = "llada", seed: int = 0, std: float = 0.3, **overrides: Any):
+    """A random model in eval mode; biases are made non-zero so they are exercised too."""
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = build_model(config)
+    model.init_weights(std=std)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=std)
+            elif p.dim() == 1:  # norm weights
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def tiny_tokenizer_dir(out: str | Path, vocab_size: int = 300) -> Path:
+    """A byte-level BPE (special tokens <|bos|>=0, <|eos|>=1, <|mask|>=2, <|user|>, <|assistant|>)
+    with a tokenizer_config.json carrying a chat template."""
+    tok = build_tokenizer(SENTENCES, vocab_size=vocab_size)
+    assert tok.token_to_id(EOS) == 1 and tok.token_to_id(MASK) == 2
+    return save_tokenizer(tok, out)
+
+
+def tiny_model_dir(tmp_path: str | Path, model_type: str = "llada", name: str | None = None,
+                   seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random `model_type` checkpoint (config.json, model.safetensors, tokenizer
+    files) under tmp_path and return its folder. Overrides go to ModelConfig
+    (e.g. max_sequence_length=40, weight_tying=True)."""
+    out = Path(tmp_path) / (name or f"tiny-{model_type}")
+    tok_dir = tiny_tokenizer_dir(out)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tok_dir / "tokenizer.json")).get_vocab_size()
+    model = tiny_model(model_type, seed=seed, vocab_size=vocab, **overrides)
+    save_checkpoint(model, out)
+    return out

@@ -1,0 +1,213 @@
+"""Layer math: our LLaDA / Dream forwards equal transformers' Llama / Qwen2 on the same random
+weights when both sides use a causal mask (DESIGN section 5), and are bidirectional without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from unmask.config import ModelConfig
+from unmask.kv import Frame
+from unmask.models import build_model
+
+VOCAB, D, HEADS, LAYERS, FF = 100, 64, 4, 2, 128
+ATOL = 1e-5
+
+
+def _hf_kwargs(kv_heads: int, tie: bool, attn: str) -> dict:
+    return dict(hidden_size=D, num_attention_heads=HEADS, num_key_value_heads=kv_heads,
+                num_hidden_layers=LAYERS, intermediate_size=FF, vocab_size=VOCAB,
+                rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                attention_dropout=0.0, attn_implementation=attn, torch_dtype="float32")
+
+
+def _ours_config(model_type: str, kv_heads: int, tie: bool) -> ModelConfig:
+    return ModelConfig(model_type=model_type, d_model=D, n_heads=HEADS, n_kv_heads=kv_heads,
+                       n_layers=LAYERS, mlp_hidden_size=FF, vocab_size=VOCAB, embedding_size=VOCAB,
+                       rope_theta=10000.0, rms_norm_eps=1e-5, weight_tying=tie,
+                       qkv_bias=model_type == "Dream", max_sequence_length=512)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from init (std 0.2, norms around 1, non-zero biases) so every term matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype)
+            if "norm" in name:
+                p.copy_(1 + 0.2 * noise)
+            else:
+                p.copy_(0.2 * noise)
+
+
+def _llada_to_llama(name: str) -> str:
+    """LLaDA tensor name -> transformers Llama tensor name (DESIGN section 5)."""
+    if name == "model.transformer.wte.weight":
+        return "model.embed_tokens.weight"
+    if name == "model.transformer.ln_f.weight":
+        return "model.norm.weight"
+    if name == "model.transformer.ff_out.weight":
+        return "lm_head.weight"
+    prefix, rest = name.removeprefix("model.transformer.blocks.").split(".", 1)
+    sub = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+           "attn_out": "self_attn.o_proj", "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+           "ff_out": "mlp.down_proj", "attn_norm": "input_layernorm",
+           "ff_norm": "post_attention_layernorm"}
+    module, param = rest.split(".")
+    return f"model.layers.{prefix}.{sub[module]}.{param}"
+
+
+def _pair(model_type: str, kv_heads: int = 2, tie: bool = False, attn: str = "eager", seed: int = 0):
+    """(ours, reference) with identical weights."""
+    ours = build_model(_ours_config(model_type, kv_heads, tie)).eval()
+    _randomize(ours, seed)
+    if model_type == "llada":
+        ref = LlamaForCausalLM(LlamaConfig(**_hf_kwargs(kv_heads, tie, attn))).eval()
+        rename = _llada_to_llama
+    else:
+        ref = Qwen2ForCausalLM(Qwen2Config(**_hf_kwargs(kv_heads, tie, attn))).eval()
+        rename = str  # Dream uses the Qwen2 names verbatim
+    assert ref.config._attn_implementation == attn
+    ref_state = ref.state_dict()
+    ours_state = ours.state_dict()
+    mapped = {rename(k): v for k, v in ours_state.items()}
+    if tie:
+        mapped.setdefault("lm_head.weight", mapped["model.embed_tokens.weight"])
+    assert set(mapped) == set(ref_state), set(mapped) ^ set(ref_state)
+    for k, v in mapped.items():
+        assert ref_state[k].shape == v.shape, k
+        assert ref_state[k].dtype == torch.float32
+    ref.load_state_dict(mapped, strict=True)
+    if tie:
+        assert ref.lm_head.weight.data_ptr() == ref.model.embed_tokens.weight.data_ptr()
+    return ours, ref
+
+
+def _causal(b: int, t: int) -> torch.Tensor:
+    return torch.ones(t, t, dtype=torch.bool).tril()[None, None].expand(b, 1, t, t)
+
+
+def _inputs(b: int = 2, t: int = 12, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, t), generator=g)
+    pos = torch.arange(t)[None].expand(b, t).contiguous()
+    return ids, pos
+
+
+def _ref_logits(ref, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    # An explicit all-ones attention_mask: without one, transformers reads position ids that do
+    # not step by 1 as packed sequences and splits the causal mask at every gap.
+    with torch.no_grad():
+        return ref(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids),
+                   use_cache=False).logits.float()
+
+
+def _our_logits(ours, ids, pos, mask: torch.Tensor | None) -> torch.Tensor:
+    with torch.no_grad():
+        return ours(ids, pos, cache=Frame(attn_mask=mask) if mask is not None else None)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+@pytest.mark.parametrize("kv_heads", [HEADS, 2, 1], ids=["mha", "gqa2", "mqa"])
+def test_causal_forward_matches_transformers(model_type: str, kv_heads: int, attn: str) -> None:
+    ours, ref = _pair(model_type, kv_heads=kv_heads, attn=attn)
+    ids, pos = _inputs()
+    expected = _ref_logits(ref, ids, pos)
+    got = _our_logits(ours, ids, pos, _causal(*ids.shape))
+    assert got.shape == expected.shape == (2, 12, VOCAB)
+    assert got.dtype == torch.float32
+    assert expected.abs().max() > 1.0  # logits are not trivially small
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_position_ids_with_gaps_match_transformers(model_type: str) -> None:
+    ours, ref = _pair(model_type, kv_heads=2)
+    ids, _ = _inputs(b=2, t=8)
+    pos = torch.tensor([[0, 1, 2, 5, 9, 10, 20, 37], [3, 4, 8, 9, 15, 16, 17, 100]])
+    expected = _ref_logits(ref, ids, pos)
+    got = _our_logits(ours, ids, pos, _causal(2, 8))
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    # The gaps matter: contiguous positions give different logits on both sides.
+    contiguous = torch.arange(8)[None].expand(2, 8)
+    assert not torch.allclose(_our_logits(ours, ids, contiguous, _causal(2, 8)), got, atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_weight_tying_matches_transformers(model_type: str) -> None:
+    ours, ref = _pair(model_type, kv_heads=2, tie=True)
+    names = set(ours.state_dict())
+    assert "model.transformer.ff_out.weight" not in names and "lm_head.weight" not in names
+    ids, pos = _inputs()
+    torch.testing.assert_close(_our_logits(ours, ids, pos, _causal(2, 12)), _ref_logits(ref, ids, pos),
+                               atol=ATOL, rtol=0)
+    # Tied: the output head is the embedding, so changing the embedding changes the logits.
+    before = _our_logits(ours, ids, pos, None)
+    with torch.no_grad():
+        ours.embed(torch.tensor([0])).sum()  # embed() works with tying
+        next(p for n, p in ours.named_parameters() if "wte" in n or "embed_tokens" in n).mul_(2)
+    assert not torch.allclose(_our_logits(ours, ids, pos, None), before)
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_bidirectional_without_mask(model_type: str) -> None:
+    ours, _ = _pair(model_type)
+    ids, pos = _inputs()
+    causal = _our_logits(ours, ids, pos, _causal(2, 12))
+    full = _our_logits(ours, ids, pos, None)
+    # Every position differs (the last one too: from layer 2 on, its keys saw the future).
+    assert (full - causal).abs().amax(-1).min() > 1e-3
+    # Changing a late token changes an early position's logits (no mask) ...
+    ids2 = ids.clone()
+    ids2[:, -1] = (ids2[:, -1] + 1) % VOCAB
+    assert not torch.allclose(_our_logits(ours, ids2, pos, None)[:, 0], full[:, 0], atol=1e-4)
+    # ... and an all-True explicit mask is the same as no mask.
+    ones = torch.ones(2, 1, 12, 12, dtype=torch.bool)
+    torch.testing.assert_close(_our_logits(ours, ids, pos, ones), full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_key_mask_hides_keys(model_type: str) -> None:
+    """A key_mask (batch padding) gives the same logits as leaving the padded tokens out."""
+    ours, _ = _pair(model_type)
+    ids, pos = _inputs(b=1, t=10)
+    key_mask = torch.ones(1, 10, dtype=torch.bool)
+    key_mask[:, :3] = False
+    padded = _our_logits_frame(ours, ids, pos, Frame(key_mask=key_mask))
+    alone = _our_logits(ours, ids[:, 3:], pos[:, 3:], None)
+    torch.testing.assert_close(padded[:, 3:], alone, atol=ATOL, rtol=0)
+
+
+def _our_logits_frame(ours, ids, pos, frame: Frame) -> torch.Tensor:
+    with torch.no_grad():
+        return ours(ids, pos, cache=frame)
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_embeds_argument_replaces_lookup(model_type: str) -> None:
+    ours, _ = _pair(model_type)
+    ids, pos = _inputs()
+    with torch.no_grad():
+        via_embeds = ours(ids, pos, embeds=ours.embed(ids))
+    torch.testing.assert_close(via_embeds, _our_logits(ours, ids, pos, None), atol=0, rtol=0)
+
+
+def test_llada_embedding_size_larger_than_vocab() -> None:
+    """LLaDA pads its embedding (embedding_size > vocab_size); logits are cut to vocab_size."""
+    c = ModelConfig(d_model=32, n_heads=2, n_kv_heads=2, n_layers=1, mlp_hidden_size=64,
+                    vocab_size=50, embedding_size=64)
+    m = build_model(c).eval()
+    m.init_weights()
+    assert m.model.transformer.wte.weight.shape == (64, 32)
+    assert m.model.transformer.ff_out.weight.shape == (64, 32)
+    with torch.no_grad():
+        out = m(torch.tensor([[1, 63, 5]]), torch.arange(3)[None])
+    assert out.shape == (1, 3, 50)
+
+
+def test_dream_logit_shift_flag() -> None:
+    """Dream's forward is unshifted (equal to Qwen2); the decoder reads the shift from the model."""
+    assert build_model(_ours_config("Dream", 2, False)).logit_shift == 1
+    assert build_model(_ours_config("llada", 2, False)).logit_shift == 0
