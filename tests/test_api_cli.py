@@ -191,10 +191,6 @@ def test_cli_bad_spec(args: list[str], needle: str, llada_dir: Path,
     assert needle in err
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, SafetensorError), reason=(
-    "a config.json that is a JSON array, or a corrupted model.safetensors, raises TypeError / "
-    "safetensors.SafetensorError out of load_model; neither is in cli.USER_ERRORS, so main() "
-    "lets it escape and the user sees a traceback (exit 1) instead of a one-line error (exit 2)"))
 @pytest.mark.parametrize("damage", ["config-array", "garbage-weights"])
 def test_cli_corrupted_model_folder(damage: str, llada_dir: Path, tmp_path: Path,
                                     capsys: pytest.CaptureFixture) -> None:
@@ -227,10 +223,6 @@ def test_cli_nonpositive_length(flag: str, llada_dir: Path, capsys: pytest.Captu
     assert flag in err and "positive" in err
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "argparse-level errors (--gen-length 0, a bad --dtype choice, a missing PROMPT) print the "
-    "6-line usage block before the error line, so the CLI docstring's 'one line on stderr' "
-    "contract holds only for errors raised after parsing"))
 def test_cli_argparse_errors_are_one_line(llada_dir: Path, capsys: pytest.CaptureFixture) -> None:
     _run_error(["generate", "--model", str(llada_dir), "--gen-length", "0", "hello"], capsys)
 

@@ -68,7 +68,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error type for corrupt files
+            raise CheckpointError(f"{file.name} is not a readable safetensors file: {e}") from e
+        with handle as f:
             for key in f.keys():
                 if key not in expected:
                     raise CheckpointError(f"{file.name}: unexpected tensor {key!r} for "

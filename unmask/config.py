@@ -45,6 +45,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(
                 f"model_type {self.model_type!r} is not supported; valid: {sorted(MODEL_TYPES)}"
@@ -70,6 +71,19 @@ class ModelConfig:
             if not 0 <= tok < self.embedding_size:
                 raise ConfigError(f"{name}={tok} is outside the embedding (0..{self.embedding_size - 1})")
 
+    def _check_types(self) -> None:
+        """Coerce JSON numbers to the field types; name the key when a value is not one."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), str(f.type)
+            if kind in ("int", "float", "bool"):
+                cast = {"int": int, "float": float, "bool": bool}[kind]
+                ok = isinstance(value, (int, float)) and not (kind == "int" and value != int(value))
+                if kind == "bool":
+                    ok = isinstance(value, bool) or value in (0, 1)
+                if not ok:
+                    raise ConfigError(f"config key {f.name!r} must be {kind}, got {value!r}")
+                setattr(self, f.name, cast(value))
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
@@ -77,6 +91,8 @@ class ModelConfig:
     # --- JSON -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
         raw = dict(raw)
         model_type = raw.get("model_type")
         if model_type is None:
