@@ -64,7 +64,7 @@ class Runner:
         ok = active.gather(1, idx)
         ids = x.gather(1, idx)
         pos = idx - pad[:, None]
-        embeds = self._inject(ids, idx, ok, prev_token, visible, block_start)
+        embeds = self._inject(ids, idx, ok, prev_token, block_start)
         frame = Frame(key_mask=ok)
         cached = visible & ~active
         if store is not None and bool(cached.any()):
@@ -89,7 +89,7 @@ class Runner:
         fresh[rows, tslots] = True
         return Forwarded(token, conf, ent, fresh, frame.fresh, idx, ok, refresh)
 
-    def _inject(self, ids: Tensor, idx: Tensor, ok: Tensor, prev_token: Tensor, visible: Tensor,
+    def _inject(self, ids: Tensor, idx: Tensor, ok: Tensor, prev_token: Tensor,
                 block_start: Tensor) -> Tensor | None:
         """Input embeddings carrying the previous step's predictions into kept suffix slots."""
         lam = self.params.inject
