@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Parameter sweeps that choose the measured defaults (entropy cache, suffix, FreeDave drafting).
+# Each sweep is one `unmask bench` table (all settings side by side on the same prompts) plus a
+# speedup-vs-accuracy plot, written to $ARTIFACTS/extra/, which scripts/benchmarks.sh appends to
+# BENCHMARKS.md.
+#
+#   bash scripts/sweeps.sh                 # all sweeps
+#   SWEEPS="entropy" N=4 bash scripts/sweeps.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+MODEL=${MODEL:-}
+TASK=${TASK:-math}
+N=${N:-8}
+THREADS=${THREADS:-1}
+SWEEPS=${SWEEPS:-"entropy suffix drafts"}
+ARTIFACTS=${ARTIFACTS:-benchmarks}
+UNMASK=${UNMASK:-unmask}
+mkdir -p "$ARTIFACTS/extra"
+model_args=()
+if [[ -n "$MODEL" ]]; then model_args=(--model "$MODEL"); fi
+
+sweep() {  # sweep NAME GEN_LENGTH SPEC...   (the first SPEC is the baseline)
+  local name=$1 gen=$2
+  shift 2
+  local args=()
+  for d in "$@"; do args+=(--decoder "$d"); done
+  echo "== sweep $name (gen_length $gen, $# settings, N=$N)" >&2
+  "$UNMASK" bench "${model_args[@]}" --task "$TASK" "${args[@]}" --n "$N" --gen-length "$gen" \
+    --block-length 32 --threads "$THREADS" --json "$ARTIFACTS/extra/sweep-$name.json" \
+    --plot "$ARTIFACTS/extra/sweep-$name.png" --markdown "$ARTIFACTS/extra/sweep-$name.md" >/dev/null
+  echo "![sweep $name](sweep-$name.png)" >> "$ARTIFACTS/extra/sweep-$name.md"
+}
+
+for s in $SWEEPS; do
+  case $s in
+    entropy)  # EntropyCache: entropy_tau x recent_k, against threshold without and with dual cache
+      specs=("threshold" "threshold,cache=dual")
+      for tau in 0.1 0.3 1 3 inf; do
+        for k in 0 4 16; do specs+=("threshold,cache=entropy,entropy_tau=$tau,recent_k=$k"); done
+      done
+      specs+=("threshold,cache=entropy,entropy_tau=1,recent_k=4,refresh_on_block=false")
+      sweep entropy 512 "${specs[@]}" ;;
+    suffix)  # structured suffix regions and injection, against the full suffix and a window
+      specs=("threshold" "threshold,suffix=window,suffix_local=32")
+      for lmt in 16,8,8 32,8,8 32,0,8 32,8,0 32,32,32 64,16,16; do
+        IFS=, read -r l m t <<< "$lmt"
+        specs+=("threshold,suffix=structured,suffix_local=$l,suffix_middle=$m,suffix_tail=$t")
+      done
+      specs+=("threshold,suffix=structured,suffix_rule=decay")
+      for lam in 0.25 0.5 1; do specs+=("threshold,suffix=structured,inject=$lam"); done
+      sweep suffix 1024 "${specs[@]}" ;;
+    drafts)  # FreeDave: draft_steps x draft_conf (output is exact whatever they are)
+      specs=("static-1")
+      for k in 2 4 8; do
+        for c in 0 0.5 0.9; do specs+=("freedave,draft_steps=$k,draft_conf=$c"); done
+      done
+      specs+=("threshold" "freedave++,draft_conf=0" "freedave++,draft_conf=0.5")
+      sweep drafts 256 "${specs[@]}" ;;
+    *) echo "unknown sweep $s (valid: entropy suffix drafts)" >&2; exit 2 ;;
+  esac
+done
