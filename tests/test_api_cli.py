@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_model_dir
-from safetensors import SafetensorError
 
 from unmask.api import LLM, InputError
 from unmask.checkpoint import CheckpointError

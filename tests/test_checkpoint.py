@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_model
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from unmask.checkpoint import CheckpointError, load_model, save_checkpoint

@@ -136,12 +136,6 @@ def test_freedave_exact_under_cache_llada(shape: dict, cache: str, method: str,
         assert o.nfe <= r.nfe
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Dream + cache=prefix/dual: the runner recomputes slot block_start-1 (it predicts slot "
-    "block_start) only while block_start is masked, and writes its K/V into the store; once "
-    "block_start is committed that slot is read from the store, whose content comes from the last "
-    "forwarded canvas with block_start masked. That canvas depends on the decode path, so "
-    "freedave(++) and static-1/threshold see different K/V for the same canvas."))
 @pytest.mark.parametrize("cache,ref,method,prompt,k", [
     ("prefix", "threshold,threshold=0.5", "freedave++,threshold=0.5", [5, 6, 7, 8, 9], 2),
     ("dual", "static-1", "freedave", [20, 30, 40, 50], 4),
@@ -195,12 +189,6 @@ def test_early_exit_triggers() -> None:
         assert _upto_first_eos(out.token_ids, eos) == _upto_first_eos(ref.token_ids, eos)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "freedave + early_exit is not token-identical to static-1 + early_exit after the first EOS: "
-    "the chain rule can accept a draft that commits the EOS that ends static-1 *and* further "
-    "tokens in the same iteration; static-1 stops at the EOS and fills the rest with EOS, FreeDave "
-    "keeps the extra tokens. Fix: stop the chain at the first draft whose canvas meets the "
-    "early-exit condition."))
 @pytest.mark.parametrize("k", [2, 4, 8])
 def test_freedave_early_exit_token_identical(k: int) -> None:
     ref = _early_exit_case("static-1,early_exit=true")
@@ -255,7 +243,7 @@ def test_drafts_share_one_forward(shape: dict, method: str) -> None:
 @given(shape=shapes(), method=st.sampled_from(["freedave", "freedave++"]),
        cache=st.sampled_from(["none", "dual"]))
 def test_batched_equals_one_by_one(shape: dict, method: str, cache: str) -> None:
-    kind = "llada" if cache != "none" else shape["kind"]  # Dream + dual: see the xfail above
+    kind = shape["kind"]
     model = tiny_model(kind, shape["seed"])
     spec = f"{method},draft_steps={shape['k']},threshold=0.5,cache={cache}"
     lengths = dict(gen_length=shape["gen_length"], block_length=shape["block_length"])

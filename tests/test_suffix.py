@@ -237,11 +237,6 @@ def test_decay_middle_is_denser_near_the_block(n: int) -> None:
     assert torch.equal(keep, keep_mask(params, torch.arange(s), torch.tensor([end]))[0])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "suffix_rule=decay keeps fewer than suffix_middle positions when the middle is wider than "
-    "suffix_middle but narrower than ~suffix_middle**2/2: the quadratic fractions "
-    "((i+0.5)/n)**2 * width collide after flooring (n=8, width=20 keeps 7), so the forward sees "
-    "fewer middle positions than configured."))
 def test_decay_middle_picks_exactly_n() -> None:
     params = DecodeParams(suffix="structured", suffix_local=0, suffix_middle=8, suffix_tail=0,
                           suffix_rule="decay", gen_length=64, block_length=8)

@@ -37,15 +37,22 @@ def keep_mask(params: DecodeParams, slots: Tensor, block_end: Tensor) -> Tensor:
 
 
 def _middle(params: DecodeParams, slots: Tensor, mid_start: Tensor, mid_end: int) -> Tensor:
-    """N_mid positions of [mid_start, mid_end) per row, by the deterministic rule."""
+    """Exactly min(N_mid, width) distinct positions of [mid_start, mid_end) per row.
+
+    Position i sits at i + floor(f_i * (gaps + 1)) past mid_start, with gaps = width - N_mid and
+    f_i increasing in [0, 1): strictly increasing, so no two picks collide. `even` spaces the
+    gaps evenly; `decay` (f_i squared) keeps more positions next to the block.
+    """
     n = params.suffix_middle
-    width = (mid_end - mid_start).clamp_min(0).float()  # (R,)
-    frac = (torch.arange(n, device=slots.device).float() + 0.5) / n  # (n,) in (0, 1)
+    width = (mid_end - mid_start).clamp_min(0)  # (R,)
+    i = torch.arange(n, device=slots.device)  # (n,)
+    frac = (i.float() + 0.5) / n
     if params.suffix_rule == "decay":
-        frac = frac**2  # quadratic spacing: denser next to the block, sparser far away
-    picks = mid_start[:, None] + (frac[None, :] * width[:, None]).long()  # (R, n)
-    picks = torch.where(picks < mid_end, picks, mid_start[:, None].clamp_max(max(mid_end - 1, 0)))
+        frac = frac**2
+    gaps = (width - n).clamp_min(0)[:, None]  # (R, 1)
+    spread = i[None, :] + (frac[None, :] * (gaps + 1).float()).long()  # (R, n)
+    offset = torch.where(width[:, None] >= n, spread, torch.minimum(i[None, :], width[:, None] - 1))
+    picks = (mid_start[:, None] + offset).clamp(0, slots.shape[0] - 1)
     out = torch.zeros(mid_start.shape[0], slots.shape[0], dtype=torch.bool, device=slots.device)
-    valid = mid_start[:, None] < mid_end
-    out.scatter_(1, picks.clamp(0, slots.shape[0] - 1), valid.expand_as(picks))
+    out.scatter_(1, picks, (width[:, None] > 0).expand_as(picks))
     return out

@@ -226,10 +226,12 @@ class Decoder:
             cand = self._candidates(fx, fw.fresh)
             sel = select_top(fw.conf, cand, self._rule_count(fw.conf, cand))
             target[need] = torch.where(sel, fw.token, fx)
+        # A draft at which early exit stops the reference ends the chain there too.
+        stops = self._exit_ready(d.x).tolist() if self.params.early_exit else [False] * len(rows)
         chosen = []
         for kids in firsts.values():
             best = 0
-            while True:
+            while not stops[kids[best]]:
                 tgt = target[kids[best]]
                 nxt = [j for j in range(best + 1, len(kids)) if torch.equal(d.x[kids[j]], tgt)]
                 if not nxt:
@@ -273,9 +275,7 @@ class Decoder:
         gen = self.x[:, self.P :]
         masked = gen == self.mask_id
         if self.params.early_exit:
-            first_mask = torch.where(masked.any(-1), masked.float().argmax(-1), gen.shape[1])
-            before = torch.arange(gen.shape[1], device=self.device)[None] < first_mask[:, None]
-            stop = ((gen == self.eos_id) & before).any(-1) & masked.any(-1) & ~self.done
+            stop = self._exit_ready(self.x) & ~self.done
             if bool(stop.any()):
                 gen[stop] = torch.where(masked[stop], self.eos_id, gen[stop])
                 masked = gen == self.mask_id
@@ -284,6 +284,14 @@ class Decoder:
         for i in newly.nonzero(as_tuple=True)[0].tolist():
             self.seconds[i] = now
         self.done |= newly
+
+    def _exit_ready(self, x: Tensor) -> Tensor:
+        """(R,) rows with masks left whose canvas is committed up to an EOS."""
+        gen = x[:, self.P :]
+        masked = gen == self.mask_id
+        first_mask = torch.where(masked.any(-1), masked.float().argmax(-1), gen.shape[1])
+        before = torch.arange(gen.shape[1], device=x.device)[None] < first_mask[:, None]
+        return ((gen == self.eos_id) & before).any(-1) & masked.any(-1)
 
     def _new_store(self, b: int, s: int) -> KVStore:
         c = self.model.config

@@ -55,8 +55,12 @@ class Runner:
         r, s = x.shape
         if self.shift:
             # Dream reads slot i's prediction from token i-1: that token must be recomputed too.
+            # The slot before the block always is, so its stored K/V never depends on the path
+            # (which steps happened to need it), keeping cached decoding path-independent.
             src = torch.zeros_like(predict)
             src[:, :-1] = predict[:, 1:]
+            before = (block_start - 1).clamp_min(0)
+            src[torch.arange(r, device=x.device), before] = True
             active = active | (src & visible)
         n = int(active.sum(-1).max())
         # Active slots first, in slot order (stable sort of the "not active" flag).
