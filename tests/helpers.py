@@ -5,6 +5,7 @@ Import from a test file as ``from helpers import tiny_model_dir`` (pytest puts t
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,20 @@ def tiny_model_dir(tmp_path: str | Path, model_type: str = "llada", name: str | 
     model = tiny_model(model_type, seed=seed, vocab_size=vocab, **overrides)
     save_checkpoint(model, out)
     return out
+
+
+@functools.cache
+def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: int) -> torch.nn.Module:
+    """A tiny random model with torch's default init scaled up: peaky, varied predictions, so
+    threshold decoding commits several tokens and exactness tests have something to check."""
+    config = ModelConfig(model_type=kind, d_model=32, n_heads=2, n_kv_heads=1 if kind == "Dream" else 2,
+                         n_layers=2, mlp_hidden_size=64, vocab_size=vocab, embedding_size=vocab,
+                         mask_token_id=mask, eos_token_id=eos, qkv_bias=kind == "Dream",
+                         max_sequence_length=128)
+    torch.manual_seed(seed)
+    model = build_model(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(scale)
+    return model.eval()

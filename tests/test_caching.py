@@ -8,19 +8,17 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import pytest
 import torch
+from helpers import peaky_model  # noqa: E402
 
 from unmask.caching import POLICIES, StepView
-from unmask.config import ModelConfig
 from unmask.decoding.params import DecodeParams
 from unmask.engine import runner as runner_mod
 from unmask.engine.decoder import Decoder, DecodeResult
 from unmask.kv import Frame, KVStore
-from unmask.models import build_model
 
 VOCAB, MASK, EOS = 64, 63, 1
 KINDS = ("llada", "Dream")
@@ -35,19 +33,8 @@ DECODERS = {
 }
 
 
-@functools.cache
 def tiny_model(kind: str, seed: int = 0, scale: float = 4.0) -> torch.nn.Module:
-    config = ModelConfig(model_type=kind, d_model=32, n_heads=2, n_kv_heads=1 if kind == "Dream" else 2,
-                         n_layers=2, mlp_hidden_size=64, vocab_size=VOCAB, embedding_size=VOCAB,
-                         mask_token_id=MASK, eos_token_id=EOS, qkv_bias=kind == "Dream",
-                         max_sequence_length=128)
-    torch.manual_seed(seed)
-    model = build_model(config)  # torch's default init, scaled: peaky, varied predictions
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(scale)
-    return model.eval()
+    return peaky_model(kind, seed, scale, VOCAB, MASK, EOS)
 
 
 def make_decoder(model: torch.nn.Module, spec: str, **kw) -> Decoder:

@@ -17,13 +17,12 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import peaky_model  # noqa: E402
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unmask.config import ModelConfig
 from unmask.decoding.params import DecodeParams
 from unmask.engine.decoder import Decoder, DecodeResult
-from unmask.models import build_model
 
 VOCAB, MASK, EOS = 64, 63, 1
 KINDS = ("llada", "Dream")
@@ -33,19 +32,8 @@ PROPERTY = settings(max_examples=N_EXAMPLES, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@functools.cache
 def tiny_model(kind: str, seed: int = 0, scale: float = 4.0) -> torch.nn.Module:
-    config = ModelConfig(model_type=kind, d_model=32, n_heads=2, n_kv_heads=1 if kind == "Dream" else 2,
-                         n_layers=2, mlp_hidden_size=64, vocab_size=VOCAB, embedding_size=VOCAB,
-                         mask_token_id=MASK, eos_token_id=EOS, qkv_bias=kind == "Dream",
-                         max_sequence_length=128)
-    torch.manual_seed(seed)
-    model = build_model(config)  # torch's default init, scaled: peaky, varied predictions
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.mul_(scale)
-    return model.eval()
+    return peaky_model(kind, seed, scale, VOCAB, MASK, EOS)
 
 
 def decode(model: torch.nn.Module, spec: str, prompts: list[list[int]], gen_length: int,

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from unmask.config import ModelConfig
 from unmask.kv import Frame
-from unmask.models.layers import RMSNorm, attention, rope_cos_sin, swiglu
+from unmask.models.layers import RMSNorm, attention, init_weights, rope_cos_sin, swiglu
 
 
 class DreamAttention(nn.Module):
@@ -78,8 +78,6 @@ class DreamModel(nn.Module):
         return x @ head.T
 
     def init_weights(self, std: float = 0.02) -> None:
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+        layers = self.model.layers
+        init_weights(self, [lin for ly in layers for lin in (ly.self_attn.o_proj, ly.mlp.down_proj)],
+                     self.config.n_layers, std)

@@ -59,3 +59,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads
 
 def swiglu(x: Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> Tensor:
     return down(F.silu(gate(x)) * up(x))
+
+
+def init_weights(model: nn.Module, residual_out: list[nn.Linear], n_layers: int,
+                 std: float = 0.02) -> None:
+    """GPT-2 style init for training from scratch: normal weights, zero biases, residual output
+    projections scaled down by depth so the residual stream does not grow with n_layers."""
+    for name, p in model.named_parameters():
+        if p.dim() >= 2:
+            nn.init.normal_(p, std=std)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+    with torch.no_grad():
+        for lin in residual_out:
+            lin.weight.mul_((2 * n_layers) ** -0.5)

@@ -6,12 +6,11 @@ so state_dict() keys are the safetensors keys with no renaming table.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from unmask.config import ModelConfig
 from unmask.kv import Frame
-from unmask.models.layers import RMSNorm, attention, rope_cos_sin, swiglu
+from unmask.models.layers import RMSNorm, attention, init_weights, rope_cos_sin, swiglu
 
 
 class LLaDABlock(nn.Module):
@@ -73,12 +72,6 @@ class LLaDAModel(nn.Module):
         return (x @ head.T)[..., : self.config.vocab_size]
 
     def init_weights(self, std: float = 0.02) -> None:
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-        with torch.no_grad():
-            for block in self.model.transformer.blocks:  # scale residual projections by depth
-                block.attn_out.weight.mul_((2 * self.config.n_layers) ** -0.5)
-                block.ff_out.weight.mul_((2 * self.config.n_layers) ** -0.5)
+        blocks = self.model.transformer.blocks
+        init_weights(self, [lin for b in blocks for lin in (b.attn_out, b.ff_out)],
+                     self.config.n_layers, std)
