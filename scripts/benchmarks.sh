@@ -4,7 +4,8 @@
 # concatenated into one file.
 #
 #   bash scripts/benchmarks.sh                          # the documented run (hours on 2 cores)
-#   N=2 GEN_LENGTH=32 OUT=/tmp/B.md bash scripts/benchmarks.sh   # a smoke run
+#   LANE1="a:math:32:1:LONG" LANE2="b:math:32:1:ABLATION" OUT=/tmp/B.md ARTIFACTS=/tmp/b \
+#     bash scripts/benchmarks.sh                        # a smoke run
 #
 # Every variable below can be overridden from the environment. Markdown files in
 # $ARTIFACTS/extra/ (e.g. parameter sweeps) are appended after the tables, in name order.
@@ -12,9 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 MODEL=${MODEL:-}                  # checkpoint folder; empty = the embedded default model
-TASKS=${TASKS:-"math code"}
-N=${N:-50}                        # prompts per task
-GEN_LENGTH=${GEN_LENGTH:-256}
+N=${N:-10}                        # prompts of the 256 table (others scale down: see LANE1/LANE2)
 BLOCK_LENGTH=${BLOCK_LENGTH:-32}
 BATCH_SIZE=${BATCH_SIZE:-1}
 THREADS=${THREADS:-1}             # fixed, so numbers are comparable across machines and runs
@@ -25,47 +24,54 @@ ARTIFACTS=${ARTIFACTS:-benchmarks}  # per-task .md/.json/.png land here
 UNMASK=${UNMASK:-unmask}
 PYTHON=${PYTHON:-python}
 
-# The first decoder is the baseline (speedup 1x, exact-match reference).
-DECODERS=(
-  "static-1"
-  "threshold"
-  "freedave,draft_steps=2"
-  "freedave,draft_steps=4"
-  "freedave,draft_steps=8"
-  "freedave++"
-  "static-1,cache=prefix"
-  "static-1,cache=dual"
-  "threshold,cache=dual"
-  "threshold,cache=entropy"
-  "freedave++,cache=entropy"
-  "threshold,suffix=window"
-  "threshold,suffix=structured"
-  "freedave++,cache=entropy,suffix=structured"
-  "threshold,early_exit=true"
-  "exact"
-  "fast"
+# Decoder sets. The first decoder of each set is the baseline (speedup 1x, exact-match reference):
+# vanilla static-1, no cache.
+MAIN=(  # FreeDave (issue 5) and caches (issue 6) side by side
+  "static-1" "threshold"
+  "freedave,draft_steps=2" "freedave,draft_steps=4" "freedave,draft_steps=8" "freedave++"
+  "static-1,cache=dual" "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy"
+  "threshold,suffix=structured" "exact" "fast"
 )
+LONG=(  # the same at 512, without the K sweep (it is in the 256 table)
+  "static-1" "threshold" "freedave" "freedave++"
+  "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy" "exact" "fast"
+)
+ABLATION=(  # issue 7: each method alone, each pair, all three, and the fast preset
+  "static-1"
+  "freedave++" "threshold,cache=entropy" "threshold,suffix=structured"
+  "freedave++,cache=entropy" "freedave++,suffix=structured" "threshold,cache=entropy,suffix=structured"
+  "freedave++,cache=entropy,suffix=structured" "fast"
+)
+# Tables: NAME TASK GEN_LENGTH N DECODER_SET, run in two lanes (one per core) side by side.
+LANE1=${LANE1:-"math-256:math:256:$N:MAIN code-256:code:256:$((N / 2 > 0 ? N / 2 : 1)):MAIN"}
+LANE2=${LANE2:-"math-512:math:512:$(((N + 1) / 3)):LONG math-1024:math:1024:$(((N + 4) / 5)):ABLATION"}
 
 mkdir -p "$ARTIFACTS" "$(dirname "$OUT")"
-decoder_args=()
-for d in "${DECODERS[@]}"; do decoder_args+=(--decoder "$d"); done
 model_args=()
 if [[ -n "$MODEL" ]]; then model_args=(--model "$MODEL"); fi
 
-for task in $TASKS; do
-  name=${task//[^A-Za-z0-9_.-]/_}   # gsm8k:path/x.jsonl -> a file name
-  echo "== $task ($N prompts, ${#DECODERS[@]} decoders)" >&2
+run_table() {  # NAME:TASK:GEN_LENGTH:N:SET
+  IFS=: read -r name task gen n set <<< "$1"
+  local -n specs=$set
+  local decoder_args=()
+  for d in "${specs[@]}"; do decoder_args+=(--decoder "$d"); done
+  echo "== $name: $task, gen_length $gen, $n prompts, ${#specs[@]} decoders" >&2
   "$UNMASK" bench "${model_args[@]}" --task "$task" "${decoder_args[@]}" \
-    --n "$N" --gen-length "$GEN_LENGTH" --block-length "$BLOCK_LENGTH" \
+    --n "$n" --gen-length "$gen" --block-length "$BLOCK_LENGTH" \
     --batch-size "$BATCH_SIZE" --warmup "$WARMUP" --seed "$SEED" --threads "$THREADS" \
     --json "$ARTIFACTS/$name.json" --plot "$ARTIFACTS/$name.png" \
-    --markdown "$ARTIFACTS/$name.md" > /dev/null
-done
+    --markdown "$ARTIFACTS/$name.md" > "$ARTIFACTS/$name.log" 2>&1
+}
+lane() { for t in $1; do run_table "$t"; done; }
+lane "$LANE1" & pid1=$!
+lane "$LANE2" & pid2=$!
+wait $pid1 && wait $pid2
 
 # Assemble into a temporary file first: a failed run never leaves a half-written BENCHMARKS.md.
 tmp=$(mktemp)
 trap 'rm -f "$tmp"' EXIT
-first=$(set -- $TASKS; echo "${1//[^A-Za-z0-9_.-]/_}")
+tables=$(for t in $LANE1 $LANE2; do echo "${t%%:*}"; done)
+first=$(echo "$tables" | head -n 1)
 outdir=$(dirname "$OUT")
 {
   cat <<EOF
@@ -88,12 +94,11 @@ from unmask.bench.report import machine_markdown
 print(machine_markdown(json.load(open(sys.argv[1]))["machine"]))' "$ARTIFACTS/$first.json"
   echo
   echo "## Results"
-  for task in $TASKS; do
-    name=${task//[^A-Za-z0-9_.-]/_}
+  for name in $tables; do
     echo
     cat "$ARTIFACTS/$name.md"
     echo
-    echo "![$task: speedup vs accuracy]($(realpath -m --relative-to="$outdir" "$ARTIFACTS/$name.png"))"
+    echo "![$name: speedup vs accuracy]($(realpath -m --relative-to="$outdir" "$ARTIFACTS/$name.png"))"
   done
   for extra in "$ARTIFACTS"/extra/*.md; do
     [[ -e "$extra" ]] || continue
