@@ -206,3 +206,18 @@ def test_summarize_metrics() -> None:
     assert rf["cost_per_token"] == 30 / 9 and rf["tps"] == 20.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
+
+
+def test_exact_vs_own_reference(tiny_model: Path, tmp_path: Path) -> None:
+    """FreeDave rows report exact-match against the decoder they claim to reproduce."""
+    js = tmp_path / "r.json"
+    rc = main(["bench", "--model", str(tiny_model), "--task", "math", "--n", "2", "--warmup", "0",
+               "--decoder", "static-1", "--decoder", "threshold,threshold=0.3",
+               "--decoder", "freedave,draft_steps=3", "--decoder", "freedave++,threshold=0.3",
+               "--decoder", "freedave++,threshold=0.5", *TINY, "--json", str(js)])
+    assert rc == 0
+    static, thr, fd, fdpp, fdpp_other = json.loads(js.read_text())["results"]
+    assert static["exact_ref"] is None and thr["exact_ref"] is None
+    assert fd["reference"] == "static-1" and fd["exact_ref"] == 1.0
+    assert fdpp["reference"] == "threshold,threshold=0.3" and fdpp["exact_ref"] == 1.0
+    assert fdpp_other["reference"] is None  # no threshold=0.5 row to compare with

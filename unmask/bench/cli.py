@@ -130,7 +130,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     """Run ``specs`` side by side as the arguments say; (JSON document, metric name)."""
     from unmask.api import LLM
     from unmask.bench.report import machine_info
-    from unmask.bench.runner import run_side_by_side, summarize
+    from unmask.bench.runner import reference_indices, run_side_by_side, summarize
     from unmask.bench.tasks import load_task
 
     if not args.task:
@@ -152,7 +152,9 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
             on_progress=lambda done, spec: progress.update(bar, completed=done, spec=spec))
 
     wall = time.perf_counter() - started
-    results = [{"decoder": d.spec, **m} for d, m in zip(decoders, summarize(samples), strict=True)]
+    refs = reference_indices(decoders)
+    results = [{"decoder": d.spec, **m, "reference": None if r is None else decoders[r].spec}
+               for d, m, r in zip(decoders, summarize(samples, references=refs), refs, strict=True)]
     doc = {
         "machine": machine_info(llm.device),
         "model": str(args.model) if args.model else "embedded default model",

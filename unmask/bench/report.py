@@ -16,6 +16,7 @@ import torch
 COLUMNS: list[tuple[str, str, str]] = [
     ("accuracy", "accuracy", "pct"),
     ("exact_match", "exact-match", "pct"),
+    ("exact_ref", "exact vs own ref", "pct"),
     ("nfe", "NFE", "{:.1f}"),
     ("tpf", "TPF", "{:.2f}"),
     ("token_forwards", "token-forwards", "{:.0f}"),

@@ -16,7 +16,7 @@ from typing import Any
 
 from unmask.api import LLM, InputError, useful_length
 from unmask.bench.tasks import BenchTask
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, reference_of, same_decoder
 
 
 @dataclass(frozen=True)
@@ -100,13 +100,30 @@ def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
 
-def summarize(samples: list[list[Sample]], baseline: int = 0) -> list[dict[str, Any]]:
+def reference_indices(decoders: Sequence[DecodeParams]) -> list[int | None]:
+    """For each decoder, the index of the decoder it claims to reproduce (FreeDave -> static-1,
+    FreeDave++ -> threshold, same other parameters) when that one is in the table."""
+    out: list[int | None] = []
+    for d in decoders:
+        ref = reference_of(d)
+        out.append(next((i for i, r in enumerate(decoders) if ref and same_decoder(r, ref)), None))
+    return out
+
+
+def _exact(runs: Sequence[Sample], ref: Sequence[Sample]) -> float:
+    return sum(s.token_ids == r.token_ids for s, r in zip(runs, ref, strict=True)) / len(runs)
+
+
+def summarize(samples: list[list[Sample]], baseline: int = 0,
+              references: Sequence[int | None] | None = None) -> list[dict[str, Any]]:
     """One dict per decoder with the DESIGN section 4 metrics, measured against decoder
-    ``baseline`` (exact_match, speedup). Undefined values (e.g. cost per token when no decoder
-    produced a useful token) are None."""
+    ``baseline`` (exact_match, speedup); ``exact_ref`` is the exact-match rate against the
+    decoder's own reference (``references[d]``), None without one. Undefined values (e.g. cost
+    per token when no decoder produced a useful token) are None."""
     base = samples[baseline]
+    references = references or [None] * len(samples)
     out = []
-    for runs in samples:
+    for runs, ref in zip(samples, references, strict=True):
         n = len(runs)
         useful = sum(s.useful for s in runs)
         # Per-prompt TPS ratio against the baseline on the same prompt. A prompt where the
@@ -116,8 +133,8 @@ def summarize(samples: list[list[Sample]], baseline: int = 0) -> list[dict[str, 
         out.append({
             "n": n,
             "accuracy": sum(s.correct for s in runs) / n,
-            "exact_match": sum(s.token_ids == b.token_ids
-                               for s, b in zip(runs, base, strict=True)) / n,
+            "exact_match": _exact(runs, base),
+            "exact_ref": None if ref is None else _exact(runs, samples[ref]),
             "nfe": statistics.fmean(s.nfe for s in runs),
             "tpf": statistics.fmean(s.tpf for s in runs),
             "token_forwards": statistics.fmean(s.token_forwards for s in runs),

@@ -148,6 +148,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The decoder each lossless method claims to reproduce token for token.
+REFERENCE_METHOD = {"freedave": "static-1", "freedave++": "threshold"}
+
+
+def reference_of(p: DecodeParams) -> DecodeParams | None:
+    """The reference decoder `p` must be token-identical to (same cache, suffix and shared
+    parameters; drafting knobs dropped), or None when `p` makes no such claim."""
+    if p.method not in REFERENCE_METHOD:
+        return None
+    default = DecodeParams()
+    return dataclasses.replace(p, method=REFERENCE_METHOD[p.method], draft_steps=default.draft_steps,
+                               draft_conf=default.draft_conf, name="")
+
+
+def same_decoder(a: DecodeParams, b: DecodeParams) -> bool:
+    """Equal parameters, whatever spec string they were written as."""
+    return dataclasses.replace(a, name="") == dataclasses.replace(b, name="")
+
+
 def to_spec(p: DecodeParams) -> str:
     default = DecodeParams()
     parts = [p.method] + [f"{f.name}={getattr(p, f.name)}" for f in fields(p)
