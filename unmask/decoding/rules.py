@@ -37,7 +37,7 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
     logits[:, [t for t in suppress if t < logits.shape[-1]]] = NEG_INF
     logp = torch.log_softmax(logits, dim=-1)
     p = logp.exp()
-    entropy = -(p * logp.clamp_min(-1e30)).sum(-1)
+    entropy = entropy_of(p, logp)
     if temperature > 0:
         assert noise_u is not None
         noisy = logits.double().exp() / (-torch.log(noise_u)) ** temperature
@@ -57,6 +57,11 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
     else:
         raise ValueError(f"unknown remasking rule {remasking!r}")
     return Scored(token, conf, entropy)
+
+
+def entropy_of(p: Tensor, logp: Tensor) -> Tensor:
+    """Entropy (nats) of each row's distribution: O(V) per position, EntropyCache's signal."""
+    return -(p * logp.clamp_min(-1e30)).sum(-1)
 
 
 def rank(conf: Tensor) -> Tensor:
