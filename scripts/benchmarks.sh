@@ -42,23 +42,25 @@ ABLATION=(  # issue 7: each method alone, each pair, all three, and the fast pre
   "freedave++,cache=entropy" "freedave++,suffix=structured" "threshold,cache=entropy,suffix=structured"
   "freedave++,cache=entropy,suffix=structured" "fast"
 )
-# Tables: NAME TASK GEN_LENGTH N DECODER_SET, run in two lanes (one per core) side by side.
+# Tables: NAME:TASK:GEN_LENGTH:N:DECODER_SET[:WARMUP], run in two lanes (one per core) side by
+# side. Long canvases skip the warm-up: a static-1 decode there takes minutes, so allocator
+# warm-up is noise, and the warm-up would double the table's cost.
 LANE1=${LANE1:-"math-256:math:256:$N:MAIN code-256:code:256:$((N / 2 > 0 ? N / 2 : 1)):MAIN"}
-LANE2=${LANE2:-"math-512:math:512:$(((N + 1) / 3)):LONG math-1024:math:1024:$(((N + 4) / 5)):ABLATION"}
+LANE2=${LANE2:-"math-512:math:512:$(((N + 1) / 3)):LONG:0 math-1024:math:1024:$(((N + 4) / 5)):ABLATION:0"}
 
 mkdir -p "$ARTIFACTS" "$(dirname "$OUT")"
 model_args=()
 if [[ -n "$MODEL" ]]; then model_args=(--model "$MODEL"); fi
 
-run_table() {  # NAME:TASK:GEN_LENGTH:N:SET
-  IFS=: read -r name task gen n set <<< "$1"
+run_table() {  # NAME:TASK:GEN_LENGTH:N:SET[:WARMUP]
+  IFS=: read -r name task gen n set warmup <<< "$1"
   local -n specs=$set
   local decoder_args=()
   for d in "${specs[@]}"; do decoder_args+=(--decoder "$d"); done
   echo "== $name: $task, gen_length $gen, $n prompts, ${#specs[@]} decoders" >&2
   "$UNMASK" bench "${model_args[@]}" --task "$task" "${decoder_args[@]}" \
     --n "$n" --gen-length "$gen" --block-length "$BLOCK_LENGTH" \
-    --batch-size "$BATCH_SIZE" --warmup "$WARMUP" --seed "$SEED" --threads "$THREADS" \
+    --batch-size "$BATCH_SIZE" --warmup "${warmup:-$WARMUP}" --seed "$SEED" --threads "$THREADS" \
     --json "$ARTIFACTS/$name.json" --plot "$ARTIFACTS/$name.png" \
     --markdown "$ARTIFACTS/$name.md" > "$ARTIFACTS/$name.log" 2>&1
 }
