@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 MODEL=${MODEL:-}
 TASK=${TASK:-math}
-N=${N:-8}
+N=${N:-4}                 # prompts per sweep (drafts uses N-1: its static-1 baseline is costly)
 THREADS=${THREADS:-1}
 SWEEPS=${SWEEPS:-"entropy suffix drafts"}
 ARTIFACTS=${ARTIFACTS:-benchmarks}
@@ -20,14 +20,14 @@ mkdir -p "$ARTIFACTS/extra"
 model_args=()
 if [[ -n "$MODEL" ]]; then model_args=(--model "$MODEL"); fi
 
-sweep() {  # sweep NAME GEN_LENGTH SPEC...   (the first SPEC is the baseline)
-  local name=$1 gen=$2
-  shift 2
+sweep() {  # sweep NAME GEN_LENGTH N SPEC...   (the first SPEC is the baseline)
+  local name=$1 gen=$2 n=$3
+  shift 3
   local args=()
   for d in "$@"; do args+=(--decoder "$d"); done
-  echo "== sweep $name (gen_length $gen, $# settings, N=$N)" >&2
-  "$UNMASK" bench "${model_args[@]}" --task "$TASK" "${args[@]}" --n "$N" --gen-length "$gen" \
-    --block-length 32 --threads "$THREADS" --json "$ARTIFACTS/extra/sweep-$name.json" \
+  echo "== sweep $name (gen_length $gen, $# settings, N=$n)" >&2
+  "$UNMASK" bench "${model_args[@]}" --task "$TASK" "${args[@]}" --n "$n" --gen-length "$gen" \
+    --block-length 32 --warmup 0 --threads "$THREADS" --json "$ARTIFACTS/extra/sweep-$name.json" \
     --plot "$ARTIFACTS/extra/sweep-$name.png" --markdown "$ARTIFACTS/extra/sweep-$name.md" >/dev/null
   echo "![sweep $name](sweep-$name.png)" >> "$ARTIFACTS/extra/sweep-$name.md"
 }
@@ -40,7 +40,7 @@ for s in $SWEEPS; do
         for k in 0 4 16; do specs+=("threshold,cache=entropy,entropy_tau=$tau,recent_k=$k"); done
       done
       specs+=("threshold,cache=entropy,entropy_tau=1,recent_k=4,refresh_on_block=false")
-      sweep entropy 512 "${specs[@]}" ;;
+      sweep entropy 512 "$N" "${specs[@]}" ;;
     suffix)  # structured suffix regions and injection, against the full suffix and a window
       specs=("threshold" "threshold,suffix=window,suffix_local=32")
       for lmt in 16,8,8 32,8,8 32,0,8 32,8,0 32,32,32 64,16,16; do
@@ -49,14 +49,14 @@ for s in $SWEEPS; do
       done
       specs+=("threshold,suffix=structured,suffix_rule=decay")
       for lam in 0.25 0.5 1; do specs+=("threshold,suffix=structured,inject=$lam"); done
-      sweep suffix 1024 "${specs[@]}" ;;
+      sweep suffix 1024 "$N" "${specs[@]}" ;;
     drafts)  # FreeDave: draft_steps x draft_conf (output is exact whatever they are)
       specs=("static-1")
       for k in 2 4 8; do
-        for c in 0 0.5 0.9; do specs+=("freedave,draft_steps=$k,draft_conf=$c"); done
+        for c in 0 0.9; do specs+=("freedave,draft_steps=$k,draft_conf=$c"); done
       done
-      specs+=("threshold" "freedave++,draft_conf=0" "freedave++,draft_conf=0.5")
-      sweep drafts 256 "${specs[@]}" ;;
+      specs+=("threshold" "freedave++,draft_conf=0" "freedave++,draft_conf=0.9")
+      sweep drafts 256 "$((N > 1 ? N - 1 : 1))" "${specs[@]}" ;;
     *) echo "unknown sweep $s (valid: entropy suffix drafts)" >&2; exit 2 ;;
   esac
 done
