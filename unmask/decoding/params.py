@@ -44,11 +44,13 @@ class DecodeParams:
     draft_conf: float = 0.0
     early_exit: bool = False
     suppress_eos: bool = False
-    # K/V cache policy (unmask.caching)
+    # K/V cache policy (unmask.caching). EntropyCache defaults from the `entropy` sweep
+    # (BENCHMARKS.md): tau=1 was the fastest setting that kept any prompt token-identical to the
+    # uncached decoder, and skipping the block-start refresh was faster at equal fidelity.
     cache: str = "none"
     entropy_tau: float = 1.0
     recent_k: int = 4
-    refresh_on_block: bool = True
+    refresh_on_block: bool = False
     # suffix policy (unmask.suffix)
     suffix: str = "full"
     suffix_local: int = 32
