@@ -1,0 +1,54 @@
+"""The shipped default model: loads offline from the package, is small, and its trained weights
+show (the worked-solution format of the training data). These are the tests that need trained
+weights; a random model fails them."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from unmask import LLM
+from unmask.api import DEFAULT_MODEL
+from unmask.tasks import TASKS
+
+# A held-out problem (never in training: see unmask/tasks/math.py for the split).
+PROBLEM = "What is the sum of 60 and 9?"
+
+
+@functools.cache
+def llm() -> LLM:
+    return LLM()  # no path: the embedded model
+
+
+def test_heldout_problem_is_heldout() -> None:
+    heldout = {ex.prompt for ex in TASKS["math"].load("heldout", 50, seed=0)}
+    assert PROBLEM in heldout
+
+
+def test_default_model_is_shipped_and_small() -> None:
+    files = {p.name for p in DEFAULT_MODEL.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+            "MODEL_CARD.md"} <= files
+    assert sum(p.stat().st_size for p in DEFAULT_MODEL.iterdir()) <= 60 * 2**20
+    c = llm().config
+    assert c.model_type == "llada" and c.max_sequence_length >= 1024 + 64
+
+
+def test_default_model_writes_the_worked_format() -> None:
+    """Trained weights: a held-out addition gets the column-by-column solution layout, ones then
+    tens, a closing `So ...` line, then EOS padding (the random init produces none of this)."""
+    g = llm().generate([PROBLEM], "static-1", gen_length=128, block_length=32)[0]
+    assert g.text.startswith("Add "), g.text
+    assert "column by column" in g.text.splitlines()[0]
+    assert "\nones: " in g.text and "\ntens: " in g.text and "\nSo " in g.text
+    assert 1 in g.token_ids  # EOS padding after the answer
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "quality gap, issue 3: the shipped 4.5M-parameter model scores 0% on held-out math "
+    "(MODEL_CARD.md): it learned the worked format but copies the operands' digits wrongly. "
+    "When a retrained model solves it, this XPASSes and the marker must go."))
+def test_default_model_solves_a_heldout_problem() -> None:
+    g = llm().generate([PROBLEM], "static-1", gen_length=256, block_length=32)[0]
+    assert TASKS["math"].check(TASKS["math"].load("heldout", 50, seed=0)[0], g.text)
