@@ -29,7 +29,7 @@ sweep() {  # sweep NAME GEN_LENGTH N SPEC...   (the first SPEC is the baseline)
   "$UNMASK" bench "${model_args[@]}" --task "$TASK" "${args[@]}" --n "$n" --gen-length "$gen" \
     --block-length 32 --warmup 0 --threads "$THREADS" --json "$ARTIFACTS/extra/sweep-$name.json" \
     --plot "$ARTIFACTS/extra/sweep-$name.png" --markdown "$ARTIFACTS/extra/sweep-$name.md" >/dev/null
-  echo "![sweep $name](sweep-$name.png)" >> "$ARTIFACTS/extra/sweep-$name.md"
+  printf "\n![sweep %s](%s)\n" "$name" "$ARTIFACTS/extra/sweep-$name.png" >> "$ARTIFACTS/extra/sweep-$name.md"
 }
 
 for s in $SWEEPS; do
@@ -49,7 +49,7 @@ for s in $SWEEPS; do
       done
       specs+=("threshold,suffix=structured,suffix_rule=decay")
       for lam in 0.25 0.5 1; do specs+=("threshold,suffix=structured,inject=$lam"); done
-      sweep suffix 1024 "$N" "${specs[@]}" ;;
+      sweep suffix "${SUFFIX_GEN:-1024}" "$N" "${specs[@]}" ;;
     drafts)  # FreeDave: draft_steps x draft_conf (output is exact whatever they are)
       specs=("static-1")
       for k in 2 4 8; do
