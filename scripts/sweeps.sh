@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 MODEL=${MODEL:-}
 TASK=${TASK:-math}
-N=${N:-4}                 # prompts per sweep (drafts uses N-1: its static-1 baseline is costly)
+N=${N:-4}                 # prompts per sweep (drafts uses N-1, suffix N_SUFFIX=1: costly baselines)
 THREADS=${THREADS:-1}
 SWEEPS=${SWEEPS:-"entropy suffix drafts"}
 ARTIFACTS=${ARTIFACTS:-benchmarks}
@@ -49,7 +49,7 @@ for s in $SWEEPS; do
       done
       specs+=("threshold,suffix=structured,suffix_rule=decay")
       for lam in 0.25 0.5 1; do specs+=("threshold,suffix=structured,inject=$lam"); done
-      sweep suffix "${SUFFIX_GEN:-1024}" "$N" "${specs[@]}" ;;
+      sweep suffix "${SUFFIX_GEN:-512}" "${N_SUFFIX:-1}" "${specs[@]}" ;;
     drafts)  # FreeDave: draft_steps x draft_conf (output is exact whatever they are)
       specs=("static-1")
       for k in 2 4 8; do
