@@ -50,7 +50,7 @@ ABLATION=(  # issue 7: each method alone, each pair, all three, and the fast pre
 # ~5 min on one core, hence one prompt for the long tables. Add e.g. code-256:code:256:3:MAIN
 # to LANE1 for the code task.
 LANE1=${LANE1:-"math-256:math:256:$N:MAIN"}
-LANE2=${LANE2:-"math-1024:math:1024:$(((N + 5) / 6)):ABLATION:0 math-512:math:512:$(((N + 5) / 6)):LONG:0"}
+LANE2=${LANE2:-"math-512:math:512:$(((N + 5) / 6)):LONG:0 math-1024:math:1024:$(((N + 5) / 6)):ABLATION:0"}
 ASSEMBLE_ONLY=${ASSEMBLE_ONLY:-0}  # 1: only rebuild BENCHMARKS.md from $ARTIFACTS
 
 mkdir -p "$ARTIFACTS" "$(dirname "$OUT")"
