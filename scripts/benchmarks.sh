@@ -93,7 +93,15 @@ tokens per forward; **TPS** useful tokens (up to the first EOS) per second, medi
 **cost/token** token-forwards per useful token (an autoregressive model with a KV cache scores
 ~1); **speedup** the median over prompts of TPS(decoder) / TPS(baseline) on the same prompt;
 **exact-match** the share of prompts whose tokens equal the baseline's; p50/p95 s the latency
-per prompt. Each section names the exact command that produced it.
+per prompt; **exact vs own ref** the share of prompts token-identical to the decoder a lossless
+method claims to reproduce (FreeDave -> static-1, FreeDave++ -> threshold, same cache/suffix) when
+that decoder is in the table. Each section names the exact command that produced it.
+
+Read with care: the embedded model scores 0% on held-out math (see its MODEL_CARD.md), so the
+accuracy column cannot separate decoders and exact-match is the fidelity signal; the long
+tables use one prompt (a vanilla static-1 decode at 1024 takes ~3 min on one core); and on a
+CPU a batched forward of K FreeDave drafts costs about K forwards, so FreeDave's gains show in
+TPF, not TPS.
 
 ## Machine
 
@@ -111,6 +119,10 @@ print(machine_markdown(json.load(open(sys.argv[1]))["machine"]))' "$ARTIFACTS/$f
   done
   for extra in "$ARTIFACTS"/extra/*.md; do
     [[ -e "$extra" ]] || continue
+    title=$(basename "$extra" .md)
+    title=${title#zz-}
+    echo
+    echo "## ${title/sweep-/Sweep: }"
     echo
     cat "$extra"
   done
