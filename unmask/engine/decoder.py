@@ -214,11 +214,11 @@ class Decoder:
     def _verify(self, d: Drafts, fw: Forwarded | None, need: Tensor) -> Tensor:
         """Index (into d) of the accepted draft of each live row, by the chain rule."""
         rows = d.parent.tolist()
-        firsts: dict[int, list[int]] = {}
+        kids_of: dict[int, list[int]] = {}  # row -> its drafts, in order
         for i, r in enumerate(rows):
-            firsts.setdefault(r, []).append(i)
+            kids_of.setdefault(r, []).append(i)
         if self.n_drafts == 1:
-            return torch.tensor([v[0] for v in firsts.values()], device=self.device)
+            return torch.tensor([v[0] for v in kids_of.values()], device=self.device)
         # target_j = draft_j plus one reference step from draft_j's own predictions.
         target = d.x.clone()
         if fw is not None:
@@ -229,7 +229,7 @@ class Decoder:
         # A draft at which early exit stops the reference ends the chain there too.
         stops = self._exit_ready(d.x).tolist() if self.params.early_exit else [False] * len(rows)
         chosen = []
-        for kids in firsts.values():
+        for kids in kids_of.values():
             best = 0
             while not stops[kids[best]]:
                 tgt = target[kids[best]]
