@@ -14,7 +14,9 @@ import torch
 from unmask.checkpoint import save_checkpoint
 from unmask.config import ModelConfig
 from unmask.models import build_model
-from unmask.training.tokenizer import EOS, MASK, build_tokenizer, save_tokenizer
+from unmask.training.tokenizer import EOS as EOS_TOKEN
+from unmask.training.tokenizer import MASK as MASK_TOKEN
+from unmask.training.tokenizer import build_tokenizer, save_tokenizer
 
 SENTENCES = [
     "hello world, this is a tiny tokenizer for tests.",
@@ -59,7 +61,7 @@ def tiny_tokenizer_dir(out: str | Path, vocab_size: int = 300) -> Path:
     """A byte-level BPE (special tokens <|bos|>=0, <|eos|>=1, <|mask|>=2, <|user|>, <|assistant|>)
     with a tokenizer_config.json carrying a chat template."""
     tok = build_tokenizer(SENTENCES, vocab_size=vocab_size)
-    assert tok.token_to_id(EOS) == 1 and tok.token_to_id(MASK) == 2
+    assert tok.token_to_id(EOS_TOKEN) == 1 and tok.token_to_id(MASK_TOKEN) == 2
     return save_tokenizer(tok, out)
 
 
@@ -76,6 +78,21 @@ def tiny_model_dir(tmp_path: str | Path, model_type: str = "llada", name: str | 
     model = tiny_model(model_type, seed=seed, vocab_size=vocab, **overrides)
     save_checkpoint(model, out)
     return out
+
+
+# The shared setting of the decode-loop tests (caching, suffix): vocabulary, three prompts with
+# different left padding, lengths, and one spec per decoder.
+VOCAB, MASK, EOS = 64, 63, 1
+KINDS = ("llada", "Dream")
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 4, 5, 6, 7, 8, 9]]  # left padding 2 / 4 / 0
+GEN, BLOCK = 32, 8
+DECODERS = {
+    "static": "static,steps=16",
+    "static-1": "static-1",
+    "threshold": "threshold,threshold=0.5",
+    "freedave": "freedave,draft_steps=4",
+    "freedave++": "freedave++,draft_steps=4,threshold=0.5",
+}
 
 
 @functools.cache

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import peaky_model  # noqa: E402
+from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, peaky_model  # noqa: E402
 
 from unmask.caching import POLICIES
 from unmask.decoding.params import DecodeParams
@@ -14,17 +14,6 @@ from unmask.engine import runner as runner_mod
 from unmask.engine.decoder import Decoder, DecodeResult
 from unmask.suffix import keep_mask
 
-VOCAB, MASK, EOS = 64, 63, 1
-KINDS = ("llada", "Dream")
-PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 4, 5, 6, 7, 8, 9]]  # left padding 2 / 4 / 0
-GEN, BLOCK = 32, 8
-DECODERS = {
-    "static": "static,steps=16",
-    "static-1": "static-1",
-    "threshold": "threshold,threshold=0.5",
-    "freedave": "freedave,draft_steps=4",
-    "freedave++": "freedave++,draft_steps=4,threshold=0.5",
-}
 SMALL = "suffix=structured,suffix_local=2,suffix_middle=3,suffix_tail=2"
 
 
