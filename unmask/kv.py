@@ -54,9 +54,6 @@ class KVStore:
             self.v[layer][b, :, s] = v[r_idx, :, t_idx]
         self.valid[b, s] = True
 
-    def invalidate(self) -> None:
-        self.valid.zero_()
-
 
 @dataclass
 class Frame:
