@@ -194,6 +194,18 @@ def test_embeds_argument_replaces_lookup(model_type: str) -> None:
     torch.testing.assert_close(via_embeds, _our_logits(ours, ids, pos, None), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_logits_at_selects_positions(model_type: str) -> None:
+    ours, _ = _pair(model_type)
+    ids, pos = _inputs()
+    rows, cols = torch.tensor([0, 1, 1]), torch.tensor([3, 0, ids.shape[1] - 1])
+    with torch.no_grad():
+        full = ours(ids, pos)
+        some = ours(ids, pos, logits_at=(rows, cols))
+    assert some.shape == (3, full.shape[-1])
+    torch.testing.assert_close(some, full[rows, cols], atol=1e-5, rtol=1e-5)
+
+
 def test_llada_embedding_size_larger_than_vocab() -> None:
     """LLaDA pads its embedding (embedding_size > vocab_size); logits are cut to vocab_size."""
     c = ModelConfig(d_model=32, n_heads=2, n_kv_heads=2, n_layers=1, mlp_hidden_size=64,

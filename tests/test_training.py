@@ -120,13 +120,8 @@ def one_thread():
 
 
 def test_few_steps_lower_loss(enc: TextEncoder, one_thread: None) -> None:
-    from unmask.models import build_model
-
-    torch.manual_seed(0)
-    ns = argparse.Namespace(d_model=64, n_heads=4, n_layers=2, mlp_hidden=128, max_seq_len=2048)
-    cfg = _model_config(ns, enc)
-    model = build_model(cfg)
-    model.init_weights()
+    model = _tiny_model(enc)
+    cfg = model.config
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = DataStream(enc, batch_tokens=1024, seed=0, code_frac=0.0)
     data.canvas_length = lambda: 64  # type: ignore[method-assign]
@@ -144,3 +139,53 @@ def test_few_steps_lower_loss(enc: TextEncoder, one_thread: None) -> None:
         loss.backward()
         opt.step()
     assert loss_now() < 0.8 * before
+
+
+def test_tight_batches_fit_their_longest_answer(enc: TextEncoder) -> None:
+    from unmask.training.train import CanvasBucket
+
+    data = DataStream(enc, batch_tokens=2048, seed=1, code_frac=0.3,
+                      buckets=(CanvasBucket(0, 8, 1.0, tight=True), CanvasBucket(300, 400, 0.0)))
+    for _ in range(12):
+        b = data.next_batch()
+        assert b.answer_len is not None
+        canvas = b.input_ids.shape[1] - int(b.prompt_mask.sum(1).max())
+        assert 0 <= canvas - int(b.answer_len.max()) <= 8
+        assert b.input_ids.numel() <= 2048 or b.input_ids.shape[0] == 1
+        for i in range(b.input_ids.shape[0]):  # each answer ends with its EOS inside the canvas
+            start = b.input_ids.shape[1] - int(b.response_len[i])
+            assert int(b.input_ids[i, start + int(b.answer_len[i]) - 1]) == enc.eos_id
+    with pytest.raises(ValueError):
+        CanvasBucket(5, 2, 1.0)
+
+
+def test_pad_weight(enc: TextEncoder) -> None:
+    from unmask.training.train import Batch, position_weights
+
+    data = DataStream(enc, batch_tokens=2048, seed=0, code_frac=0.0)
+    b = data.next_batch()
+    w = position_weights(b, 0.25)
+    assert (w[b.prompt_mask] == 0).all()
+    prompt_len = b.input_ids.shape[1] - b.response_len
+    for i in range(b.input_ids.shape[0]):
+        p, a = int(prompt_len[i]), int(b.answer_len[i])
+        assert (w[i, p:p + a] == 1).all() and (w[i, p + a:] == 0.25).all()
+    # pad_weight 1 is LLaDA's loss: every response position weighted 1, divided by response length
+    assert torch.equal(position_weights(b, 1.0), (~b.prompt_mask).float())
+    model = _tiny_model(enc)
+    no_answer = Batch(b.input_ids, b.prompt_mask, b.response_len, None)
+    l1 = sft_loss(model, b, enc.mask_id, torch.Generator().manual_seed(0), 1.0)
+    l2 = sft_loss(model, no_answer, enc.mask_id, torch.Generator().manual_seed(0), 0.25)
+    assert torch.allclose(l1, l2)
+    l3 = sft_loss(model, b, enc.mask_id, torch.Generator().manual_seed(0), 0.25)
+    assert not torch.allclose(l1, l3)
+
+
+def _tiny_model(enc: TextEncoder):
+    from unmask.models import build_model
+
+    torch.manual_seed(0)
+    ns = argparse.Namespace(d_model=64, n_heads=4, n_layers=2, mlp_hidden=128, max_seq_len=2048)
+    model = build_model(_model_config(ns, enc))
+    model.init_weights()
+    return model

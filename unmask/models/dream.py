@@ -67,13 +67,16 @@ class DreamModel(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, cache: Frame | None = None,
-                embeds: Tensor | None = None) -> Tensor:
-        """input_ids, position_ids: (B, T) -> unshifted logits (B, T, vocab_size)."""
+                embeds: Tensor | None = None, logits_at: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """input_ids, position_ids: (B, T) -> unshifted logits (B, T, vocab_size).
+
+        logits_at: optional (rows, cols); then only those N positions' logits, (N, vocab_size).
+        """
         x = self.embed(input_ids) if embeds is None else embeds
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache)
-        x = self.model.norm(x)
+        x = self.model.norm(x if logits_at is None else x[logits_at])
         head = self.model.embed_tokens.weight if self.config.weight_tying else self.lm_head.weight
         return x @ head.T
 

@@ -57,17 +57,19 @@ class LLaDAModel(nn.Module):
         return self.model.transformer.wte(input_ids)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, cache: Frame | None = None,
-                embeds: Tensor | None = None) -> Tensor:
+                embeds: Tensor | None = None, logits_at: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """input_ids, position_ids: (B, T) -> logits (B, T, vocab_size).
 
         embeds: optional (B, T, d_model) input embeddings replacing the lookup of input_ids.
+        logits_at: optional (rows, cols) index tensors; then only those N positions get the
+        LM head and the result is (N, vocab_size) — decoders score a few positions of many.
         """
         t = self.model.transformer
         x = self.embed(input_ids) if embeds is None else embeds
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for block in t.blocks:
             x = block(x, cos, sin, cache)
-        x = t.ln_f(x)
+        x = t.ln_f(x if logits_at is None else x[logits_at])
         head = t.wte.weight if self.config.weight_tying else t.ff_out.weight
         return (x @ head.T)[..., : self.config.vocab_size]
 

@@ -3,13 +3,17 @@
 Objective (LLaDA SFT): the prompt is never masked; every response position — including the EOS
 padding that fills the canvas — is masked independently with probability p = (1 - eps) t + eps,
 t ~ U(0, 1) per sequence. The loss is cross-entropy on masked positions weighted by 1/p, summed
-per sequence, divided by that sequence's response length, and averaged over the batch.
+per sequence, divided by that sequence's response length, and averaged over the batch. With
+``pad_weight`` < 1 the EOS padding after the answer's own EOS counts that much per position (in
+the sum and in the length it is divided by): on a 1024 canvas the padding is >90% of the
+positions, and at weight 1 it takes most of the gradient although it is the easiest thing to
+learn (the first run spent ~55% of its positions on padding and learned little else).
 
 Data: worked arithmetic (``unmask.tasks.math``) and stdlib function bodies
 (``unmask.tasks.code``), generated on the fly from the training splits only. Every batch has
-one canvas length sampled from a short-skewed distribution that reaches 1024, so the model
-learns the EOS tail at the canvas sizes it will be decoded with, while short batches (most of
-them) waste little compute on padding.
+one canvas length: either "tight" (the longest response in the batch plus a few EOS) or drawn
+from ranges that reach 1024, so the model learns the EOS tail at the canvas sizes it will be
+decoded with, while tight batches spend almost all compute on answer tokens.
 
 Schedule: linear warm-up then cosine decay over a "progress" in [0, 1] which is the larger of
 step / max_steps and elapsed / time_budget, so a run with a wall-clock budget ends on time with
@@ -41,15 +45,25 @@ from unmask.training.tokenizer import EOS, MASK, format_prompt
 
 @dataclass(frozen=True)
 class CanvasBucket:
-    """Canvas lengths drawn uniformly from [lo, hi] with probability ``weight``."""
+    """Canvas lengths drawn uniformly from [lo, hi] with probability ``weight``.
+
+    A ``tight`` bucket instead sizes the canvas to the batch: the longest response plus
+    U[lo, hi] extra EOS positions.
+    """
 
     lo: int
     hi: int
     weight: float
+    tight: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo <= self.hi or self.weight < 0:
+            raise ValueError(f"bad canvas bucket {self}")
 
 
-# Skewed short (where the answers are) but reaching 1024 so gen_length 256/512/1024 all work.
-DEFAULT_BUCKETS = (CanvasBucket(56, 144, 0.60), CanvasBucket(145, 384, 0.27), CanvasBucket(385, 1024, 0.13))
+# Mostly tight (where the answers are) but reaching 1024 so gen_length 256/512/1024 all work.
+DEFAULT_BUCKETS = (CanvasBucket(0, 16, 0.65, tight=True), CanvasBucket(100, 320, 0.20),
+                   CanvasBucket(321, 1024, 0.15))
 
 
 @dataclass
@@ -57,6 +71,7 @@ class Batch:
     input_ids: Tensor  # (B, T) prompt tokens then response tokens padded with EOS
     prompt_mask: Tensor  # (B, T) bool, True on prompt positions (never masked)
     response_len: Tensor  # (B,) number of response positions (answer + EOS padding)
+    answer_len: Tensor | None = None  # (B,) answer tokens incl. its first EOS; None = all answer
 
 
 class TextEncoder:
@@ -89,9 +104,10 @@ class DataStream:
         self.enc, self.split, self.code_frac = enc, split, code_frac
         self.batch_tokens, self.max_batch, self.buckets = batch_tokens, max_batch, buckets
         self.rng = random.Random(seed + (0 if split == "train" else 7_000_001))
+        self._tight_queue: dict[bool, list[list[tuple[list[int], list[int]]]]] = {}
         self._math = math_task
         # Code examples are few (thousands): tokenize once. Drop the ones too long for any canvas.
-        max_canvas = max(b.hi for b in buckets)
+        max_canvas = max(b.hi for b in buckets if not b.tight)
         self.code = [(enc.prompt(c.prompt), enc.response(c.response))
                      for c in code_task.make_split(split, None, seed=0)]  # type: ignore[arg-type]
         self.code = [c for c in self.code if len(c[1]) <= max_canvas and len(c[0]) <= 512]
@@ -109,21 +125,56 @@ class DataStream:
             if len(r) <= max_resp:
                 return p, r
 
-    def canvas_length(self) -> int:
+    def canvas_length(self) -> int | tuple[int, int]:
+        """A canvas length, or for a tight bucket the (lo, hi) range of extra EOS."""
         b = self.rng.choices(self.buckets, weights=[b.weight for b in self.buckets])[0]
-        return self.rng.randint(b.lo, b.hi)
+        return (b.lo, b.hi) if b.tight else self.rng.randint(b.lo, b.hi)
+
+    def _tight_pairs(self, is_code: bool, extra_range: tuple[int, int]
+                     ) -> tuple[list[tuple[list[int], list[int]]], int]:
+        """A batch of examples of similar response length, and its canvas (longest + U[extra_range]).
+
+        Examples are drawn in pools of 16 batches' worth, sorted by response length and cut
+        into batches that are served in random order: the example distribution is unchanged,
+        but a batch no longer pads 20 short answers to its one long one.
+        """
+        queue = self._tight_queue.setdefault(is_code, [])
+        extra = extra_range[1]  # batches are sized for the most extra EOS they can get
+        if not queue:
+            max_resp = max(b.hi for b in self.buckets if not b.tight)
+            pool, size = [], 0
+            while size < 16 * self.batch_tokens:
+                p, r = self._example(max_resp, is_code)
+                pool.append((p, r))
+                size += len(p) + len(r) + extra
+            pool.sort(key=lambda pr: len(pr[1]))
+            batch: list[tuple[list[int], list[int]]] = []
+            for p, r in pool:  # ascending length: the newest row is the longest
+                cost = (len(batch) + 1) * (max(len(q) for q, _ in [*batch, (p, r)]) + len(r) + extra)
+                if batch and (cost > self.batch_tokens or len(batch) >= self.max_batch):
+                    queue.append(batch)
+                    batch = []
+                batch.append((p, r))
+            queue.append(batch)
+            self.rng.shuffle(queue)
+        pairs = queue.pop()
+        return pairs, max(len(r) for _, r in pairs) + self.rng.randint(*extra_range)
 
     def next_batch(self) -> Batch:
         canvas = self.canvas_length()
         # Batches are all-math or all-code: code prompts are ~5x longer than math prompts, and a
         # mixed batch would pad every math row to the longest code prompt.
         is_code = bool(self.code) and self.rng.random() < self.code_frac
-        prompt_guess = 160 if is_code else 32
-        n = max(1, min(self.max_batch, self.batch_tokens // (canvas + prompt_guess)))
-        pairs = [self._example(canvas, is_code) for _ in range(n)]
+        if isinstance(canvas, tuple):
+            pairs, canvas = self._tight_pairs(is_code, canvas)
+        else:
+            prompt_guess = 160 if is_code else 32
+            n = max(1, min(self.max_batch, self.batch_tokens // (canvas + prompt_guess)))
+            pairs = [self._example(canvas, is_code) for _ in range(n)]
         # Rows share one total length T = longest prompt + canvas; a shorter prompt gets a longer
         # canvas, whose extra EOS padding is legitimately part of the response.
         t_len = max(len(p) for p, _ in pairs) + canvas
+        n = len(pairs)
         ids = torch.full((n, t_len), self.enc.eos_id, dtype=torch.long)
         prompt_mask = torch.zeros((n, t_len), dtype=torch.bool)
         resp_len = torch.empty(n, dtype=torch.long)
@@ -132,7 +183,8 @@ class DataStream:
             ids[i, len(p): len(p) + len(r)] = torch.tensor(r)
             prompt_mask[i, : len(p)] = True
             resp_len[i] = t_len - len(p)
-        return Batch(ids, prompt_mask, resp_len)
+        answer_len = torch.tensor([len(r) for _, r in pairs], dtype=torch.long)
+        return Batch(ids, prompt_mask, resp_len, answer_len)
 
 
 # ------------------------------------------------------------------------------------ loss
@@ -150,19 +202,36 @@ def mask_batch(batch: Batch, mask_id: int, gen: torch.Generator | None = None,
     return noisy, masked, p_mask
 
 
-def sft_loss(model: nn.Module, batch: Batch, mask_id: int, gen: torch.Generator | None = None) -> Tensor:
-    """LLaDA SFT loss: sum over masked positions of CE / p_mask / response_len, mean over batch."""
+def position_weights(batch: Batch, pad_weight: float = 1.0) -> Tensor:
+    """(B, T) loss weight per position: 0 on the prompt, 1 on the answer, pad_weight on padding."""
+    b, t_len = batch.input_ids.shape
+    w = (~batch.prompt_mask).float()
+    if pad_weight != 1.0 and batch.answer_len is not None:
+        prompt_len = t_len - batch.response_len  # (B,)
+        answer_end = (prompt_len + batch.answer_len)[:, None]  # (B, 1)
+        is_pad = torch.arange(t_len, device=w.device)[None, :] >= answer_end  # (B, T)
+        w = torch.where(is_pad, w * pad_weight, w)
+    return w
+
+
+def sft_loss(model: nn.Module, batch: Batch, mask_id: int, gen: torch.Generator | None = None,
+             pad_weight: float = 1.0) -> Tensor:
+    """LLaDA SFT loss: per row, sum of w * CE / p_mask over masked positions divided by the
+    row's total weight (= response length when pad_weight is 1); mean over the batch."""
     noisy, masked, p_mask = mask_batch(batch, mask_id, gen)
     b, t_len = noisy.shape
     pos = torch.arange(t_len, device=noisy.device).expand(b, t_len)
     logits = model(noisy, pos)  # (B, T, V)
     ce = F.cross_entropy(logits[masked].float(), batch.input_ids[masked], reduction="none")
-    weights = 1.0 / (p_mask[masked] * batch.response_len[:, None].expand(b, t_len)[masked])
+    w = position_weights(batch, pad_weight)  # (B, T)
+    row_total = w.sum(dim=1, keepdim=True).expand(b, t_len)  # (B, T)
+    weights = w[masked] / (p_mask[masked] * row_total[masked])
     return (ce * weights).sum() / b
 
 
 def batch_to(batch: Batch, device: torch.device) -> Batch:
-    return Batch(batch.input_ids.to(device), batch.prompt_mask.to(device), batch.response_len.to(device))
+    return Batch(batch.input_ids.to(device), batch.prompt_mask.to(device), batch.response_len.to(device),
+                 None if batch.answer_len is None else batch.answer_len.to(device))
 
 
 # ------------------------------------------------------------------------------------ training
@@ -180,6 +249,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--out", default="runs/default", help="run folder (checkpoints, logs)")
     g.add_argument("--resume", action="store_true", help="continue from OUT/state.pt")
+    g.add_argument("--init", default=None,
+                   help="start from the weights of this model folder (same architecture and tokenizer)")
     g.add_argument("--export", default=None, help="also write the final model folder here")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -205,6 +276,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--code-frac", type=float, default=0.25)
+    g.add_argument("--pad-weight", type=float, default=0.1,
+                   help="loss weight of EOS padding after the answer's own EOS (1 = LLaDA's)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int, default=200, help="steps between held-out losses")
     g.add_argument("--eval-batches", type=int, default=8)
@@ -242,12 +315,18 @@ def _optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimi
 
 
 @torch.no_grad()
-def heldout_loss(model: nn.Module, batches: list[Batch], mask_id: int, device: torch.device) -> float:
+def heldout_loss(model: nn.Module, batches: list[Batch], mask_id: int, device: torch.device,
+                 pad_weight: float = 1.0) -> float:
     model.eval()
     gen = torch.Generator(device=device).manual_seed(1234)  # same masks every evaluation
-    total = sum(float(sft_loss(model, batch_to(b, device), mask_id, gen)) for b in batches)
+    total = sum(float(sft_loss(model, batch_to(b, device), mask_id, gen, pad_weight)) for b in batches)
     model.train()
     return total / len(batches)
+
+
+def _args_dict(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's arguments without the CLI's dispatch function (not JSON, not a setting)."""
+    return {k: v for k, v in vars(args).items() if not callable(v)}
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -293,6 +372,17 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     config = _model_config(args, enc)
     model = build_model(config)
     model.init_weights()
+    if args.init and not (args.resume and (out / "state.pt").is_file()):
+        from unmask.checkpoint import load_model
+
+        src = load_model(args.init)
+        # `extra` only carries the source file's informational keys (architectures, ...).
+        theirs, ours = ({k: v for k, v in asdict(c).items() if k != "extra"} for c in (src.config, config))
+        if theirs != ours:
+            diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
+            raise SystemExit(f"--init {args.init}: its config differs from this run's (theirs, ours): {diff}")
+        model.load_state_dict(src.state_dict())
+        console.print(f"initialised from the weights in {args.init}")
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, args)
@@ -313,7 +403,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         gen.set_state(st["gen_state"])
         torch.set_rng_state(st["torch_rng"])
         console.print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min)")
-    (out / "args.json").write_text(json.dumps(vars(args), indent=2) + "\n")
+    (out / "args.json").write_text(json.dumps(_args_dict(args), indent=2) + "\n")
     prog = "python -m unmask.training" if sys.argv[0].endswith("__main__.py") else "unmask train"
     command = " ".join([prog, *sys.argv[1:]])
     console.print(f"model: {n_params / 1e6:.2f}M params, config {asdict(config)}; device {device}")
@@ -328,7 +418,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                       "elapsed": elapsed, "tokens": tokens_seen, "history": history,
                       "data_rng": data.rng.getstate(), "gen_state": gen.get_state(),
-                      "torch_rng": torch.get_rng_state(), "args": vars(args)}, state_path)
+                      "torch_rng": torch.get_rng_state(), "args": _args_dict(args)}, state_path)
         _export(model, out / "latest", tok_dir)
 
     def pick_threads() -> int:
@@ -339,7 +429,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             torch.set_num_threads(n)
             t0 = time.time()
             for _ in range(2):
-                sft_loss(model, probe, config.mask_token_id, gen).backward()
+                sft_loss(model, probe, config.mask_token_id, gen, args.pad_weight).backward()
             if time.time() - t0 < best_t:
                 best, best_t = n, time.time() - t0
         opt.zero_grad(set_to_none=True)
@@ -365,7 +455,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             for g in opt.param_groups:
                 g["lr"] = lr
             batch = batch_to(data.next_batch(), device)
-            loss = sft_loss(model, batch, config.mask_token_id, gen)
+            loss = sft_loss(model, batch, config.mask_token_id, gen, args.pad_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = float(nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
@@ -380,7 +470,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             lv = float(loss.detach())
             ema_loss = lv if ema_loss is None else 0.98 * ema_loss + 0.02 * lv
             if step % args.eval_every == 0:
-                last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device)
+                last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device, args.pad_weight)
             if step % args.log_every == 0 or step % args.eval_every == 0:
                 tps = win_tokens / max(win_time, 1e-9)
                 rec = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(ema_loss, 4),
@@ -396,13 +486,13 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
                 save_state()
                 last_ckpt = time.time()
 
-    last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device)
+    last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device, args.pad_weight)
     save_state()
     _export(model, out / "final", tok_dir)
     summary = {"command": command, "params": n_params, "steps": step, "train_minutes": round(elapsed / 60, 2),
                "tokens": tokens_seen, "final_train_loss": round(ema_loss or float("nan"), 4),
                "final_heldout_loss": round(last_eval_loss, 4), "config": asdict(config),
-               "args": vars(args)}
+               "args": _args_dict(args)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if args.export:
         _export(model, Path(args.export), tok_dir)
