@@ -470,7 +470,8 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             lv = float(loss.detach())
             ema_loss = lv if ema_loss is None else 0.98 * ema_loss + 0.02 * lv
             if step % args.eval_every == 0:
-                last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device, args.pad_weight)
+                last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device,
+                                              args.pad_weight)
             if step % args.log_every == 0 or step % args.eval_every == 0:
                 tps = win_tokens / max(win_time, 1e-9)
                 rec = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(ema_loss, 4),
