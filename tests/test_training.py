@@ -189,3 +189,29 @@ def _tiny_model(enc: TextEncoder):
     model = build_model(_model_config(ns, enc))
     model.init_weights()
     return model
+
+
+def test_run_train_resume_and_init(tok_dir: Path, tmp_path: Path, one_thread: None) -> None:
+    from unmask.checkpoint import load_model
+    from unmask.training.train import add_train_arguments, run_train
+
+    def args(*extra: str) -> argparse.Namespace:
+        p = add_train_arguments(argparse.ArgumentParser())
+        return p.parse_args(["--tokenizer", str(tok_dir), "--d-model", "32", "--n-layers", "1",
+                             "--n-heads", "2", "--mlp-hidden", "64", "--batch-tokens", "512",
+                             "--code-frac", "0", "--eval-every", "2", "--eval-batches", "1",
+                             "--threads", "1", *extra])
+
+    a = tmp_path / "a"
+    s1 = run_train(args("--out", str(a), "--max-steps", "3"))
+    assert s1["steps"] == 3 and (a / "final" / "model.safetensors").is_file()
+    s2 = run_train(args("--out", str(a), "--max-steps", "5", "--resume"))
+    assert s2["steps"] == 5 and s2["tokens"] > s1["tokens"]  # continued, not restarted
+
+    b = tmp_path / "b"
+    run_train(args("--out", str(b), "--max-steps", "0", "--init", str(a / "final")))
+    src, dst = load_model(a / "final"), load_model(b / "final")
+    for (name, x), (_, y) in zip(src.state_dict().items(), dst.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name  # zero steps: exactly the --init weights
+    with pytest.raises(SystemExit, match="config differs"):
+        run_train(args("--out", str(tmp_path / "c"), "--d-model", "64", "--init", str(a / "final")))

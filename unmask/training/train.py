@@ -108,9 +108,11 @@ class DataStream:
         self._math = math_task
         # Code examples are few (thousands): tokenize once. Drop the ones too long for any canvas.
         max_canvas = max(b.hi for b in buckets if not b.tight)
-        self.code = [(enc.prompt(c.prompt), enc.response(c.response))
+        self.code: list[tuple[list[int], list[int]]] = []
+        if code_frac > 0:
+            pairs = [(enc.prompt(c.prompt), enc.response(c.response))
                      for c in code_task.make_split(split, None, seed=0)]  # type: ignore[arg-type]
-        self.code = [c for c in self.code if len(c[1]) <= max_canvas and len(c[0]) <= 512]
+            self.code = [c for c in pairs if len(c[1]) <= max_canvas and len(c[0]) <= 512]
 
     def _example(self, max_resp: int, is_code: bool) -> tuple[list[int], list[int]]:
         """One (prompt ids, response ids incl. one EOS) pair whose response fits ``max_resp``."""
@@ -409,7 +411,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     console.print(f"model: {n_params / 1e6:.2f}M params, config {asdict(config)}; device {device}")
 
     def progress_of() -> float:
-        p = step / args.max_steps
+        p = step / args.max_steps if args.max_steps > 0 else 1.0  # 0 steps: just export --init
         if args.time_budget_min:
             p = max(p, elapsed / (args.time_budget_min * 60))
         return p
