@@ -160,25 +160,32 @@ def test_tight_batches_fit_their_longest_answer(enc: TextEncoder) -> None:
 
 
 def test_pad_weight(enc: TextEncoder) -> None:
-    from unmask.training.train import Batch, position_weights
+    from unmask.training.train import Batch, LossWeights, position_weights
 
     data = DataStream(enc, batch_tokens=2048, seed=0, code_frac=0.0)
     b = data.next_batch()
-    w = position_weights(b, 0.25)
+    w = position_weights(b, LossWeights(pad=0.25))
     assert (w[b.prompt_mask] == 0).all()
     prompt_len = b.input_ids.shape[1] - b.response_len
     for i in range(b.input_ids.shape[0]):
         p, a = int(prompt_len[i]), int(b.answer_len[i])
         assert (w[i, p:p + a] == 1).all() and (w[i, p + a:] == 0.25).all()
     # pad_weight 1 is LLaDA's loss: every response position weighted 1, divided by response length
-    assert torch.equal(position_weights(b, 1.0), (~b.prompt_mask).float())
+    assert torch.equal(position_weights(b), (~b.prompt_mask).float())
+    digits = enc.digit_ids()
+    assert len(digits) == 10
+    wd = position_weights(b, LossWeights(digit=3.0, digit_ids=digits))
+    is_digit = torch.isin(b.input_ids, torch.tensor(digits)) & ~b.prompt_mask
+    assert is_digit.any() and (wd[is_digit] == 3).all() and (wd[~is_digit & ~b.prompt_mask] == 1).all()
     model = _tiny_model(enc)
     no_answer = Batch(b.input_ids, b.prompt_mask, b.response_len, None)
-    l1 = sft_loss(model, b, enc.mask_id, torch.Generator().manual_seed(0), 1.0)
-    l2 = sft_loss(model, no_answer, enc.mask_id, torch.Generator().manual_seed(0), 0.25)
-    assert torch.allclose(l1, l2)
-    l3 = sft_loss(model, b, enc.mask_id, torch.Generator().manual_seed(0), 0.25)
+    l1 = sft_loss(model, b, enc.mask_id, torch.Generator().manual_seed(0))
+    l2 = sft_loss(model, no_answer, enc.mask_id, torch.Generator().manual_seed(0), LossWeights(pad=0.25))
+    assert torch.allclose(l1, l2)  # without answer lengths there is no padding to down-weight
+    l3 = sft_loss(model, b, enc.mask_id, torch.Generator().manual_seed(0), LossWeights(pad=0.25))
     assert not torch.allclose(l1, l3)
+    with pytest.raises(ValueError):
+        LossWeights(digit=-1)
 
 
 def _tiny_model(enc: TextEncoder):

@@ -85,6 +85,10 @@ class TextEncoder:
         self.mask_id = self.tok.token_to_id(MASK)
         self.vocab_size = self.tok.get_vocab_size()
 
+    def digit_ids(self) -> tuple[int, ...]:
+        """Ids of the single-digit tokens 0-9 (the tokenizer splits numbers into digits)."""
+        return tuple(i for i in (self.tok.token_to_id(str(d)) for d in range(10)) if i is not None)
+
     def prompt(self, question: str) -> list[int]:
         return self.tok.encode(format_prompt(question), add_special_tokens=False).ids
 
@@ -204,31 +208,53 @@ def mask_batch(batch: Batch, mask_id: int, gen: torch.Generator | None = None,
     return noisy, masked, p_mask
 
 
-def position_weights(batch: Batch, pad_weight: float = 1.0) -> Tensor:
-    """(B, T) loss weight per position: 0 on the prompt, 1 on the answer, pad_weight on padding."""
+@dataclass(frozen=True)
+class LossWeights:
+    """Per-position loss weights on top of LLaDA's 1/p: answer tokens 1, EOS padding after the
+    answer's own EOS ``pad``, digit tokens ``digit`` (ids in ``digit_ids``).
+
+    Why digits: the answer's correctness lives in its digits, which must be copied or computed
+    from context, while the template tokens around them are learned almost at once. At weight 1
+    the copy skill did not emerge in 4765 steps of the first run; at 5 a small model copied the
+    operands from the prompt 7x more often after 1000 steps than at 1 (0.69 vs ~0.1).
+    """
+
+    pad: float = 1.0
+    digit: float = 1.0
+    digit_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.pad < 0 or self.digit < 0:
+            raise ValueError(f"loss weights must be >= 0, got {self}")
+
+
+def position_weights(batch: Batch, weights: LossWeights = LossWeights()) -> Tensor:
+    """(B, T) loss weight per position: 0 on the prompt, else as ``weights`` says."""
     b, t_len = batch.input_ids.shape
     w = (~batch.prompt_mask).float()
-    if pad_weight != 1.0 and batch.answer_len is not None:
+    if weights.pad != 1.0 and batch.answer_len is not None:
         prompt_len = t_len - batch.response_len  # (B,)
         answer_end = (prompt_len + batch.answer_len)[:, None]  # (B, 1)
         is_pad = torch.arange(t_len, device=w.device)[None, :] >= answer_end  # (B, T)
-        w = torch.where(is_pad, w * pad_weight, w)
+        w = torch.where(is_pad, w * weights.pad, w)
+    if weights.digit != 1.0 and weights.digit_ids:
+        ids = torch.tensor(weights.digit_ids, device=w.device)
+        w = torch.where(torch.isin(batch.input_ids, ids), w * weights.digit, w)
     return w
 
 
 def sft_loss(model: nn.Module, batch: Batch, mask_id: int, gen: torch.Generator | None = None,
-             pad_weight: float = 1.0) -> Tensor:
+             weights: LossWeights = LossWeights()) -> Tensor:
     """LLaDA SFT loss: per row, sum of w * CE / p_mask over masked positions divided by the
-    row's total weight (= response length when pad_weight is 1); mean over the batch."""
+    row's total weight (= response length with the default weights); mean over the batch."""
     noisy, masked, p_mask = mask_batch(batch, mask_id, gen)
     b, t_len = noisy.shape
     pos = torch.arange(t_len, device=noisy.device).expand(b, t_len)
     logits = model(noisy, pos)  # (B, T, V)
     ce = F.cross_entropy(logits[masked].float(), batch.input_ids[masked], reduction="none")
-    w = position_weights(batch, pad_weight)  # (B, T)
+    w = position_weights(batch, weights)  # (B, T)
     row_total = w.sum(dim=1, keepdim=True).expand(b, t_len)  # (B, T)
-    weights = w[masked] / (p_mask[masked] * row_total[masked])
-    return (ce * weights).sum() / b
+    return (ce * w[masked] / (p_mask[masked] * row_total[masked])).sum() / b
 
 
 def batch_to(batch: Batch, device: torch.device) -> Batch:
@@ -280,6 +306,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--code-frac", type=float, default=0.25)
     g.add_argument("--pad-weight", type=float, default=0.1,
                    help="loss weight of EOS padding after the answer's own EOS (1 = LLaDA's)")
+    g.add_argument("--digit-weight", type=float, default=5.0,
+                   help="loss weight of digit tokens in responses (1 = LLaDA's)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int, default=200, help="steps between held-out losses")
     g.add_argument("--eval-batches", type=int, default=8)
@@ -318,10 +346,10 @@ def _optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimi
 
 @torch.no_grad()
 def heldout_loss(model: nn.Module, batches: list[Batch], mask_id: int, device: torch.device,
-                 pad_weight: float = 1.0) -> float:
+                 weights: LossWeights = LossWeights()) -> float:
     model.eval()
     gen = torch.Generator(device=device).manual_seed(1234)  # same masks every evaluation
-    total = sum(float(sft_loss(model, batch_to(b, device), mask_id, gen, pad_weight)) for b in batches)
+    total = sum(float(sft_loss(model, batch_to(b, device), mask_id, gen, weights)) for b in batches)
     model.train()
     return total / len(batches)
 
@@ -369,6 +397,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         console.print(f"training tokenizer (vocab {args.vocab_size}) -> {tok_dir}")
         train_tokenizer(tok_dir, vocab_size=args.vocab_size, seed=args.seed)
     enc = TextEncoder(tok_dir / "tokenizer.json")
+    weights = LossWeights(pad=args.pad_weight, digit=args.digit_weight, digit_ids=enc.digit_ids())
 
     torch.manual_seed(args.seed)
     config = _model_config(args, enc)
@@ -431,7 +460,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             torch.set_num_threads(n)
             t0 = time.time()
             for _ in range(2):
-                sft_loss(model, probe, config.mask_token_id, gen, args.pad_weight).backward()
+                sft_loss(model, probe, config.mask_token_id, gen, weights).backward()
             if time.time() - t0 < best_t:
                 best, best_t = n, time.time() - t0
         opt.zero_grad(set_to_none=True)
@@ -457,7 +486,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             for g in opt.param_groups:
                 g["lr"] = lr
             batch = batch_to(data.next_batch(), device)
-            loss = sft_loss(model, batch, config.mask_token_id, gen, args.pad_weight)
+            loss = sft_loss(model, batch, config.mask_token_id, gen, weights)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = float(nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
@@ -472,8 +501,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             lv = float(loss.detach())
             ema_loss = lv if ema_loss is None else 0.98 * ema_loss + 0.02 * lv
             if step % args.eval_every == 0:
-                last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device,
-                                              args.pad_weight)
+                last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device, weights)
             if step % args.log_every == 0 or step % args.eval_every == 0:
                 tps = win_tokens / max(win_time, 1e-9)
                 rec = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(ema_loss, 4),
@@ -489,7 +517,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
                 save_state()
                 last_ckpt = time.time()
 
-    last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device, args.pad_weight)
+    last_eval_loss = heldout_loss(model, eval_batches, config.mask_token_id, device, weights)
     save_state()
     _export(model, out / "final", tok_dir)
     summary = {"command": command, "params": n_params, "steps": step, "train_minutes": round(elapsed / 60, 2),
