@@ -222,3 +222,20 @@ def test_run_train_resume_and_init(tok_dir: Path, tmp_path: Path, one_thread: No
         assert torch.equal(x, y), name  # zero steps: exactly the --init weights
     with pytest.raises(SystemExit, match="config differs"):
         run_train(args("--out", str(tmp_path / "c"), "--d-model", "64", "--init", str(a / "final")))
+
+
+def test_model_card_renders_the_run() -> None:
+    from unmask.training.model_card import render_model_card
+
+    args = {"weight_decay": 0.1, "lr": 1e-3, "grad_clip": 1.0, "batch_tokens": 4096, "code_frac": 0.25,
+            "pad_weight": 0.1, "digit_weight": 5.0, "init": "some/model"}
+    cfg = {"d_model": 256, "n_layers": 4, "n_heads": 4, "mlp_hidden_size": 768, "vocab_size": 2048,
+           "max_sequence_length": 2048}
+    summary = {"config": cfg, "args": args, "params": 4458752, "command": "unmask train --out x",
+               "steps": 10, "tokens": 12345, "train_minutes": 1.5, "final_train_loss": 0.5,
+               "final_heldout_loss": 0.6}
+    card = render_model_card(summary, scores="| math | 1% |")
+    for text in ("`unmask train --out x`", "digit tokens 5.0", "padding after", "longest answer +",
+                 "12,345", "| math | 1% |", "`some/model` (`--init`)"):
+        assert text in card, text
+    assert "{question}" in card and "{" not in card.replace("{question}", "")  # all fields filled

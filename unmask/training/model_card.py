@@ -12,11 +12,22 @@ from typing import Any
 TEMPLATE = Path(__file__).with_name("MODEL_CARD.md.template")
 
 
+def _buckets_text() -> str:
+    from unmask.training.train import DEFAULT_BUCKETS
+
+    parts = [f"{b.weight:.0%} " + (f"longest answer + {b.lo}-{b.hi} EOS" if b.tight else f"{b.lo}-{b.hi}")
+             for b in DEFAULT_BUCKETS]
+    return ", ".join(parts)
+
+
 def render_model_card(summary: dict[str, Any], scores: str = "To be added by the eval command.",
-                      hardware: str | None = None) -> str:
+                      hardware: str | None = None, lineage: str = "") -> str:
+    """lineage: a paragraph on where an ``--init`` run's starting weights came from."""
     from unmask.tasks import code
 
     cfg, args = summary["config"], summary["args"]
+    if args.get("init") and not lineage:
+        lineage = f"- Started from the weights of `{args['init']}` (`--init`), not from scratch."
     code_frac = float(args.get("code_frac", 0.25))
     return TEMPLATE.read_text().format(
         params=summary["params"], params_m=summary["params"] / 1e6,
@@ -28,6 +39,8 @@ def render_model_card(summary: dict[str, Any], scores: str = "To be added by the
         py_version=platform.python_version(), command=summary["command"],
         weight_decay=args["weight_decay"], lr=args["lr"], grad_clip=args["grad_clip"],
         batch_tokens=args["batch_tokens"], steps=summary["steps"], tokens=summary["tokens"],
+        pad_weight=args.get("pad_weight", 1.0), digit_weight=args.get("digit_weight", 1.0),
+        buckets=_buckets_text(), lineage=lineage,
         train_minutes=summary["train_minutes"],
         hardware=hardware or f"a {os.cpu_count()}-core {platform.machine()} CPU",
         final_train_loss=summary["final_train_loss"], final_heldout_loss=summary["final_heldout_loss"],
@@ -43,9 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("model_dir", help="model folder to write MODEL_CARD.md into")
     ap.add_argument("--hardware", default=None)
     ap.add_argument("--scores", default="To be added by the eval command.")
+    ap.add_argument("--lineage", default="", help="paragraph on the --init weights' own training")
     a = ap.parse_args(argv)
     summary = json.loads((Path(a.run_dir) / "summary.json").read_text())
-    card = render_model_card(summary, a.scores, a.hardware)
+    card = render_model_card(summary, a.scores, a.hardware, a.lineage)
     (Path(a.model_dir) / "MODEL_CARD.md").write_text(card)
     print(f"wrote {Path(a.model_dir) / 'MODEL_CARD.md'}", file=sys.stderr)
 
