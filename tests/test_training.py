@@ -188,6 +188,21 @@ def test_pad_weight(enc: TextEncoder) -> None:
         LossWeights(digit=-1)
 
 
+def test_digit_recall_scores_masked_digits(enc: TextEncoder) -> None:
+    from unmask.training.train import digit_recall
+
+    data = DataStream(enc, batch_tokens=2048, seed=0, code_frac=0.0)
+    batches = [data.next_batch()]
+    digits = enc.digit_ids()
+
+    class Oracle(torch.nn.Module):  # predicts the true token everywhere: recall 1
+        def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.one_hot(batches[0].input_ids, enc.vocab_size).float()
+
+    assert digit_recall(Oracle(), batches, enc.mask_id, digits, torch.device("cpu")) == 1.0
+    assert digit_recall(_tiny_model(enc), batches, enc.mask_id, digits, torch.device("cpu")) < 0.5
+
+
 def _tiny_model(enc: TextEncoder):
     from unmask.models import build_model
 
@@ -214,6 +229,7 @@ def test_run_train_resume_and_init(tok_dir: Path, tmp_path: Path, one_thread: No
     assert s1["steps"] == 3 and (a / "final" / "model.safetensors").is_file()
     s2 = run_train(args("--out", str(a), "--max-steps", "5", "--resume"))
     assert s2["steps"] == 5 and s2["tokens"] > s1["tokens"]  # continued, not restarted
+    assert 0 <= s2["final_digit_recall"] <= 1
 
     b = tmp_path / "b"
     run_train(args("--out", str(b), "--max-steps", "0", "--init", str(a / "final")))
