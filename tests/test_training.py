@@ -255,3 +255,13 @@ def test_model_card_renders_the_run() -> None:
                  "12,345", "| math | 1% |", "`some/model` (`--init`)"):
         assert text in card, text
     assert "{question}" in card and "{" not in card.replace("{question}", "")  # all fields filled
+
+
+def test_parse_buckets() -> None:
+    from unmask.training.train import DEFAULT_BUCKETS, CanvasBucket, parse_buckets
+
+    assert parse_buckets("tight:0-16:0.65,100-320:0.2,321-1024:0.15") == DEFAULT_BUCKETS
+    assert parse_buckets("56-144:0.6") == (CanvasBucket(56, 144, 0.6),)
+    for bad in ("56-144", "a-b:1", "tight:0-4:1", "9-3:1"):
+        with pytest.raises(ValueError, match="bucket|needed"):
+            parse_buckets(bad)

@@ -12,12 +12,14 @@ from typing import Any
 TEMPLATE = Path(__file__).with_name("MODEL_CARD.md.template")
 
 
-def _buckets_text() -> str:
+def _buckets_text(buckets: list[dict[str, Any]] | None) -> str:
+    from dataclasses import asdict
+
     from unmask.training.train import DEFAULT_BUCKETS
 
-    parts = [f"{b.weight:.0%} " + (f"longest answer + {b.lo}-{b.hi} EOS" if b.tight else f"{b.lo}-{b.hi}")
-             for b in DEFAULT_BUCKETS]
-    return ", ".join(parts)
+    bs = buckets if buckets is not None else [asdict(b) for b in DEFAULT_BUCKETS]
+    return ", ".join(f"{b['weight']:.0%} " + (f"longest answer + {b['lo']}-{b['hi']} EOS" if b.get("tight")
+                                              else f"{b['lo']}-{b['hi']}") for b in bs)
 
 
 def render_model_card(summary: dict[str, Any], scores: str = "To be added by the eval command.",
@@ -40,7 +42,7 @@ def render_model_card(summary: dict[str, Any], scores: str = "To be added by the
         weight_decay=args["weight_decay"], lr=args["lr"], grad_clip=args["grad_clip"],
         batch_tokens=args["batch_tokens"], steps=summary["steps"], tokens=summary["tokens"],
         pad_weight=args.get("pad_weight", 1.0), digit_weight=args.get("digit_weight", 1.0),
-        buckets=_buckets_text(), lineage=lineage,
+        buckets=_buckets_text(args.get("buckets")), lineage=lineage,
         train_minutes=summary["train_minutes"],
         hardware=hardware or f"a {os.cpu_count()}-core {platform.machine()} CPU",
         final_train_loss=summary["final_train_loss"], final_heldout_loss=summary["final_heldout_loss"],

@@ -64,6 +64,26 @@ class CanvasBucket:
 # Mostly tight (where the answers are) but reaching 1024 so gen_length 256/512/1024 all work.
 DEFAULT_BUCKETS = (CanvasBucket(0, 16, 0.65, tight=True), CanvasBucket(100, 320, 0.20),
                    CanvasBucket(321, 1024, 0.15))
+# What the shipped model (first run) was trained with: `--buckets 56-144:0.6,145-384:0.27,385-1024:0.13`.
+
+
+def parse_buckets(spec: str) -> tuple[CanvasBucket, ...]:
+    """``LO-HI:WEIGHT[,...]``; prefix ``tight:`` for extra EOS after the batch's longest answer,
+    e.g. ``tight:0-16:0.65,100-320:0.2,321-1024:0.15`` (the default)."""
+    out = []
+    for part in spec.split(","):
+        fields = part.strip().split(":")
+        tight = fields[0] == "tight"
+        try:
+            lo_hi, weight = fields[1:] if tight else fields
+            lo, hi = (int(v) for v in lo_hi.split("-"))
+            out.append(CanvasBucket(lo, hi, float(weight), tight=tight))
+        except ValueError as e:
+            raise ValueError(f"bad canvas bucket {part!r} in {spec!r}: want [tight:]LO-HI:WEIGHT "
+                             f"({e})") from e
+    if not any(not b.tight for b in out):
+        raise ValueError(f"{spec!r}: at least one fixed LO-HI bucket is needed (it caps answer length)")
+    return tuple(out)
 
 
 @dataclass
@@ -304,6 +324,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--code-frac", type=float, default=0.25)
+    g.add_argument("--buckets", type=parse_buckets, default=DEFAULT_BUCKETS,
+                   help="canvas lengths per batch, [tight:]LO-HI:WEIGHT,... "
+                        "(default tight:0-16:0.65,100-320:0.2,321-1024:0.15)")
     g.add_argument("--pad-weight", type=float, default=0.1,
                    help="loss weight of EOS padding after the answer's own EOS (1 = LLaDA's)")
     g.add_argument("--digit-weight", type=float, default=5.0,
@@ -386,7 +409,10 @@ def digit_recall(model: nn.Module, batches: list[Batch], mask_id: int, digit_ids
 
 def _args_dict(args: argparse.Namespace) -> dict[str, Any]:
     """The run's arguments without the CLI's dispatch function (not JSON, not a setting)."""
-    return {k: v for k, v in vars(args).items() if not callable(v)}
+    out = {k: v for k, v in vars(args).items() if not callable(v)}
+    if "buckets" in out:
+        out["buckets"] = [asdict(b) for b in out["buckets"]]
+    return out
 
 
 def _atomic_save(obj: Any, path: Path) -> None:
@@ -447,9 +473,10 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, args)
-    data = DataStream(enc, code_frac=args.code_frac, batch_tokens=args.batch_tokens, seed=args.seed)
+    data = DataStream(enc, code_frac=args.code_frac, batch_tokens=args.batch_tokens,
+                      buckets=args.buckets, seed=args.seed)
     eval_data = DataStream(enc, split="heldout", code_frac=args.code_frac,
-                           batch_tokens=args.batch_tokens, seed=args.seed)
+                           batch_tokens=args.batch_tokens, buckets=args.buckets, seed=args.seed)
     eval_batches = [eval_data.next_batch() for _ in range(args.eval_batches)]
     gen = torch.Generator(device=device).manual_seed(args.seed)
 
