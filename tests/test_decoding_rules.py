@@ -61,7 +61,8 @@ class FakeModel(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         return torch.zeros(*input_ids.shape, self.config.d_model)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, cache=None, embeds=None) -> Tensor:
+    def forward(self, input_ids: Tensor, position_ids: Tensor, cache=None, embeds=None,
+                logits_at: tuple[Tensor, Tensor] | None = None) -> Tensor:
         ok = cache.key_mask if cache is not None and cache.key_mask is not None else \
             torch.ones_like(input_ids, dtype=torch.bool)
         self.calls.append((input_ids.clone(), position_ids.clone(), ok.clone()))
@@ -69,7 +70,7 @@ class FakeModel(nn.Module):
         for r in range(input_ids.shape[0]):
             k = ok[r]
             out[r, k] = self.fn(input_ids[r, k], position_ids[r, k])
-        return out
+        return out if logits_at is None else out[logits_at]
 
 
 def decode(fn: LogitFn, spec: str, prompts: list[list[int]], gen_length: int = 16,
