@@ -175,12 +175,14 @@ class DataStream:
                 size += len(p) + len(r) + extra
             pool.sort(key=lambda pr: len(pr[1]))
             batch: list[tuple[list[int], list[int]]] = []
+            longest_p = 0
             for p, r in pool:  # ascending length: the newest row is the longest
-                cost = (len(batch) + 1) * (max(len(q) for q, _ in [*batch, (p, r)]) + len(r) + extra)
+                cost = (len(batch) + 1) * (max(longest_p, len(p)) + len(r) + extra)
                 if batch and (cost > self.batch_tokens or len(batch) >= self.max_batch):
                     queue.append(batch)
-                    batch = []
+                    batch, longest_p = [], 0
                 batch.append((p, r))
+                longest_p = max(longest_p, len(p))
             queue.append(batch)
             self.rng.shuffle(queue)
         pairs = queue.pop()
