@@ -131,7 +131,8 @@ class DataStream:
         self._tight_queue: dict[bool, list[list[tuple[list[int], list[int]]]]] = {}
         self._math = math_task
         # Code examples are few (thousands): tokenize once. Drop the ones too long for any canvas.
-        max_canvas = max(b.hi for b in buckets if not b.tight)
+        # The longest fixed canvas also caps the answers a tight batch may hold.
+        self.max_canvas = max_canvas = max(b.hi for b in buckets if not b.tight)
         self.code: list[tuple[list[int], list[int]]] = []
         if code_frac > 0:
             pairs = [(enc.prompt(c.prompt), enc.response(c.response))
@@ -167,10 +168,9 @@ class DataStream:
         queue = self._tight_queue.setdefault(is_code, [])
         extra = extra_range[1]  # batches are sized for the most extra EOS they can get
         if not queue:
-            max_resp = max(b.hi for b in self.buckets if not b.tight)
             pool, size = [], 0
             while size < 16 * self.batch_tokens:
-                p, r = self._example(max_resp, is_code)
+                p, r = self._example(self.max_canvas, is_code)
                 pool.append((p, r))
                 size += len(p) + len(r) + extra
             pool.sort(key=lambda pr: len(pr[1]))
