@@ -203,6 +203,45 @@ def test_digit_recall_scores_masked_digits(enc: TextEncoder) -> None:
     assert digit_recall(_tiny_model(enc), batches, enc.mask_id, digits, torch.device("cpu")) < 0.5
 
 
+class _Writer(torch.nn.Module):
+    """Stands in for a model: at every scored position it predicts the token of ``answers[q]`` for
+    the prompt q the row starts with (without a cache the runner forwards only visible slots, so
+    left padding never reaches the model), then EOS. Enough of the model interface for decoding."""
+
+    logit_shift = 0
+
+    def __init__(self, enc: TextEncoder, answers: dict[tuple[int, ...], list[int]]) -> None:
+        super().__init__()
+        self.enc, self.answers = enc, answers
+        self.config = argparse.Namespace(vocab_size=enc.vocab_size)
+        self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, ids, pos, cache=None, embeds=None, logits_at=None):
+        rows, cols = logits_at
+        out = torch.full((rows.numel(), self.enc.vocab_size), -10.0)
+        for n, (r, c) in enumerate(zip(rows.tolist(), cols.tolist(), strict=True)):
+            prompt = next(q for q in self.answers if ids[r, : len(q)].tolist() == list(q))
+            resp = self.answers[prompt]
+            i = int(pos[r, c]) - len(prompt)
+            out[n, resp[i] if i < len(resp) else self.enc.eos_id] = 10.0
+        return out
+
+
+def test_solve_rate_decodes_and_checks(enc: TextEncoder, one_thread: None) -> None:
+    from unmask.tasks.math import make_split
+    from unmask.training.train import solve_rate
+
+    probs = [p for p in make_split("heldout", 40, seed=0) if p.family == "add"][:2]
+    assert len(probs) == 2
+    right = {tuple(enc.prompt(p.prompt)): enc.response(p.response) for p in probs}
+    assert solve_rate(_Writer(enc, right), enc, probs, gen_length=192) == 1.0
+    # The same worked solutions with the final answer off by one: nothing is solved.
+    wrong = {tuple(enc.prompt(p.prompt)): enc.response(p.response.rsplit(" ", 1)[0]
+                                                       + f" {int(p.answer) + 1}") for p in probs}
+    assert solve_rate(_Writer(enc, wrong), enc, probs, gen_length=192) == 0.0
+    assert solve_rate(_tiny_model(enc), enc, probs, gen_length=64) == 0.0
+
+
 def _tiny_model(enc: TextEncoder):
     from unmask.models import build_model
 
