@@ -14,7 +14,15 @@ from unmask.tasks import TASKS
 from unmask.tasks import code as code_task
 from unmask.tasks import math as math_task
 from unmask.training.tokenizer import BOS, EOS, MASK, SPECIAL_TOKENS, build_tokenizer, save_tokenizer
-from unmask.training.train import DataStream, TextEncoder, _model_config, mask_batch, sft_loss
+from unmask.training.train import (
+    SEMI_AR_BLOCK,
+    CanvasBucket,
+    DataStream,
+    TextEncoder,
+    _model_config,
+    mask_batch,
+    sft_loss,
+)
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +194,34 @@ def test_pad_weight(enc: TextEncoder) -> None:
     assert not torch.allclose(l1, l3)
     with pytest.raises(ValueError):
         LossWeights(digit=-1)
+
+
+def test_semi_ar_masks_follow_the_decoding_canvas(enc: TextEncoder) -> None:
+    """semi_ar=1: clean response before a block-aligned cut, nothing clean after the block,
+    p_mask 1 after it, prompt never masked; semi_ar=0 leaves LLaDA's masks untouched."""
+    data = DataStream(enc, batch_tokens=4096, seed=3, code_frac=0.0,
+                      buckets=(CanvasBucket(100, 320, 1.0),))
+    cuts = set()
+    for seed in range(4):
+        b = data.next_batch()
+        _, masked, p_mask = mask_batch(b, enc.mask_id, torch.Generator().manual_seed(seed), semi_ar=1.0)
+        t_len = b.input_ids.shape[1]
+        assert not bool((masked & b.prompt_mask).any())
+        for r in range(b.input_ids.shape[0]):
+            start = t_len - int(b.response_len[r])
+            first = int(masked[r].float().argmax())
+            cut = start + (first - start) // SEMI_AR_BLOCK * SEMI_AR_BLOCK
+            assert bool(masked[r, cut + SEMI_AR_BLOCK :].all())
+            assert not bool(masked[r, start:cut].any())
+            assert bool((p_mask[r, cut + SEMI_AR_BLOCK :] == 1).all())
+            assert cut - start < int(b.answer_len[r])  # the block holds answer tokens
+            cuts.add(cut - start)
+        plain = mask_batch(b, enc.mask_id, torch.Generator().manual_seed(seed))
+        mixed = mask_batch(b, enc.mask_id, torch.Generator().manual_seed(seed), semi_ar=0.0)
+        assert all(torch.equal(x, y) for x, y in zip(plain, mixed, strict=True))
+    assert len(cuts) > 1  # cuts vary
+    with pytest.raises(ValueError):
+        mask_batch(b, enc.mask_id, semi_ar=1.5)
 
 
 def test_digit_recall_scores_masked_digits(enc: TextEncoder) -> None:

@@ -217,15 +217,40 @@ class DataStream:
 
 # ------------------------------------------------------------------------------------ loss
 
+SEMI_AR_BLOCK = 32  # the block length decoding uses by default (DESIGN section 2)
+
 
 def mask_batch(batch: Batch, mask_id: int, gen: torch.Generator | None = None,
-               eps: float = 1e-3) -> tuple[Tensor, Tensor, Tensor]:
-    """LLaDA forward process on the response: returns (noisy ids, masked bool, p_mask (B,T))."""
+               eps: float = 1e-3, semi_ar: float = 0.0,
+               block: int = SEMI_AR_BLOCK) -> tuple[Tensor, Tensor, Tensor]:
+    """LLaDA forward process on the response: returns (noisy ids, masked bool, p_mask (B,T)).
+
+    With ``semi_ar`` > 0, that share of rows is masked the way semi-autoregressive decoding sees
+    its canvas: the response before a block-aligned cut is clean, the block of ``block``
+    positions after it is masked at rate t, everything after the block is masked (p_mask 1).
+    Why: under uniform masking a result like ``7+8+0=15`` almost always has a visible copy
+    (``write 5``, ``= 85``, ``#### 85``), so the model learns to copy results, not to compute
+    them from what precedes; decoding never shows it those copies.
+    """
+    if not 0.0 <= semi_ar <= 1.0:
+        raise ValueError(f"semi_ar is a share of rows in [0, 1], got {semi_ar}")
     ids = batch.input_ids
     b, t_len = ids.shape
-    t = torch.rand(b, generator=gen, device=ids.device)
+    dev = ids.device
+    t = torch.rand(b, generator=gen, device=dev)
     p_mask = ((1 - eps) * t + eps)[:, None].expand(b, t_len)
-    masked = (torch.rand(b, t_len, generator=gen, device=ids.device) < p_mask) & ~batch.prompt_mask
+    masked = (torch.rand(b, t_len, generator=gen, device=dev) < p_mask) & ~batch.prompt_mask
+    if semi_ar > 0:
+        rows = torch.rand(b, generator=gen, device=dev) < semi_ar  # (B,)
+        start = t_len - batch.response_len  # (B,) first response position
+        answer = batch.response_len if batch.answer_len is None else batch.answer_len
+        n_blocks = (answer - 1) // block + 1  # (B,) blocks holding answer tokens
+        k = (torch.rand(b, generator=gen, device=dev) * n_blocks).long()  # (B,) in [0, n_blocks)
+        cut = (start + k * block)[:, None]  # (B, 1)
+        j = torch.arange(t_len, device=dev)[None, :]  # (1, T)
+        after = (j >= cut + block) & rows[:, None]  # (B, T)
+        masked = torch.where(rows[:, None], (j >= cut) & (masked | after), masked)
+        p_mask = torch.where(after, torch.ones_like(p_mask), p_mask)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     return noisy, masked, p_mask
 
@@ -266,10 +291,10 @@ def position_weights(batch: Batch, weights: LossWeights = LossWeights()) -> Tens
 
 
 def sft_loss(model: nn.Module, batch: Batch, mask_id: int, gen: torch.Generator | None = None,
-             weights: LossWeights = LossWeights()) -> Tensor:
+             weights: LossWeights = LossWeights(), semi_ar: float = 0.0) -> Tensor:
     """LLaDA SFT loss: per row, sum of w * CE / p_mask over masked positions divided by the
     row's total weight (= response length with the default weights); mean over the batch."""
-    noisy, masked, p_mask = mask_batch(batch, mask_id, gen)
+    noisy, masked, p_mask = mask_batch(batch, mask_id, gen, semi_ar=semi_ar)
     b, t_len = noisy.shape
     pos = torch.arange(t_len, device=noisy.device).expand(b, t_len)
     logits = model(noisy, pos)  # (B, T, V)
@@ -333,6 +358,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="loss weight of EOS padding after the answer's own EOS (1 = LLaDA's)")
     g.add_argument("--digit-weight", type=float, default=5.0,
                    help="loss weight of digit tokens in responses (1 = LLaDA's)")
+    g.add_argument("--semi-ar", type=float, default=0.0,
+                   help="share of rows masked as semi-AR decoding sees them: clean prefix, "
+                        "masked block, masked rest (0 = LLaDA's uniform masking only)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int, default=200, help="steps between held-out losses")
     g.add_argument("--eval-batches", type=int, default=8)
@@ -588,7 +616,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             for g in opt.param_groups:
                 g["lr"] = lr
             batch = batch_to(data.next_batch(), device)
-            loss = sft_loss(model, batch, config.mask_token_id, gen, weights)
+            loss = sft_loss(model, batch, config.mask_token_id, gen, weights, args.semi_ar)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = float(nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
