@@ -330,6 +330,12 @@ def test_model_card_renders_the_run() -> None:
                  "12,345", "| math | 1% |", "`some/model` (`--init`)"):
         assert text in card, text
     assert "{question}" in card and "{" not in card.replace("{question}", "")  # all fields filled
+    assert "--semi-ar" not in card
+    summary["args"] = {**args, "semi_ar": 0.5}
+    summary.update(final_digit_recall=0.9, final_solve_rate=0.25)
+    card = render_model_card(summary)
+    assert "50% of rows are instead masked as semi-autoregressive" in card
+    assert "0.9" in card and "0.25" in card
 
 
 def test_parse_buckets() -> None:

@@ -46,8 +46,20 @@ def render_model_card(summary: dict[str, Any], scores: str = "To be added by the
         train_minutes=summary["train_minutes"],
         hardware=hardware or f"a {os.cpu_count()}-core {platform.machine()} CPU",
         final_train_loss=summary["final_train_loss"], final_heldout_loss=summary["final_heldout_loss"],
-        scores=scores,
+        scores=scores, semi_ar_text=_semi_ar_text(float(args.get("semi_ar", 0.0))),
+        final_digit_recall=summary.get("final_digit_recall", "n/a"),
+        final_solve_rate=summary.get("final_solve_rate", "n/a"), solve_n=args.get("solve_n", "n/a"),
     )
+
+
+def _semi_ar_text(share: float) -> str:
+    if share <= 0:
+        return ""
+    from unmask.training.train import SEMI_AR_BLOCK
+
+    return (f"\n  {share:.0%} of rows are instead masked as semi-autoregressive decoding sees its "
+            f"canvas\n  (`--semi-ar`): clean response before a cut at a {SEMI_AR_BLOCK}-token block "
+            "boundary, the block after it\n  masked at rate t, everything after the block masked.")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -230,7 +230,9 @@ def mask_batch(batch: Batch, mask_id: int, gen: torch.Generator | None = None,
     positions after it is masked at rate t, everything after the block is masked (p_mask 1).
     Why: under uniform masking a result like ``7+8+0=15`` almost always has a visible copy
     (``write 5``, ``= 85``, ``#### 85``), so the model learns to copy results, not to compute
-    them from what precedes; decoding never shows it those copies.
+    them from what precedes; decoding never shows it those copies. Measured: from the same
+    d128 weights, 30 minutes each side by side, held-out solve rate 7/104 with semi_ar 0.5 vs
+    1/104 without (the default since).
     """
     if not 0.0 <= semi_ar <= 1.0:
         raise ValueError(f"semi_ar is a share of rows in [0, 1], got {semi_ar}")
@@ -358,7 +360,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="loss weight of EOS padding after the answer's own EOS (1 = LLaDA's)")
     g.add_argument("--digit-weight", type=float, default=5.0,
                    help="loss weight of digit tokens in responses (1 = LLaDA's)")
-    g.add_argument("--semi-ar", type=float, default=0.0,
+    g.add_argument("--semi-ar", type=float, default=0.5,
                    help="share of rows masked as semi-AR decoding sees them: clean prefix, "
                         "masked block, masked rest (0 = LLaDA's uniform masking only)")
     g = p.add_argument_group("evaluation and checkpoints")
