@@ -563,7 +563,10 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         console.print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min)")
     (out / "args.json").write_text(json.dumps(_args_dict(args), indent=2) + "\n")
     prog = "python -m unmask.training" if sys.argv[0].endswith("__main__.py") else "unmask train"
-    command = " ".join([prog, *sys.argv[1:]])
+    argv = sys.argv[1:]
+    if prog == "unmask train" and argv[:1] == ["train"]:
+        argv = argv[1:]  # the subcommand is already in `prog`
+    command = " ".join([prog, *argv])
     console.print(f"model: {n_params / 1e6:.2f}M params, config {asdict(config)}; device {device}")
 
     def progress_of() -> float:
