@@ -30,6 +30,8 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -404,12 +406,23 @@ def _optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimi
 
 
 @torch.no_grad()
+@contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """Eval mode for the block, then the mode the model had before."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()  # evaluation only: no autograd graph
 def heldout_loss(model: nn.Module, batches: list[Batch], mask_id: int, device: torch.device,
                  weights: LossWeights = LossWeights()) -> float:
-    model.eval()
     gen = torch.Generator(device=device).manual_seed(1234)  # same masks every evaluation
-    total = sum(float(sft_loss(model, batch_to(b, device), mask_id, gen, weights)) for b in batches)
-    model.train()
+    with _evaluating(model):
+        total = sum(float(sft_loss(model, batch_to(b, device), mask_id, gen, weights)) for b in batches)
     return total / len(batches)
 
 
@@ -425,7 +438,6 @@ def digit_recall(model: nn.Module, batches: list[Batch], mask_id: int, digit_ids
     """
     if not digit_ids:
         return float("nan")
-    model.eval()
     gen = torch.Generator(device="cpu").manual_seed(4321)
     digits = torch.tensor(digit_ids)
     hit = total = 0
@@ -436,10 +448,10 @@ def digit_recall(model: nn.Module, batches: list[Batch], mask_id: int, digit_ids
             continue
         noisy = torch.where(target, torch.full_like(ids, mask_id), ids).to(device)
         pos = torch.arange(ids.shape[1], device=device).expand_as(noisy)
-        pred = model(noisy, pos).argmax(-1).cpu()
+        with _evaluating(model):
+            pred = model(noisy, pos).argmax(-1).cpu()
         hit += int((pred[target] == ids[target]).sum())
         total += int(target.sum())
-    model.train()
     return hit / total if total else float("nan")
 
 
@@ -462,13 +474,9 @@ def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: i
         return float("nan")
     params = DecodeParams.parse("static-1,early_exit=true", gen_length=gen_length,
                                 block_length=block_length)
-    was_training = model.training
-    model.eval()
-    try:
+    with _evaluating(model):
         results = Decoder(model, params, enc.mask_id, enc.eos_id).generate(
             [enc.prompt(p.prompt) for p in problems])
-    finally:
-        model.train(was_training)
     solved = 0
     for p, r in zip(problems, results, strict=True):
         text = enc.tok.decode(r.token_ids[: useful_length(r.token_ids, enc.eos_id)])
