@@ -15,7 +15,7 @@ import torch
 from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, peaky_model  # noqa: E402
 
 from unmask.caching import POLICIES, StepView
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, SpecError
 from unmask.engine import runner as runner_mod
 from unmask.engine.decoder import Decoder, DecodeResult
 from unmask.kv import Frame, KVStore
@@ -364,3 +364,72 @@ def test_dual_token_forwards_exact(kind: str) -> None:
         lo = full * (len(prompt) + GEN) + (GEN - full) * BLOCK
         assert lo <= r.token_forwards <= lo + (GEN - full) * (kind == "Dream")
     assert math.isclose(len(spy.calls), GEN)
+
+
+# --- (e) block_recompute=masked ------------------------------------------------------------------
+class StaleSpy:
+    """Counts, over every Runner.forward, the store slots a row attends to and how many of them
+    hold K/V computed from a token other than the one now at that slot."""
+
+    def __init__(self) -> None:
+        self.reads = self.stale_reads = 0
+
+    def __enter__(self) -> StaleSpy:
+        self.inner = runner_mod.Runner.forward
+        spy = self
+
+        def forward(self, x, pad, visible, active, predict, refresh, store, *args, **kwargs):
+            if store is not None:
+                read = visible & ~active & store.valid & ~refresh[:, None]
+                spy.reads += int(read.sum())
+                spy.stale_reads += int((read & (store.token != x)).sum())
+            return spy.inner(self, x, pad, visible, active, predict, refresh, store, *args,
+                             **kwargs)
+
+        runner_mod.Runner.forward = forward
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        runner_mod.Runner.forward = self.inner
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("decoder", list(DECODERS))
+@pytest.mark.parametrize("policy", ["prefix", "dual", "entropy,recent_k=0", "entropy"])
+def test_masked_block_never_reads_stale_kv(kind: str, decoder: str, policy: str) -> None:
+    """block_recompute=masked leaves committed block slots to the store, but only once they have
+    been recomputed with their token: no row ever attends to a committed slot's [MASK] K/V."""
+    model = tiny_model(kind)
+    with StaleSpy() as spy:
+        out = decode(model, f"{DECODERS[decoder]},cache={policy},block_recompute=masked")
+    assert spy.reads > 0
+    assert spy.stale_reads == 0
+    for r in out:
+        assert len(r.token_ids) == GEN and MASK not in r.token_ids
+
+
+def test_whole_block_with_recent0_reads_stale_kv() -> None:
+    """The spy above can fail: with the papers' whole-block recompute and recent_k=0, the slots a
+    block's last step commits are read later with the K/V they had as [MASK]."""
+    model = tiny_model("llada")
+    with StaleSpy() as spy:
+        decode(model, "threshold,threshold=0.3,cache=entropy,entropy_tau=inf,recent_k=0")
+    assert spy.stale_reads > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("policy", ["prefix", "dual", "entropy"])
+def test_masked_block_forwards_fewer_tokens(kind: str, policy: str) -> None:
+    """static-1 commits one slot per step, so from a block's second step on the masked variant
+    forwards the block's masked slots plus the one just committed instead of the whole block."""
+    model = tiny_model(kind)
+    every = decode(model, f"static-1,cache={policy},entropy_tau=inf")
+    masked = decode(model, f"static-1,cache={policy},entropy_tau=inf,block_recompute=masked")
+    for a, b in zip(every, masked, strict=True):
+        assert a.nfe == b.nfe == GEN
+        assert b.token_forwards < a.token_forwards
+
+
+def test_block_recompute_is_validated() -> None:
+    with pytest.raises(SpecError, match="block_recompute"):
+        DecodeParams.parse("threshold,cache=dual,block_recompute=some")

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unmask.decoding.params import DecodeParams
+from unmask.engine import runner as runner_mod
 from unmask.engine.decoder import Decoder, DecodeResult
 
 VOCAB, MASK, EOS = 64, 63, 1
@@ -158,7 +159,7 @@ def test_freedave_early_exit(shape: dict, eos_rank: int) -> None:
         assert o.nfe <= r.nfe
 
 
-EARLY_EXIT_CASE = dict(kind="llada", seed=0, eos=50, prompt=[37, 32])  # static-1 stops after 2 forwards
+EARLY_EXIT_CASE = dict(kind="llada", seed=0, eos=50, prompt=[37, 32])  # static-1 stops early
 
 
 def _early_exit_case(spec: str) -> DecodeResult:
@@ -182,6 +183,29 @@ def test_freedave_early_exit_token_identical(k: int) -> None:
     ref = _early_exit_case("static-1,early_exit=true")
     out = _early_exit_case(f"freedave,early_exit=true,draft_steps={k}")
     assert out.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("spec", ["static-1", "threshold,threshold=0.5", "static,steps=8",
+                                  "freedave,draft_steps=4", "freedave++,draft_steps=4"])
+def test_early_exit_never_forwards_a_finished_canvas(spec: str, monkeypatch) -> None:
+    """A canvas committed up to an EOS stops whatever a forward would predict, so none is made
+    (it cost a whole block of token-forwards per answer)."""
+    c = EARLY_EXIT_CASE
+    seen: list[torch.Tensor] = []
+    inner = runner_mod.Runner.forward
+
+    def forward(self, x, *args, **kwargs):
+        seen.append(x.clone())
+        return inner(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(runner_mod.Runner, "forward", forward)
+    out = _early_exit_case(f"{spec},early_exit=true")
+    assert out.nfe < 16 and MASK not in out.token_ids
+    p = len(c["prompt"])
+    for x in seen:
+        for row in x[:, p:].tolist():
+            first_mask = row.index(MASK)
+            assert c["eos"] not in row[:first_mask]
 
 
 # --- one batched forward per iteration ----------------------------------------------------------

@@ -221,6 +221,26 @@ def test_decay_middle_picks_exactly_n() -> None:
         assert count == min(8, width), (end, width)
 
 
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_grid_middle_stays_put_as_the_block_moves(n: int) -> None:
+    """grid: the middle slots kept at a later block are exactly the earlier block's picks that
+    are still in the middle (so a K/V store already holds them); all n while the middle spans
+    the grid, never more."""
+    params = DecodeParams(suffix="structured", suffix_local=4, suffix_middle=n, suffix_tail=4,
+                          suffix_rule="grid", gen_length=128, block_length=8)
+    s = 140
+    first = None
+    for end in range(12, s + 1, 8):
+        count, width, keep = _middle_count(params, s, end)
+        lo, hi = end + params.suffix_local, s - params.suffix_tail
+        picks = set(range(lo, hi)) & set(keep.nonzero().flatten().tolist())
+        assert count <= min(n, width)
+        if first is None:
+            first = picks
+            assert count == n  # the first block sits below the whole grid
+        assert picks == {p for p in first if lo <= p < hi}, end
+
+
 # --- no commit from a prediction the forward did not make ---------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("decoder", ["static-1", "threshold", "freedave", "freedave++"])
@@ -263,7 +283,7 @@ def test_commits_come_from_the_forward(kind: str, decoder: str, cache: str, inje
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("cache", list(POLICIES))
 @pytest.mark.parametrize("suffix", [SMALL, SMALL + ",inject=0.5", SMALL + ",suffix_rule=decay",
-                                    "suffix=window,suffix_local=3"])
+                                    SMALL + ",suffix_rule=grid", "suffix=window,suffix_local=3"])
 def test_suffix_with_every_cache(kind: str, cache: str, suffix: str) -> None:
     model = tiny_model(kind)
     ref = decode(model, f"static-1,cache={cache},{suffix}")

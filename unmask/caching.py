@@ -13,6 +13,11 @@ K/V store (unmask.kv). The model and the decoding rules know nothing of this.
   when the maximum entropy of the tokens committed by the last step exceeds `entropy_tau`, the
   step is a full refresh (and, optionally, at each block start). The decision is O(V) per step:
   the entropies come with the logits that committed those tokens.
+
+`block_recompute` says what "the block" means for prefix, dual and entropy: `all` (the papers:
+every slot of the current block, every step) or `masked` (only its still-masked slots, plus any
+slot whose stored K/V predates its commit, so a committed token is recomputed at least once and
+then read from the store like the rest of the context).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class StepView:
     new_entropy: Tensor  # (R,) max entropy of the tokens the last step committed (-inf: none)
     commit_step: Tensor  # (R, S) step at which each slot was committed (-1: never / prompt)
     store_block: Tensor  # (R,) block_start the row's K/V store was last fully refreshed at (-1)
+    masked: Tensor  # (R, S) bool slots still [MASK]
+    stale: Tensor  # (R, S) bool slots whose stored K/V was computed from another token
 
     @property
     def in_block(self) -> Tensor:  # (R, S)
@@ -56,6 +63,12 @@ class CachePolicy:
     def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    def block(self, v: StepView) -> Tensor:
+        """(R, S) the part of the current block a non-refresh step recomputes."""
+        if self.params.block_recompute == "all":
+            return v.in_block
+        return (v.in_block & v.masked) | v.stale
+
 
 class NoCache(CachePolicy):
     uses_store = False
@@ -66,12 +79,12 @@ class NoCache(CachePolicy):
 
 class PrefixCache(CachePolicy):
     def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
-        return v.block_changed, v.slots >= v.block_start[:, None]
+        return v.block_changed, self.block(v) | (v.slots >= v.block_end[:, None])
 
 
 class DualCache(CachePolicy):
     def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
-        return v.block_changed, v.in_block
+        return v.block_changed, self.block(v)
 
 
 class EntropyCache(CachePolicy):
@@ -80,7 +93,7 @@ class EntropyCache(CachePolicy):
         refresh = (v.new_entropy > p.entropy_tau) | (v.store_block < 0)
         if p.refresh_on_block:
             refresh |= v.block_changed
-        recompute = v.in_block
+        recompute = self.block(v)
         if p.recent_k > 0:
             # The recent_k most recently committed slots: volatility persists after unmasking.
             recency = v.commit_step.masked_fill(v.commit_step < 0, -1).float()

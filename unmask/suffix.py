@@ -4,9 +4,10 @@
 - window: only the first `suffix_local` positions after the block (the prior approach).
 - structured: local (first `suffix_local` after the block), tail (last `suffix_tail` of the
   canvas) and `suffix_middle` positions of the middle chosen by a deterministic rule (`even`:
-  evenly spaced; `decay`: denser near the block). Dropped positions are left out of the forward
-  entirely; kept ones keep their true position ids. With `inject` > 0 a kept position's input
-  embedding carries the previous step's prediction: e = E[mask] + inject * (E[pred] - E[mask]).
+  evenly spaced; `decay`: denser near the block; `grid`: fixed slots, see `_grid`). Dropped
+  positions are left out of the forward entirely; kept ones keep their true position ids. With
+  `inject` > 0 a kept position's input embedding carries the previous step's prediction:
+  e = E[mask] + inject * (E[pred] - E[mask]).
 """
 
 from __future__ import annotations
@@ -32,8 +33,21 @@ def keep_mask(params: DecodeParams, slots: Tensor, block_end: Tensor) -> Tensor:
     tail_start = max(n_slots - params.suffix_tail, 0)
     keep = keep | (slots[None, :] >= tail_start)
     if params.suffix_middle > 0:
-        keep = keep | _middle(params, slots, local_end.squeeze(1), tail_start)
+        rule = _grid if params.suffix_rule == "grid" else _middle
+        keep = keep | rule(params, slots, local_end.squeeze(1), tail_start)
     return keep
+
+
+def _grid(params: DecodeParams, slots: Tensor, mid_start: Tensor, mid_end: int) -> Tensor:
+    """The middle's share of a fixed grid: slots mid_end-1, mid_end-1-stride, ... (N_mid of
+    them, stride = mid_end // N_mid). The picks do not move with the block, so a K/V cache keeps
+    them from one block to the next instead of computing new ones; the price is that fewer
+    than N_mid remain as the block advances into the grid."""
+    n = params.suffix_middle
+    stride = max(mid_end // n, 1)
+    back = mid_end - 1 - slots[None, :]  # (1, S) distance below the tail
+    on_grid = (back >= 0) & (back % stride == 0) & (back < n * stride)
+    return on_grid & (slots[None, :] >= mid_start[:, None])
 
 
 def _middle(params: DecodeParams, slots: Tensor, mid_start: Tensor, mid_end: int) -> Tensor:

@@ -16,7 +16,8 @@ METHODS = ("static", "static-1", "threshold", "freedave", "freedave++")
 REMASKING = ("low_confidence", "maskgit_plus", "topk_margin", "entropy", "random")
 CACHES = ("none", "prefix", "dual", "entropy")
 SUFFIXES = ("full", "window", "structured")
-MIDDLE_RULES = ("even", "decay")
+BLOCK_RECOMPUTE = ("all", "masked")
+MIDDLE_RULES = ("even", "decay", "grid")
 
 
 class SpecError(ValueError):
@@ -52,6 +53,7 @@ class DecodeParams:
     entropy_tau: float = 3.0
     recent_k: int = 4
     refresh_on_block: bool = False
+    block_recompute: str = "all"  # all | masked: see unmask.caching
     # suffix policy (unmask.suffix)
     suffix: str = "full"
     suffix_local: int = 32
@@ -67,6 +69,7 @@ class DecodeParams:
         _choice("remasking", self.remasking, REMASKING)
         _choice("cache", self.cache, CACHES)
         _choice("suffix", self.suffix, SUFFIXES)
+        _choice("block_recompute", self.block_recompute, BLOCK_RECOMPUTE)
         _choice("suffix_rule", self.suffix_rule, MIDDLE_RULES)
         if self.gen_length <= 0:
             raise SpecError(f"gen_length must be a positive integer, got {self.gen_length}")

@@ -87,7 +87,11 @@ class Decoder:
         self._finish(t0)
         while not bool(self.done.all()):
             drafts = self._draft()
-            need = (drafts.x[:, self.P :] == self.mask_id).any(-1)  # complete drafts need no call
+            # Complete drafts need no call, nor (with early exit) drafts committed up to an EOS:
+            # the row stops there whatever the forward would predict.
+            need = (drafts.x[:, self.P :] == self.mask_id).any(-1)
+            if self.params.early_exit:
+                need &= ~self._exit_ready(drafts.x)
             fw = self._forward(drafts, need)
             self._count(drafts, fw, need)
             chosen = self._verify(drafts, fw, need)
@@ -165,8 +169,11 @@ class Decoder:
         start, end = self._blocks(x)
         step = self.step[parent]
         commit_step = torch.where(d.added, step[:, None], self.commit_step[parent])
+        masked = x == self.mask_id
+        # Slots whose stored K/V was computed from another token (committed since): [MASK] K/V.
+        stale = (self.store.token[parent] != x) if self.store is not None else torch.zeros_like(masked)
         view = StepView(self.slots, start, end, d.new_entropy, commit_step,
-                        self.store_block[parent])
+                        self.store_block[parent], masked, stale)
         visible = (self.slots >= self.pad[parent][:, None]) & keep_mask(self.params, self.slots, end)
         refresh, recompute = self.cache.plan(view)
         store = None
@@ -180,7 +187,7 @@ class Decoder:
                     (parent == torch.arange(parent.numel(), device=parent.device)).all())
                 # One draft per row reads the store in place; several drafts need their own rows.
                 store = self.store if same else self.store.rows(parent)
-        masked = (x == self.mask_id) & visible
+        masked = masked & visible
         predict = masked & view.in_block
         if self.params.inject > 0:
             predict |= masked & active & (self.slots >= end[:, None])
@@ -265,7 +272,8 @@ class Decoder:
         if self.store is not None:
             refreshed = fw.refresh[fi]
             self.store.valid[rows[refreshed]] = False
-            self.store.write(rows, fw.idx[fi], [(k[fi], v[fi]) for k, v in fw.kv], fw.ok[fi])
+            self.store.write(rows, fw.idx[fi], [(k[fi], v[fi]) for k, v in fw.kv], fw.ok[fi],
+                             fw.ids[fi])
             start, _ = self._blocks(self.x[rows])
             self.store_block[rows] = torch.where(refreshed, start, self.store_block[rows])
 

@@ -27,6 +27,7 @@ class Forwarded:
     fresh: Tensor  # (R, S) bool  slots scored by this forward
     kv: list[tuple[Tensor, Tensor]]  # per layer (R, H_kv, T, D) K/V of the forwarded tokens
     idx: Tensor  # (R, T) slot of each forwarded token
+    ids: Tensor  # (R, T) the forwarded tokens
     ok: Tensor  # (R, T) bool, False for batch padding
     refresh: Tensor  # (R,) bool, the row was a full forward
 
@@ -92,7 +93,7 @@ class Runner:
         fresh = torch.zeros((r, s), dtype=torch.bool, device=x.device)
         token[rows, tslots], conf[rows, tslots], ent[rows, tslots] = sc.token, sc.conf, sc.entropy
         fresh[rows, tslots] = True
-        return Forwarded(token, conf, ent, fresh, frame.fresh, idx, ok, refresh)
+        return Forwarded(token, conf, ent, fresh, frame.fresh, idx, ids, ok, refresh)
 
     def _inject(self, ids: Tensor, idx: Tensor, ok: Tensor, prev_token: Tensor,
                 block_start: Tensor) -> Tensor | None:
