@@ -13,7 +13,7 @@ MODEL=${MODEL:-}
 TASK=${TASK:-math}
 N=${N:-4}                 # prompts per sweep (drafts uses N-1, suffix N_SUFFIX=1: costly baselines)
 THREADS=${THREADS:-1}
-SWEEPS=${SWEEPS:-"entropy suffix drafts"}
+SWEEPS=${SWEEPS:-"entropy suffix drafts fast"}
 ARTIFACTS=${ARTIFACTS:-benchmarks}
 UNMASK=${UNMASK:-unmask}
 mkdir -p "$ARTIFACTS/extra"
@@ -57,6 +57,17 @@ for s in $SWEEPS; do
       done
       specs+=("threshold" "freedave++,draft_conf=0" "freedave++,draft_conf=0.9")
       sweep drafts 256 "$((N > 1 ? N - 1 : 1))" "${specs[@]}" ;;
-    *) echo "unknown sweep $s (valid: entropy suffix drafts)" >&2; exit 2 ;;
+    fast)  # the `fast` preset's cost knobs at 1024, one at a time and stacked, against threshold
+      f="freedave++,draft_steps=4,draft_conf=0.9,cache=entropy,suffix=structured,early_exit=true"
+      m="$f,block_recompute=masked,suffix_rule=grid"
+      specs=("threshold,early_exit=true" "$f" "$f,block_recompute=masked" "$f,suffix_rule=grid" "$m"
+             "$m,suffix_local=16" "$m,suffix_local=16,recent_k=0" "$m,suffix_local=16,suffix_tail=4"
+             "$m,suffix_local=16,recent_k=0,suffix_tail=4"
+             "$m,suffix_local=16,recent_k=0,suffix_tail=4,suffix_middle=4"
+             "$m,suffix_local=8,recent_k=0,suffix_tail=4"
+             "$m,suffix_local=16,recent_k=0,suffix_tail=4,entropy_tau=inf"
+             "$m,suffix_local=16,recent_k=0,suffix_tail=4,draft_conf=0.7")
+      sweep fast 1024 "${N_FAST:-16}" "${specs[@]}" ;;
+    *) echo "unknown sweep $s (valid: entropy suffix drafts fast)" >&2; exit 2 ;;
   esac
 done

@@ -326,3 +326,16 @@ def test_freedave_exact_without_inject() -> None:
     spec = f"cache=none,{SMALL},inject=0"
     ref = decode(model, f"static-1,{spec}")
     assert tokens(decode(model, f"freedave,draft_steps=4,{spec}")) == tokens(ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fast_preset_composes_the_three_methods(kind: str) -> None:
+    """`fast` is FreeDave++ under EntropyCache with a structured suffix, and decodes batches."""
+    p = DecodeParams.parse("fast")
+    assert (p.method, p.cache, p.suffix, p.early_exit) == ("freedave++", "entropy", "structured",
+                                                           True)
+    out = decode(tiny_model(kind), "fast,suffix_local=2,suffix_middle=3,suffix_tail=2")
+    assert len(out) == len(PROMPTS)
+    for r in out:
+        assert len(r.token_ids) == GEN and MASK not in r.token_ids
+        assert r.nfe >= 1 and r.token_forwards >= r.nfe

@@ -118,6 +118,21 @@ def test_masking_never_touches_prompt(enc: TextEncoder) -> None:
         assert (b.input_ids[:, -1] == enc.eos_id).all()  # responses are EOS-padded to the canvas
 
 
+def test_code_max_tokens_cuts_training_code_only(enc: TextEncoder) -> None:
+    full = DataStream(enc, batch_tokens=2048, seed=0, code_frac=1.0)
+    short = DataStream(enc, batch_tokens=2048, seed=0, code_frac=1.0, code_max_tokens=32)
+    heldout = DataStream(enc, split="heldout", batch_tokens=2048, seed=0, code_frac=1.0,
+                         code_max_tokens=32)
+    assert 0 < len(short.code) < len(full.code)
+    assert max(len(r) for _, r in short.code) <= 32 < max(len(r) for _, r in full.code)
+    assert set(map(str, short.code)) <= set(map(str, full.code))
+    assert max(len(r) for _, r in heldout.code) <= 32  # the stream obeys it on any split...
+    from unmask.tasks import code
+
+    # ...but the held-out task that `unmask eval` scores is never cut.
+    assert max(len(enc.response(c.response)) for c in code.make_split("heldout", None)) > 32
+
+
 @pytest.fixture
 def one_thread():
     # Two threads on a busy 2-core machine run several times slower than one (oversubscription).
@@ -276,6 +291,18 @@ def test_solve_rate_decodes_and_checks(enc: TextEncoder, one_thread: None) -> No
                                                        + f" {int(p.answer) + 1}") for p in probs}
     assert solve_rate(_Writer(enc, wrong), enc, probs, gen_length=192) == 0.0
     assert solve_rate(_tiny_model(enc), enc, probs, gen_length=64) == 0.0
+    # Any checker: code bodies that parse after the prompt's signature.
+    from unmask.tasks import code
+
+    funcs = code.make_split("heldout", 2, seed=0)
+    bodies = {tuple(enc.prompt(f.prompt)): enc.response(f.response) for f in funcs}
+    broken = {tuple(enc.prompt(f.prompt)): enc.response("    return (") for f in funcs}
+
+    def parses(text: str, f: code.CodeExample) -> bool:
+        return code.check(f.prompt, text)
+
+    assert solve_rate(_Writer(enc, bodies), enc, funcs, gen_length=256, check=parses) == 1.0
+    assert solve_rate(_Writer(enc, broken), enc, funcs, gen_length=256, check=parses) == 0.0
 
 
 def _tiny_model(enc: TextEncoder):
@@ -331,11 +358,13 @@ def test_model_card_renders_the_run() -> None:
         assert text in card, text
     assert "{question}" in card and "{" not in card.replace("{question}", "")  # all fields filled
     assert "--semi-ar" not in card
-    summary["args"] = {**args, "semi_ar": 0.5}
-    summary.update(final_digit_recall=0.9, final_solve_rate=0.25)
+    assert "--code-max-tokens" not in card
+    summary["args"] = {**args, "semi_ar": 0.5, "code_max_tokens": 48}
+    summary.update(final_digit_recall=0.9, final_solve_rate=0.25, final_parse_rate=0.375)
     card = render_model_card(summary)
     assert "50% of rows are instead masked as semi-autoregressive" in card
-    assert "0.9" in card and "0.25" in card
+    assert "0.9" in card and "0.25" in card and "0.375" in card
+    assert "at most 48 tokens (`--code-max-tokens`)" in card
 
 
 def test_parse_buckets() -> None:

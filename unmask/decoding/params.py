@@ -149,10 +149,12 @@ SPEC_KEYS = tuple(f.name for f in fields(DecodeParams) if f.name not in ("method
 # static-1. `fast` values come from the sweeps in BENCHMARKS.md.
 PRESETS: dict[str, dict[str, Any]] = {
     "exact": {"method": "freedave", "draft_steps": 4},
-    # draft_conf 0.9: at 1024 on 8 prompts, same tokens and accuracy as draft_conf 0, 37% fewer
-    # token-forwards (cost/token 9.3 -> 5.9) and 2.2x the TPS (benchmarks/extra/fast-variants.md).
+    # From the `fast` sweep (math at 1024, BENCHMARKS.md): draft_conf 0.9 (0.7 drafts more and
+    # is slower on CPU), block_recompute=masked + suffix_rule=grid + suffix_local 16 +
+    # suffix_tail 4 + recent_k 0 cut cost/token 4.8 -> 3.4 at threshold's accuracy.
     "fast": {"method": "freedave++", "draft_steps": 4, "draft_conf": 0.9, "cache": "entropy",
-             "suffix": "structured", "early_exit": True},
+             "block_recompute": "masked", "recent_k": 0, "suffix": "structured",
+             "suffix_rule": "grid", "suffix_local": 16, "suffix_tail": 4, "early_exit": True},
 }
 
 

@@ -48,8 +48,18 @@ def render_model_card(summary: dict[str, Any], scores: str = "To be added by the
         final_train_loss=summary["final_train_loss"], final_heldout_loss=summary["final_heldout_loss"],
         scores=scores, semi_ar_text=_semi_ar_text(float(args.get("semi_ar", 0.0))),
         final_digit_recall=summary.get("final_digit_recall", "n/a"),
-        final_solve_rate=summary.get("final_solve_rate", "n/a"), solve_n=args.get("solve_n", "n/a"),
+        final_solve_rate=summary.get("final_solve_rate", "n/a"),
+        final_parse_rate=summary.get("final_parse_rate", "n/a"), solve_n=args.get("solve_n", "n/a"),
+        code_cut_text=_code_cut_text(int(args.get("code_max_tokens", 0) or 0)),
     )
+
+
+def _code_cut_text(cap: int) -> str:
+    if cap <= 0:
+        return ""
+    return (f" The last stage trained only on the functions whose body is at most {cap} tokens"
+            f" (`--code-max-tokens`): the model is too small to close long bodies; the held-out"
+            f" functions it is scored on are not cut.")
 
 
 def _semi_ar_text(share: float) -> str:

@@ -30,7 +30,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -123,7 +123,8 @@ class DataStream:
 
     def __init__(self, enc: TextEncoder, *, split: str = "train", code_frac: float = 0.25,
                  batch_tokens: int = 8192, max_batch: int = 128,
-                 buckets: tuple[CanvasBucket, ...] = DEFAULT_BUCKETS, seed: int = 0) -> None:
+                 buckets: tuple[CanvasBucket, ...] = DEFAULT_BUCKETS, seed: int = 0,
+                 code_max_tokens: int = 0) -> None:
         from unmask.tasks import code as code_task
         from unmask.tasks import math as math_task
 
@@ -139,7 +140,8 @@ class DataStream:
         if code_frac > 0:
             pairs = [(enc.prompt(c.prompt), enc.response(c.response))
                      for c in code_task.make_split(split, None, seed=0)]  # type: ignore[arg-type]
-            self.code = [c for c in pairs if len(c[1]) <= max_canvas and len(c[0]) <= 512]
+            cap = min(code_max_tokens, max_canvas) if code_max_tokens > 0 else max_canvas
+            self.code = [c for c in pairs if len(c[1]) <= cap and len(c[0]) <= 512]
 
     def _example(self, max_resp: int, is_code: bool) -> tuple[list[int], list[int]]:
         """One (prompt ids, response ids incl. one EOS) pair whose response fits ``max_resp``."""
@@ -356,6 +358,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--code-frac", type=float, default=0.25)
+    g.add_argument("--code-max-tokens", type=int, default=0,
+                   help="train only on functions whose body is at most this many tokens "
+                        "(0: every one that fits the canvas); the held-out split is not cut")
     g.add_argument("--buckets", type=parse_buckets, default=DEFAULT_BUCKETS,
                    help="canvas lengths per batch, [tight:]LO-HI:WEIGHT,... "
                         "(default tight:0-16:0.65,100-320:0.2,321-1024:0.15)")
@@ -457,9 +462,10 @@ def digit_recall(model: nn.Module, batches: list[Batch], mask_id: int, digit_ids
 
 @torch.no_grad()
 def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: int = 192,
-               block_length: int = 32) -> float:
-    """Share of math ``problems`` whose static-1 decode (early exit, temperature 0) the task's
-    checker accepts: the quality bar of issue 3, on a shorter canvas so it is cheap enough to log.
+               block_length: int = 32, check: Callable[[str, Any], bool] | None = None) -> float:
+    """Share of held-out ``problems`` whose static-1 decode (early exit, temperature 0)
+    ``check(text, problem)`` accepts (default: the math checker on the problem's answer): the
+    quality bars of issue 3, on a shorter canvas so they are cheap enough to log.
 
     Why: digit recall scores one digit with the rest of the answer visible, where most digits have
     a copy elsewhere (``write 5`` ... ``= 85`` ... ``#### 85``); decoding from a blank canvas is what
@@ -468,8 +474,9 @@ def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: i
     from unmask.api import useful_length
     from unmask.decoding.params import DecodeParams
     from unmask.engine.decoder import Decoder
-    from unmask.tasks.math import check
+    from unmask.tasks import math as math_task
 
+    check = check or (lambda text, p: math_task.check(text, p.answer))
     if not problems:
         return float("nan")
     params = DecodeParams.parse("static-1,early_exit=true", gen_length=gen_length,
@@ -480,7 +487,7 @@ def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: i
     solved = 0
     for p, r in zip(problems, results, strict=True):
         text = enc.tok.decode(r.token_ids[: useful_length(r.token_ids, enc.eos_id)])
-        solved += bool(check(text, p.answer))
+        solved += bool(check(text, p))
     return solved / len(problems)
 
 
@@ -516,6 +523,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from unmask.models import build_model
+    from unmask.tasks import code as code_task
     from unmask.tasks.math import make_split
     from unmask.training.tokenizer import train_tokenizer
 
@@ -552,12 +560,21 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     opt = _optimizer(model, args)
     data = DataStream(enc, code_frac=args.code_frac, batch_tokens=args.batch_tokens,
-                      buckets=args.buckets, seed=args.seed)
+                      buckets=args.buckets, seed=args.seed,
+                      code_max_tokens=getattr(args, "code_max_tokens", 0))
     eval_data = DataStream(enc, split="heldout", code_frac=args.code_frac,
                            batch_tokens=args.batch_tokens, buckets=args.buckets, seed=args.seed)
     eval_batches = [eval_data.next_batch() for _ in range(args.eval_batches)]
     # Fixed problems (not --seed's), so solve rates compare across runs.
     solve_problems = make_split("heldout", args.solve_n, seed=0) if args.solve_every else []
+    code_problems = (code_task.make_split("heldout", args.solve_n, seed=0)
+                     if args.solve_every and args.code_frac > 0 else [])
+
+    def decode_rates() -> tuple[float, float]:
+        """(math solve rate, code parse rate) of the fixed held-out problems."""
+        parse = solve_rate(model, enc, code_problems,
+                           check=lambda text, ex: code_task.check(ex.prompt, text))
+        return solve_rate(model, enc, solve_problems), parse
     gen = torch.Generator(device=device).manual_seed(args.seed)
 
     step, elapsed, tokens_seen, history = 0, 0.0, 0, []
@@ -614,7 +631,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
     n_threads = torch.get_num_threads()
     last_ckpt = time.time()
-    last_eval_loss = last_recall = last_solve = float("nan")
+    last_eval_loss = last_recall = last_solve = last_parse = float("nan")
     ema_loss, win_tokens, win_time = None, 0, 0.0
     columns = [TextColumn("step {task.fields[step]}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
                TextColumn("loss {task.fields[loss]:.4f} eval {task.fields[eval]:.4f}"),
@@ -648,12 +665,13 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             if step % args.eval_every == 0:
                 last_eval_loss, last_recall = evaluate()
             if args.solve_every and step % args.solve_every == 0:
-                last_solve = solve_rate(model, enc, solve_problems)
+                last_solve, last_parse = decode_rates()
             if step % args.log_every == 0 or step % args.eval_every == 0:
                 tps = win_tokens / max(win_time, 1e-9)
                 rec = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(ema_loss, 4),
                        "eval_loss": round(last_eval_loss, 4), "digit_recall": round(last_recall, 3),
-                       "solve_rate": round(last_solve, 3), "lr": lr, "grad_norm": round(gnorm, 3),
+                       "solve_rate": round(last_solve, 3), "parse_rate": round(last_parse, 3),
+                       "lr": lr, "grad_norm": round(gnorm, 3),
                        "tok_per_s": round(tps), "tokens": tokens_seen, "threads": n_threads}
                 history.append(rec)
                 bar.update(task, completed=min(1.0, progress_of()), step=step, loss=ema_loss,
@@ -667,13 +685,13 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
     last_eval_loss, last_recall = evaluate()
     if args.solve_every:
-        last_solve = solve_rate(model, enc, solve_problems)
+        last_solve, last_parse = decode_rates()
     save_state()
     _export(model, out / "final", tok_dir)
     summary = {"command": command, "params": n_params, "steps": step, "train_minutes": round(elapsed / 60, 2),
                "tokens": tokens_seen, "final_train_loss": round(ema_loss or float("nan"), 4),
                "final_heldout_loss": round(last_eval_loss, 4), "final_digit_recall": round(last_recall, 3),
-               "final_solve_rate": round(last_solve, 3),
+               "final_solve_rate": round(last_solve, 3), "final_parse_rate": round(last_parse, 3),
                "config": asdict(config),
                "args": _args_dict(args)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
