@@ -37,11 +37,11 @@ LONG=(  # the same at 512
   "static-1" "threshold" "freedave" "freedave++"
   "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy" "exact" "fast"
 )
-ABLATION=(  # issue 7: each method alone, each pair, all three, and the fast preset
+ABLATION=(  # issue 7: each method alone, each pair, all three, the fast preset and exact
   "static-1"
   "freedave++" "threshold,cache=entropy" "threshold,suffix=structured"
   "freedave++,cache=entropy" "freedave++,suffix=structured" "threshold,cache=entropy,suffix=structured"
-  "freedave++,cache=entropy,suffix=structured" "fast"
+  "freedave++,cache=entropy,suffix=structured" "fast" "exact"
 )
 # Tables: NAME:TASK:GEN_LENGTH:N:DECODER_SET[:WARMUP], run in two lanes (one per core) side by
 # side. Long canvases skip the warm-up: a static-1 decode there takes minutes, so allocator

@@ -87,8 +87,10 @@ def test_eval_code_parse_rate(tiny_model: Path, tmp_path: Path,
     rc = main(["eval", "--model", str(tiny_model), "--task", "code", "--n", "2",
                "--decoder", "threshold", *TINY, "--json", str(js)])
     assert rc == 0
-    assert "code parse rate:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "code parse rate:" in out
     (r,) = json.loads(js.read_text())["results"]
+    assert f"{r['useful_tokens']:.1f} tokens per answer" in out  # how much it wrote, not only if
     assert REQUIRED_KEYS <= r.keys() and r["decoder"] == "threshold" and r["n"] == 2
 
 

@@ -219,7 +219,8 @@ def run_eval(args: argparse.Namespace) -> int:
     correct = round(r["accuracy"] * r["n"])
     print(f"{doc['task']} {METRIC_LABELS.get(metric, metric)}: {100 * r['accuracy']:.1f}% "
           f"({correct}/{r['n']}) | {r['decoder']} | gen_length {doc['gen_length']} | "
-          f"NFE {r['nfe']:.1f} | TPF {r['tpf']:.2f} | {doc['wall_seconds']:.1f} s")
+          f"{r['useful_tokens']:.1f} tokens per answer | NFE {r['nfe']:.1f} | "
+          f"TPF {r['tpf']:.2f} | {doc['wall_seconds']:.1f} s")
     if args.json:
         _write_json(args.json, doc)
     return 0
