@@ -96,8 +96,8 @@ per prompt; **exact vs own ref** the share of prompts token-identical to the dec
 method claims to reproduce (FreeDave -> static-1, FreeDave++ -> threshold, same cache/suffix) when
 that decoder is in the table. Each section names the exact command that produced it.
 
-Read with care: the embedded model is small (1.38M parameters; 83% on held-out math at 256 with
-static-1, see its MODEL_CARD.md), so accuracy over a handful of prompts moves in steps of
+Read with care: the embedded model is small (1.38M parameters; 79% on 48 held-out math problems
+at 256 with static-1, see its MODEL_CARD.md), so accuracy over a handful of prompts moves in steps of
 100/n points; the long tables use few prompts (a vanilla static-1 decode at 1024 takes about a
 minute on one core); and on a CPU a batched forward of K FreeDave drafts costs about K
 forwards, so FreeDave's gains show in TPF more than in TPS.
