@@ -561,7 +561,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     opt = _optimizer(model, args)
     data = DataStream(enc, code_frac=args.code_frac, batch_tokens=args.batch_tokens,
                       buckets=args.buckets, seed=args.seed,
-                      code_max_tokens=getattr(args, "code_max_tokens", 0))
+                      code_max_tokens=args.code_max_tokens)
     eval_data = DataStream(enc, split="heldout", code_frac=args.code_frac,
                            batch_tokens=args.batch_tokens, buckets=args.buckets, seed=args.seed)
     eval_batches = [eval_data.next_batch() for _ in range(args.eval_batches)]
