@@ -48,7 +48,7 @@ ABLATION=(  # issue 7: each method alone, each pair, all three, the fast preset 
 # warm-up is noise, and the warm-up would double the table's cost.
 # The committed BENCHMARKS.md used N=12 (the defaults below); a static-1 decode at 1024 takes
 # about a minute on one core, hence a few prompts for the long tables.
-LANE1=${LANE1:-"math-256:math:256:$N:MAIN code-256:code:256:$((N / 2 > 0 ? N / 2 : 1)):MAIN code-512:code:512:$(((N + 3) / 4)):LONG:0"}
+LANE1=${LANE1:-"math-256:math:256:$N:MAIN code-256:code:256:$((N / 2 > 0 ? N / 2 : 1)):MAIN code-512:code:512:$(((N + 3) / 4)):LONG:0 code-1024:code:1024:$(((N + 5) / 6)):LONG:0"}
 LANE2=${LANE2:-"math-1024:math:1024:$(((N + 3) / 4)):ABLATION:0 math-512:math:512:$(((N + 2) / 3)):LONG:0"}
 ASSEMBLE_ONLY=${ASSEMBLE_ONLY:-0}  # 1: only rebuild BENCHMARKS.md from $ARTIFACTS
 
