@@ -83,15 +83,23 @@ def test_bench_json_markdown_plot(tiny_model: Path, tmp_path: Path,
 
 def test_eval_code_parse_rate(tiny_model: Path, tmp_path: Path,
                               capsys: pytest.CaptureFixture[str]) -> None:
-    js = tmp_path / "e.json"
+    js, samples = tmp_path / "e.json", tmp_path / "s.jsonl"
     rc = main(["eval", "--model", str(tiny_model), "--task", "code", "--n", "2",
-               "--decoder", "threshold", *TINY, "--json", str(js)])
+               "--decoder", "threshold", *TINY, "--json", str(js), "--samples", str(samples)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "code parse rate:" in out
     (r,) = json.loads(js.read_text())["results"]
     assert f"{r['useful_tokens']:.1f} tokens per answer" in out  # how much it wrote, not only if
     assert REQUIRED_KEYS <= r.keys() and r["decoder"] == "threshold" and r["n"] == 2
+    # One line per prompt, the same prompts and verdicts the score was computed from.
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    task = load_task("code", 2, seed=0)
+    assert [row["prompt"] for row in rows] == [ex.prompt for ex in task.examples]
+    assert [row["correct"] for row in rows] == [task.check(ex, row["text"])
+                                                for ex, row in zip(task.examples, rows)]
+    assert sum(row["correct"] for row in rows) == round(r["accuracy"] * 2)
+    assert {row["decoder"] for row in rows} == {"threshold"}
 
 
 def test_list_tasks(capsys: pytest.CaptureFixture[str]) -> None:

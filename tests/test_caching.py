@@ -170,8 +170,7 @@ def fastdllm_dual(model: torch.nn.Module, prompt: list[int], threshold: float | 
         frame = Frame()
         logits = model(x, pos, cache=frame)[:, start:end]  # full forward at the block start
         nfe, tok_fw = nfe + 1, tok_fw + s
-        cache = KVStore([k for k, _ in frame.fresh], [v for _, v in frame.fresh],
-                        torch.ones(1, s, dtype=torch.bool))
+        cache = KVStore([k for k, _ in frame.fresh], [v for _, v in frame.fresh], x.clone())
         outside = torch.ones(1, s, dtype=torch.bool)
         outside[0, start:end] = False
         while True:

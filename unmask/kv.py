@@ -17,16 +17,19 @@ from torch import Tensor
 class KVStore:
     """Per-layer K/V of every canvas slot from the last time it was forwarded.
 
-    k[layer], v[layer]: (B, H_kv, S, D). valid: (B, S) — slot holds K/V (False for
-    never-forwarded or pruned slots). token: (B, S) the token each slot's K/V was computed from
-    (-1: none); a slot committed since then holds K/V of its old [MASK], which a policy may
-    choose to recompute.
+    k[layer], v[layer]: (B, H_kv, S, D). token: (B, S) the token each slot's K/V was computed
+    from, -1 where the slot holds none (never forwarded, or dropped by `invalidate`). A slot
+    committed since its forward holds K/V of its old [MASK], which a policy may recompute.
     """
 
     k: list[Tensor]
     v: list[Tensor]
-    valid: Tensor
-    token: Tensor | None = None
+    token: Tensor
+
+    @property
+    def valid(self) -> Tensor:
+        """(B, S) bool: the slot holds K/V."""
+        return self.token >= 0
 
     @classmethod
     def empty(cls, n_layers: int, batch: int, n_kv_heads: int, slots: int, head_dim: int,
@@ -35,18 +38,19 @@ class KVStore:
         return cls(
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
             v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
-            valid=torch.zeros(batch, slots, dtype=torch.bool, device=device),
             token=torch.full((batch, slots), -1, dtype=torch.long, device=device),
         )
 
     def rows(self, index: Tensor) -> KVStore:
         """The store for a gathered set of rows (e.g. one copy per FreeDave draft)."""
-        token = self.token[index] if self.token is not None else None
-        return KVStore([k[index] for k in self.k], [v[index] for v in self.v], self.valid[index],
-                       token)
+        return KVStore([k[index] for k in self.k], [v[index] for v in self.v], self.token[index])
+
+    def invalidate(self, rows: Tensor) -> None:
+        """Forget every slot of ``rows`` (a refresh rebuilds them)."""
+        self.token[rows] = -1
 
     def write(self, rows: Tensor, slots: Tensor, fresh: list[tuple[Tensor, Tensor]],
-              ok: Tensor, tokens: Tensor | None = None) -> None:
+              ok: Tensor, tokens: Tensor) -> None:
         """Store fresh K/V (one (k, v) per layer, each (R, H_kv, T, D)) at `slots` (R, T) of
         `rows` (R,), computed from `tokens` (R, T); entries with ok=False (padding queries) are
         skipped."""
@@ -59,9 +63,7 @@ class KVStore:
             # k[r_idx, :, t_idx] is (N, H_kv, D): advanced indices go first.
             self.k[layer][b, :, s] = k[r_idx, :, t_idx]
             self.v[layer][b, :, s] = v[r_idx, :, t_idx]
-        self.valid[b, s] = True
-        if self.token is not None and tokens is not None:
-            self.token[b, s] = tokens[r_idx, t_idx]
+        self.token[b, s] = tokens[r_idx, t_idx]
 
 
 @dataclass

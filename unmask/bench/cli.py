@@ -57,6 +57,9 @@ def _add_common(p: argparse.ArgumentParser, n_default: int, batch_default: int) 
     p.add_argument("--seed", type=int, default=0,
                    help="selects the task's prompts and the decoders' sampling seed (default: 0)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--samples", default=None, metavar="FILE",
+                   help="write each decoder's output for each prompt as JSON lines (prompt, "
+                        "text, correct, useful tokens): what a score alone cannot show")
     p.add_argument("--allow-code-execution", action="store_true",
                    help="allow tasks that execute generated code (humaneval)")
 
@@ -152,6 +155,8 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
             on_progress=lambda done, spec: progress.update(bar, completed=done, spec=spec))
 
     wall = time.perf_counter() - started
+    if args.samples:
+        _write_samples(args.samples, task, decoders, samples)
     refs = reference_indices(decoders)
     results = [{"decoder": d.spec, **m, "reference": None if r is None else decoders[r].spec}
                for d, m, r in zip(decoders, summarize(samples, references=refs), refs, strict=True)]
@@ -168,6 +173,18 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
         "results": results,
     }
     return doc, task.metric
+
+
+def _write_samples(path: str, task: Any, decoders: list[DecodeParams], samples: list[list[Any]],
+                   ) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for d, runs in zip(decoders, samples, strict=True):
+            for i, (ex, s) in enumerate(zip(task.examples, runs, strict=True)):
+                f.write(json.dumps({"decoder": d.spec, "index": i, "prompt": ex.prompt,
+                                    "text": s.text, "correct": s.correct, "useful_tokens": s.useful,
+                                    "nfe": s.nfe}) + "\n")
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:

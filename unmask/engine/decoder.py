@@ -275,7 +275,7 @@ class Decoder:
             pr.fresh[rows] = fw.fresh[fi]
         if self.store is not None:
             refreshed = fw.refresh[fi]
-            self.store.valid[rows[refreshed]] = False
+            self.store.invalidate(rows[refreshed])
             self.store.write(rows, fw.idx[fi], [(k[fi], v[fi]) for k, v in fw.kv], fw.ok[fi],
                              fw.ids[fi])
             start, _ = self._blocks(self.x[rows])

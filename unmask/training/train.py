@@ -562,10 +562,11 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     data = DataStream(enc, code_frac=args.code_frac, batch_tokens=args.batch_tokens,
                       buckets=args.buckets, seed=args.seed,
                       code_max_tokens=args.code_max_tokens)
+    # Held-out batches and problems are drawn with seed 0, not --seed: eval_loss and the solve
+    # rates then compare across runs (with --seed they differed 10x between A/B arms by draw alone).
     eval_data = DataStream(enc, split="heldout", code_frac=args.code_frac,
-                           batch_tokens=args.batch_tokens, buckets=args.buckets, seed=args.seed)
+                           batch_tokens=args.batch_tokens, buckets=args.buckets, seed=0)
     eval_batches = [eval_data.next_batch() for _ in range(args.eval_batches)]
-    # Fixed problems (not --seed's), so solve rates compare across runs.
     solve_problems = make_split("heldout", args.solve_n, seed=0) if args.solve_every else []
     code_problems = (code_task.make_split("heldout", args.solve_n, seed=0)
                      if args.solve_every and args.code_frac > 0 else [])
