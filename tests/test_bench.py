@@ -97,7 +97,7 @@ def test_eval_code_parse_rate(tiny_model: Path, tmp_path: Path,
     task = load_task("code", 2, seed=0)
     assert [row["prompt"] for row in rows] == [ex.prompt for ex in task.examples]
     assert [row["correct"] for row in rows] == [task.check(ex, row["text"])
-                                                for ex, row in zip(task.examples, rows)]
+                                                for ex, row in zip(task.examples, rows, strict=True)]
     assert sum(row["correct"] for row in rows) == round(r["accuracy"] * 2)
     assert {row["decoder"] for row in rows} == {"threshold"}
 
