@@ -231,3 +231,16 @@ def test_exact_vs_own_reference(tiny_model: Path, tmp_path: Path) -> None:
     assert fd["reference"] == "static-1" and fd["exact_ref"] == 1.0
     assert fdpp["reference"] == "threshold,threshold=0.3" and fdpp["exact_ref"] == 1.0
     assert fdpp_other["reference"] is None  # no threshold=0.5 row to compare with
+
+
+def test_eval_summary_table_keeps_the_count() -> None:
+    from unmask.bench.report import eval_summary_table
+
+    doc = {"task": "math", "gen_length": 1024, "metric": "accuracy",
+           "results": [{"decoder": "fast", "n": 96, "accuracy": 78 / 96, "useful_tokens": 81.04}]}
+    code = {"task": "code", "gen_length": 256, "metric": "parse_rate",
+            "results": [{"decoder": "static-1", "n": 48, "accuracy": 0.5, "useful_tokens": 15.0}]}
+    lines = eval_summary_table([("a.json", doc), ("b.json", code)]).splitlines()
+    assert len(lines) == 4 and len({len(line) for line in lines}) == 1  # header, rule, 2 rows
+    assert "| `fast`" in lines[2] and "accuracy 81.2% (78/96)" in lines[2] and "81.0" in lines[2]
+    assert "parse rate 50.0% (24/48)" in lines[3]

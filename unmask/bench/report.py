@@ -90,8 +90,27 @@ def markdown_table(results: Sequence[dict[str, Any]], metric: str = "accuracy") 
                                   for key, head, _ in COLUMNS]
     rows = [[f"`{r['decoder']}`", str(r["n"])] + [_cell(r[key], fmt) for key, _, fmt in COLUMNS]
             for r in results]
+    return _aligned(headers, rows, left={0})
+
+
+def eval_summary_table(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """One row per `unmask eval` JSON document (name, doc): the score with its count, so that
+    sample size is never lost, and how much each answer wrote."""
+    headers = ["file", "task", "gen_length", "decoder", "n", "score", "tokens per answer"]
+    rows = []
+    for name, doc in docs:
+        for r in doc["results"]:
+            label = METRIC_LABELS.get(doc["metric"], doc["metric"])
+            rows.append([f"`{name}`", doc["task"], str(doc["gen_length"]), f"`{r['decoder']}`",
+                         str(r["n"]), f"{label} {_cell(r['accuracy'], 'pct')} "
+                         f"({round(r['accuracy'] * r['n'])}/{r['n']})",
+                         _cell(r.get("useful_tokens"), "{:.1f}")])
+    return _aligned(headers, rows, left={0, 1, 3, 5})
+
+
+def _aligned(headers: Sequence[str], rows: Sequence[Sequence[str]], left: set[int]) -> str:
+    """Columns padded to their widest cell; ``left`` columns left-aligned, the rest right."""
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    left = {0}  # decoder names read best left-aligned, numbers right-aligned
 
     def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
