@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 MODEL=${MODEL:-}
 TASK=${TASK:-math}
 N=${N:-4}                 # prompts per sweep (drafts uses N-1, suffix N_SUFFIX=1: costly baselines)
+                          # the committed sweeps: N=6 N_SUFFIX=3 (fast: N_FAST=48 on seed 1)
 THREADS=${THREADS:-1}
 SWEEPS=${SWEEPS:-"entropy suffix drafts fast"}
 ARTIFACTS=${ARTIFACTS:-benchmarks}
@@ -27,7 +28,8 @@ sweep() {  # sweep NAME GEN_LENGTH N SPEC...   (the first SPEC is the baseline)
   for d in "$@"; do args+=(--decoder "$d"); done
   echo "== sweep $name (gen_length $gen, $# settings, N=$n)" >&2
   "$UNMASK" bench "${model_args[@]}" --task "$TASK" "${args[@]}" --n "$n" --gen-length "$gen" \
-    --block-length 32 --seed "${SWEEP_SEED:-0}" --warmup 0 --threads "$THREADS" --json "$ARTIFACTS/extra/sweep-$name.json" \
+    --block-length 32 --seed "${SWEEP_SEED:-0}" --warmup 0 --threads "$THREADS" \
+    --json "$ARTIFACTS/extra/sweep-$name.json" \
     --plot "$ARTIFACTS/extra/sweep-$name.png" --markdown "$ARTIFACTS/extra/sweep-$name.md" >/dev/null
   printf "\n![sweep %s](%s)\n" "$name" "$ARTIFACTS/extra/sweep-$name.png" >> "$ARTIFACTS/extra/sweep-$name.md"
 }

@@ -12,7 +12,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import (
@@ -26,6 +26,10 @@ from rich.progress import (
 
 from unmask.cli import _positive, add_model_arguments
 from unmask.decoding.params import DecodeParams
+
+if TYPE_CHECKING:
+    from unmask.bench.runner import Sample
+    from unmask.bench.tasks import BenchTask
 
 DEFAULT_GEN_LENGTH = 256
 DEFAULT_BLOCK_LENGTH = 32
@@ -175,8 +179,9 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     return doc, task.metric
 
 
-def _write_samples(path: str, task: Any, decoders: list[DecodeParams], samples: list[list[Any]],
-                   ) -> None:
+def _write_samples(path: str, task: BenchTask, decoders: list[DecodeParams],
+                   samples: list[list[Sample]]) -> None:
+    """One JSON line per (decoder, prompt), in the order the score was computed from."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as f:
