@@ -63,9 +63,14 @@ class CachePolicy:
     def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
+    @property
+    def reads_stale(self) -> bool:
+        """Whether `block` reads `StepView.stale`: the decoder only computes it then."""
+        return self.uses_store and self.params.block_recompute == "masked"
+
     def block(self, v: StepView) -> Tensor:
         """(R, S) the part of the current block a non-refresh step recomputes."""
-        if self.params.block_recompute == "all":
+        if not self.reads_stale:
             return v.in_block
         return (v.in_block & v.masked) | v.stale
 

@@ -99,8 +99,8 @@ def eval_summary_table(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
     headers = ["file", "task", "gen_length", "decoder", "n", "score", "tokens per answer"]
     rows = []
     for name, doc in docs:
+        label = METRIC_LABELS.get(doc["metric"], doc["metric"])
         for r in doc["results"]:
-            label = METRIC_LABELS.get(doc["metric"], doc["metric"])
             rows.append([f"`{name}`", doc["task"], str(doc["gen_length"]), f"`{r['decoder']}`",
                          str(r["n"]), f"{label} {_cell(r['accuracy'], 'pct')} "
                          f"({round(r['accuracy'] * r['n'])}/{r['n']})",

@@ -171,11 +171,8 @@ class Decoder:
         commit_step = torch.where(d.added, step[:, None], self.commit_step[parent])
         masked = x == self.mask_id
         # Slots whose stored K/V was computed from another token (committed since): [MASK] K/V.
-        # Only block_recompute=masked reads it: the default path skips the (R, S) comparison.
-        if self.store is not None and self.params.block_recompute == "masked":
-            stale = self.store.token[parent] != x
-        else:
-            stale = torch.zeros_like(masked)
+        # Only policies that read it pay for the (R, S) comparison.
+        stale = (self.store.token[parent] != x) if self.cache.reads_stale else torch.zeros_like(masked)
         view = StepView(self.slots, start, end, d.new_entropy, commit_step,
                         self.store_block[parent], masked, stale)
         visible = (self.slots >= self.pad[parent][:, None]) & keep_mask(self.params, self.slots, end)
