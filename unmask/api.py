@@ -15,12 +15,9 @@ import torch
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.decoding.params import DecodeParams, SpecError
 from unmask.engine.decoder import Decoder
+from unmask.errors import InputError  # noqa: F401  (re-exported)
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
-
-
-class InputError(ValueError):
-    """A request the model cannot serve (empty prompt, canvas too long, ...)."""
 
 
 @dataclass

@@ -15,14 +15,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from unmask.config import ConfigError, ModelConfig
+from unmask.errors import CheckpointError  # noqa: F401  (re-exported)
 from unmask.models import build_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder that is missing, malformed, or does not match its config."""
 
 
 def save_checkpoint(model: nn.Module, out_dir: str | Path,

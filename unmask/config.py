@@ -11,9 +11,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config.json that cannot describe a model we can build."""
+from unmask.errors import ConfigError  # noqa: F401  (re-exported)
 
 
 @dataclass

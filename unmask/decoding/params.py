@@ -12,16 +12,14 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from unmask.errors import SpecError  # noqa: F401  (re-exported)
+
 METHODS = ("static", "static-1", "threshold", "freedave", "freedave++")
 REMASKING = ("low_confidence", "maskgit_plus", "topk_margin", "entropy", "random")
 CACHES = ("none", "prefix", "dual", "entropy")
 SUFFIXES = ("full", "window", "structured")
 BLOCK_RECOMPUTE = ("all", "masked")
 MIDDLE_RULES = ("even", "decay", "grid")
-
-
-class SpecError(ValueError):
-    """A decoder spec or parameter value that is not valid; the message lists valid choices."""
 
 
 @dataclass(frozen=True)
