@@ -15,7 +15,7 @@ from unmask.decoding.params import DecodeParams, SpecError
 
 PROMPTS = ["hello", "what is 12 + 34?", "sort the list [3, 1, 2] to get a sorted list of numbers",
            "def"]
-JSON_KEYS = {"text", "token_ids", "nfe", "token_forwards", "tpf", "tps", "seconds"}
+JSON_KEYS = {"text", "token_ids", "nfe", "token_forwards", "tpf", "tps", "seconds", "finish_reason"}
 
 
 @pytest.fixture(scope="module")

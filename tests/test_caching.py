@@ -16,8 +16,11 @@ from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, peak
 
 from unmask.caching import POLICIES, StepView
 from unmask.decoding.params import DecodeParams, SpecError
+from unmask.engine import Request as DecodeResult
+from unmask.engine import batch as batch_mod
+from unmask.engine import decode as engine_decode
+from unmask.engine import decoder as decoder_mod
 from unmask.engine import runner as runner_mod
-from unmask.engine.decoder import Decoder, DecodeResult
 from unmask.kv import Frame, KVStore
 
 
@@ -25,14 +28,36 @@ def tiny_model(kind: str, seed: int = 0, scale: float = 4.0) -> torch.nn.Module:
     return peaky_model(kind, seed, scale, VOCAB, MASK, EOS)
 
 
-def make_decoder(model: torch.nn.Module, spec: str, **kw) -> Decoder:
-    params = DecodeParams.parse(spec, **{"gen_length": GEN, "block_length": BLOCK, **kw})
-    return Decoder(model, params, MASK, EOS)
-
-
 def decode(model: torch.nn.Module, spec: str, prompts: list[list[int]] = PROMPTS,
            **kw) -> list[DecodeResult]:
-    return make_decoder(model, spec, **kw).generate(prompts)
+    params = DecodeParams.parse(spec, **{"gen_length": GEN, "block_length": BLOCK, **kw})
+    return engine_decode(model, params, prompts, mask_id=MASK, eos_id=EOS)
+
+
+class StoreAtFinish:
+    """Records each request's K/V store row (and its canvas layout) as it leaves its batch."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict] = {}
+
+    def __enter__(self) -> StoreAtFinish:
+        self.inner = batch_mod.DecodeBatch.filter
+        spy = self
+
+        def filter(self, keep):  # noqa: A001 - the method being wrapped
+            for i, (req, k) in enumerate(zip(self.requests, keep, strict=True)):
+                if not k and self.store is not None:
+                    st = self.store
+                    spy.rows[req.request_id] = dict(
+                        k=[t[i].clone() for t in st.k], v=[t[i].clone() for t in st.v],
+                        valid=st.valid[i].clone(), pad=int(self.pad[i]), P=self.P)
+            return spy.inner(self, keep)
+
+        batch_mod.DecodeBatch.filter = filter
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        batch_mod.DecodeBatch.filter = self.inner
 
 
 def tokens(results: list[DecodeResult]) -> list[list[int]]:
@@ -108,10 +133,10 @@ def test_forced_refresh_equals_no_cache(kind: str, decoder: str) -> None:
         expected = decode(model, DECODERS[decoder])
     for policy in ("prefix", "dual", "entropy"):
         for mode in ("refresh", "recompute-all"):
-            dec = make_decoder(model, f"{DECODERS[decoder]},cache={policy}")
-            dec.cache = forced(policy, mode, dec.params)
-            with Recorder(model) as got:
-                out = dec.generate(PROMPTS)
+            spec = f"{DECODERS[decoder]},cache={policy}"
+            with Recorder(model) as got, pytest.MonkeyPatch.context() as mp:
+                mp.setattr(decoder_mod, "make_cache_policy", lambda p, po=policy, mo=mode: forced(po, mo, p))
+                out = decode(model, spec)
             assert tokens(out) == tokens(expected), (policy, mode)
             assert [r.nfe for r in out] == [r.nfe for r in expected]
             assert len(got.logits) == len(ref.logits)
@@ -127,22 +152,19 @@ def test_store_holds_full_forward_kv(kind: str) -> None:
     here unbatched and unpadded. (Dream: except the slot just before the block, which block
     steps recompute and overwrite; see test_freedave_exact_under_cache_dream.)"""
     model = tiny_model(kind)
-    dec = make_decoder(model, "static-1,cache=dual")
-    out = dec.generate(PROMPTS)
-    store, pad = dec.store, dec.pad.tolist()
-    assert store is not None
-    last = dec.P + GEN - BLOCK - model.logit_shift
-    for row, (prompt, res) in enumerate(zip(PROMPTS, out, strict=True)):
+    with StoreAtFinish() as spy:
+        out = decode(model, "static-1,cache=dual")
+    for prompt, res in zip(PROMPTS, out, strict=True):
+        row = spy.rows[res.request_id]
+        pad, last = row["pad"], row["P"] + GEN - BLOCK - model.logit_shift
         ids = torch.tensor([prompt + res.token_ids[: GEN - BLOCK] + [MASK] * BLOCK])
         frame = Frame()
         model(ids, torch.arange(ids.shape[1])[None], cache=frame)
-        n = last - pad[row]  # slots pad..last-1 of the row = positions 0..n-1
-        assert bool(store.valid[row, pad[row]:last].all())
+        n = last - pad  # slots pad..last-1 of the row = positions 0..n-1
+        assert bool(row["valid"][pad:last].all())
         for layer, (k, v) in enumerate(frame.fresh):
-            torch.testing.assert_close(store.k[layer][row, :, pad[row]:last], k[0, :, :n],
-                                       atol=1e-5, rtol=0)
-            torch.testing.assert_close(store.v[layer][row, :, pad[row]:last], v[0, :, :n],
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(row["k"][layer][:, pad:last], k[0, :, :n], atol=1e-5, rtol=0)
+            torch.testing.assert_close(row["v"][layer][:, pad:last], v[0, :, :n], atol=1e-5, rtol=0)
 
 
 # --- (b) dual == an independent Fast-dLLM dual-cache loop ----------------------------------------
@@ -246,7 +268,6 @@ def test_entropy_tau_inf_refreshes(kind: str, decoder: str, on_block: bool) -> N
         out = decode(model, f"{DECODERS[decoder]},cache=entropy,entropy_tau=inf,"
                             f"refresh_on_block={on_block}")
     assert all(MASK not in t for t in tokens(out))
-    p = max(len(q) for q in PROMPTS)
     assert bool(spy.calls[0]["refresh"].all())
     n_refresh = sum(int(c["refresh"].sum()) for c in spy.calls)
     if not on_block:
@@ -255,7 +276,7 @@ def test_entropy_tau_inf_refreshes(kind: str, decoder: str, on_block: bool) -> N
     else:
         assert n_refresh == len(PROMPTS) * (GEN // BLOCK)
         for c in spy.calls:
-            assert torch.equal(c["refresh"], _block_fully_masked(c["x"], p))
+            assert torch.equal(c["refresh"], _block_fully_masked(c["x"], c["x"].shape[1] - GEN))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -264,7 +285,6 @@ def test_entropy_tau_inf_refreshes_freedave(kind: str, method: str) -> None:
     """With drafts, only drafts that start a new block refresh (refresh_on_block) and each block
     start is refreshed; without refresh_on_block only the first forward refreshes."""
     model = tiny_model(kind)
-    p = max(len(q) for q in PROMPTS)
     for on_block in (False, True):
         with RunnerSpy() as spy:
             out = decode(model, f"{DECODERS[method]},cache=entropy,entropy_tau=inf,"
@@ -273,9 +293,11 @@ def test_entropy_tau_inf_refreshes_freedave(kind: str, method: str) -> None:
         if on_block:
             starts = set()
             for c in spy.calls:
+                p = c["x"].shape[1] - GEN
                 assert torch.equal(c["refresh"], _block_fully_masked(c["x"], p))
                 for row in c["x"][c["refresh"]]:
-                    starts.add((tuple(row[:p].tolist()), int((row[p:] != MASK).sum())))
+                    prompt = row[:p][row[:p] != EOS]  # left padding removed: P moves with the batch
+                    starts.add((tuple(prompt.tolist()), int((row[p:] != MASK).sum())))
             assert len(starts) >= len(PROMPTS) * (GEN // BLOCK)
         else:
             assert bool(spy.calls[0]["refresh"].all())

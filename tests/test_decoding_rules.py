@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from unmask.config import ModelConfig
 from unmask.decoding.params import METHODS, DecodeParams, SpecError
 from unmask.decoding.rules import rank, static_count
-from unmask.engine.decoder import Decoder
+from unmask.engine import decode as engine_decode
 from unmask.kv import Frame
 
 V, MASK, EOS = 32, 2, 1
@@ -77,7 +77,7 @@ def decode(fn: LogitFn, spec: str, prompts: list[list[int]], gen_length: int = 1
            block_length: int = 8) -> tuple[list[list[int]], FakeModel, list]:
     model = FakeModel(fn)
     params = DecodeParams.parse(spec, gen_length=gen_length, block_length=block_length)
-    results = Decoder(model, params, MASK, EOS).generate(prompts)
+    results = engine_decode(model, params, prompts, mask_id=MASK, eos_id=EOS)
     return [r.token_ids for r in results], model, results
 
 
@@ -234,8 +234,8 @@ def test_tiny_model_matches_reference(model_type: str, spec: str, method: str,
         return torch.cat([logits[:1], logits[:-1]]) if model_type == "Dream" else logits
 
     gen, block = 16, 8
-    got = Decoder(model, DecodeParams.parse(spec, gen_length=gen, block_length=block), MASK,
-                  EOS).generate([PROMPT])[0]
+    got = engine_decode(model, DecodeParams.parse(spec, gen_length=gen, block_length=block),
+                        [PROMPT], mask_id=MASK, eos_id=EOS)[0]
     want, seen = reference(fn, PROMPT, method, gen, block, steps, tau=0.1)
     assert got.token_ids == want
     assert got.nfe == len(seen) - 1

@@ -22,8 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unmask.decoding.params import DecodeParams
+from unmask.engine import Request as DecodeResult
+from unmask.engine import decode as engine_decode
 from unmask.engine import runner as runner_mod
-from unmask.engine.decoder import Decoder, DecodeResult
 
 VOCAB, MASK, EOS = 64, 63, 1
 KINDS = ("llada", "Dream")
@@ -40,7 +41,7 @@ def tiny_model(kind: str, seed: int = 0, scale: float = 4.0) -> torch.nn.Module:
 def decode(model: torch.nn.Module, spec: str, prompts: list[list[int]], gen_length: int,
            block_length: int, eos: int = EOS) -> list[DecodeResult]:
     params = DecodeParams.parse(spec, gen_length=gen_length, block_length=block_length)
-    return Decoder(model, params, MASK, eos).generate(prompts)
+    return engine_decode(model, params, prompts, mask_id=MASK, eos_id=eos)
 
 
 def tokens(results: list[DecodeResult]) -> list[list[int]]:

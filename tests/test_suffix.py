@@ -10,9 +10,10 @@ from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, peak
 
 from unmask.caching import POLICIES
 from unmask.decoding.params import DecodeParams
+from unmask.engine import Request as DecodeResult
+from unmask.engine import decode as engine_decode
 from unmask.engine import runner as runner_mod
-from unmask.engine.decoder import Decoder, DecodeResult
-from unmask.suffix import keep_mask
+from unmask.suffix import make_suffix_policy
 
 SMALL = "suffix=structured,suffix_local=2,suffix_middle=3,suffix_tail=2"
 
@@ -24,7 +25,7 @@ def tiny_model(kind: str, seed: int = 0, scale: float = 4.0) -> torch.nn.Module:
 def decode(model: torch.nn.Module, spec: str, prompts: list[list[int]] = PROMPTS,
            **kw) -> list[DecodeResult]:
     params = DecodeParams.parse(spec, **{"gen_length": GEN, "block_length": BLOCK, **kw})
-    return Decoder(model, params, MASK, EOS).generate(prompts)
+    return engine_decode(model, params, prompts, mask_id=MASK, eos_id=EOS)
 
 
 def tokens(results: list[DecodeResult]) -> list[list[int]]:
@@ -89,8 +90,8 @@ def test_structured_keeping_everything_is_full(kind: str, decoder: str) -> None:
         assert tokens(out) == tokens(expected)
         assert [r.nfe for r in out] == [r.nfe for r in expected]
         assert [r.token_forwards for r in out] == [r.token_forwards for r in expected]
-        slots = torch.arange(spy.calls[0]["x"].shape[1])
-        for c in spy.calls:
+        for c in spy.calls:  # the batch narrows as rows finish: each call has its own width
+            slots = torch.arange(c["x"].shape[1])
             assert torch.equal(c["visible"], slots >= c["pad"][:, None])
 
 
@@ -114,7 +115,6 @@ def test_kept_positions_keep_their_position_ids(kind: str, cache: str, suffix: s
     with Spy(model) as spy:
         out = decode(model, f"freedave,draft_steps=3,cache={cache},{suffix}")
     assert all(MASK not in t for t in tokens(out))
-    p = max(len(q) for q in PROMPTS)
     saw_gap = False
     for c in spy.calls:
         ids, pos = c["model"]["ids"], c["model"]["pos"]
@@ -130,7 +130,7 @@ def test_kept_positions_keep_their_position_ids(kind: str, cache: str, suffix: s
                 gaps = slots.diff() > 1
                 saw_gap |= bool(gaps.any())
                 # a gap lies after the block + local window: dropped positions are suffix ones
-                end = int(block_end(c["x"][r : r + 1], p)[0])
+                end = int(block_end(c["x"][r : r + 1], c["x"].shape[1] - GEN)[0])
                 assert all(int(s) >= end for s in slots[:-1][gaps])
     assert saw_gap or "window" in suffix
 
@@ -147,11 +147,10 @@ def test_visible_slots_follow_the_rule(kind: str) -> None:
                        (f"suffix=window,suffix_local={local}", "window")):
         with Spy(model) as spy:
             decode(model, f"static-1,{spec}")
-        p = max(len(q) for q in PROMPTS)
-        s = spy.calls[0]["x"].shape[1]
-        slots = torch.arange(s)
-        for c in spy.calls:
-            end = block_end(c["x"], p)
+        for c in spy.calls:  # each call has its own width (rows leave as they finish)
+            s = c["x"].shape[1]
+            slots = torch.arange(s)
+            end = block_end(c["x"], c["x"].shape[1] - GEN)
             for r in range(c["x"].shape[0]):
                 vis = c["visible"][r]
                 e, pad = int(end[r]), int(c["pad"][r])
@@ -178,6 +177,13 @@ def test_window_equals_structured_without_middle_and_tail() -> None:
 
 
 # --- the middle rule ----------------------------------------------------------------------------
+def keep_mask(params: DecodeParams, slots: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """The policy's kept slots for rows with no padding whose canvas is all of `slots`."""
+    n = end.shape[0]
+    return make_suffix_policy(params).keep(slots, torch.zeros(n, dtype=torch.long), end,
+                                           torch.full((n,), slots.shape[0]))
+
+
 def _middle_count(params: DecodeParams, s: int, end: int) -> tuple[int, int, torch.Tensor]:
     slots = torch.arange(s)
     keep = keep_mask(params, slots, torch.tensor([end]))[0]

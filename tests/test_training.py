@@ -264,7 +264,9 @@ class _Writer(torch.nn.Module):
     def __init__(self, enc: TextEncoder, answers: dict[tuple[int, ...], list[int]]) -> None:
         super().__init__()
         self.enc, self.answers = enc, answers
-        self.config = argparse.Namespace(vocab_size=enc.vocab_size)
+        self.config = argparse.Namespace(
+            vocab_size=enc.vocab_size, embedding_size=enc.vocab_size, mask_token_id=enc.mask_id,
+            eos_token_id=enc.eos_id, max_sequence_length=4096)
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, ids, pos, cache=None, embeds=None, logits_at=None):

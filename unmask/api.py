@@ -7,6 +7,7 @@ token ids only.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.decoding.params import DecodeParams, SpecError
-from unmask.engine.decoder import Decoder
+from unmask.engine import Engine, Request, SchedulerConfig, StepEvent
 from unmask.errors import InputError  # noqa: F401  (re-exported)
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
@@ -28,9 +29,10 @@ class Generation:
     token_ids: list[int]  # all gen_length generated tokens, EOS padding included
     nfe: int
     token_forwards: int
-    tpf: float  # committed generated positions per forward
+    tpf: float  # generated positions committed by forwards' decisions, per forward
     tps: float  # useful tokens (up to the first EOS) per second
     seconds: float
+    finish_reason: str = "length"  # eos | length | error (see unmask.engine.request)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,38 +77,66 @@ class LLM:
         return tok.encode(prompt, add_special_tokens=False)
 
     def generate(self, prompts: str | list[str], params: DecodeParams | str | None = None,
-                 chat: bool = True, batch_size: int = 8, **overrides) -> list[Generation]:
+                 chat: bool = True, batch_size: int = 8,
+                 on_event: Callable[[StepEvent], None] | None = None,
+                 **overrides) -> list[Generation]:
         """Generate for each prompt. params: a DecodeParams or a decoder spec string; keyword
-        overrides (gen_length=..., block_length=...) apply on top of a spec's preset."""
+        overrides (gen_length=..., block_length=...) apply on top of it. batch_size: requests
+        decoded at once (the output does not depend on it). on_event: called with every step
+        event (progress)."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        if params is None or isinstance(params, str):
-            params = DecodeParams.parse(params or "static-1", **overrides)
-        elif overrides:
-            params = params.replace(**overrides)
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise InputError(f"prompts must be a string or a non-empty list of strings, got "
+                             f"{type(prompts).__name__}")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise InputError(f"prompt {i} must be a string, got {type(prompt).__name__}")
+            if not prompt.strip():
+                raise InputError(f"empty prompt (prompt {i}): give the model something to answer")
+        params = resolve_params(params, overrides)
         ids = [self.encode_prompt(p, chat) for p in prompts]
-        limit = self.config.max_sequence_length
-        for p_ids in ids:
-            if len(p_ids) + params.gen_length > limit:
-                raise InputError(f"prompt ({len(p_ids)} tokens) + gen_length ({params.gen_length}) "
-                                 f"exceeds max_sequence_length {limit}; valid total: <= {limit}")
-        return [g for i in range(0, len(ids), batch_size)
-                for g in self.generate_ids(ids[i : i + batch_size], params)]
+        return self.generate_ids(ids, params, batch_size=batch_size, on_event=on_event)
 
-    def generate_ids(self, prompt_ids: list[list[int]], params: DecodeParams) -> list[Generation]:
-        """Generate for already tokenized prompts, as one batch."""
+    def generate_ids(self, prompt_ids: list[list[int]], params: DecodeParams,
+                     batch_size: int = 8,
+                     on_event: Callable[[StepEvent], None] | None = None) -> list[Generation]:
+        """Generate for already tokenized prompts: `batch_size` at a time through the engine."""
         if not isinstance(params, DecodeParams):
             raise SpecError("params must be a DecodeParams")
-        dec = Decoder(self.model, params, self.config.mask_token_id, self.config.eos_token_id)
-        out = []
-        for r in dec.generate(prompt_ids):
-            useful = useful_length(r.token_ids, self.config.eos_token_id)
-            text = self.tokenizer.decode(r.token_ids[:useful], skip_special_tokens=True)
-            out.append(Generation(
-                text=text, token_ids=r.token_ids, nfe=r.nfe, token_forwards=r.token_forwards,
-                tpf=len(r.token_ids) / max(r.nfe, 1),
-                tps=useful / r.seconds if r.seconds > 0 else 0.0, seconds=r.seconds))
-        return out
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        engine = Engine(self.model, SchedulerConfig(max_running=batch_size))
+        reqs = [engine.add_request(p, params) for p in prompt_ids]
+        with torch.no_grad():
+            while engine.has_unfinished:
+                for ev in engine.step():
+                    if on_event is not None:
+                        on_event(ev)
+        return [self.generation(r) for r in reqs]
+
+    def generation(self, r: Request) -> Generation:
+        """A finished request as text and metrics (docs/design.md, "Metrics")."""
+        if r.finish_reason == "error":
+            raise RuntimeError(f"request {r.request_id} failed in the engine: {r.error}")
+        eos = self.config.eos_token_id
+        useful = useful_length(r.token_ids, eos)
+        text = self.tokenizer.decode(r.token_ids[:useful], skip_special_tokens=True)
+        return Generation(text=text, token_ids=r.token_ids, nfe=r.nfe,
+                          token_forwards=r.token_forwards, tpf=r.decided / max(r.nfe, 1),
+                          tps=useful / r.seconds if r.seconds > 0 else 0.0, seconds=r.seconds,
+                          finish_reason=r.finish_reason or "length")
+
+
+def resolve_params(params: DecodeParams | str | None, overrides: dict) -> DecodeParams:
+    """A DecodeParams from a spec string (default static-1) or a DecodeParams, with keyword
+    overrides on top; unknown keys and bad types are SpecErrors naming the key."""
+    if params is None or isinstance(params, str):
+        return DecodeParams.parse(params or "static-1", **overrides)
+    if not isinstance(params, DecodeParams):
+        raise SpecError(f"params must be a decoder spec string or a DecodeParams, got "
+                        f"{type(params).__name__}")
+    return params.replace(**overrides) if overrides else params
 
 
 def useful_length(token_ids: list[int], eos_id: int) -> int:

@@ -23,11 +23,15 @@ then read from the store like the rest of the context).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.rules import rank
+
+if TYPE_CHECKING:
+    from unmask.decoding.params import DecodeParams
 
 
 @dataclass
@@ -101,11 +105,10 @@ class EntropyCache(CachePolicy):
         recompute = self.block(v)
         if p.recent_k > 0:
             # The recent_k most recently committed slots: volatility persists after unmasking.
+            # Slots committed at the same step tie; `rank` breaks ties by position (topk's
+            # order is unspecified and moved with the batch's width).
             recency = v.commit_step.masked_fill(v.commit_step < 0, -1).float()
-            k = min(p.recent_k, recency.shape[1])
-            top = recency.topk(k, dim=-1)
-            recent = torch.zeros_like(recompute)
-            recent.scatter_(1, top.indices, top.values >= 0)
+            recent = (rank(recency) < p.recent_k) & (v.commit_step >= 0)
             recompute = recompute | recent
         return refresh, recompute
 

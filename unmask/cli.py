@@ -66,8 +66,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     outs = llm.generate(args.prompts, params, chat=not args.raw)
     for g in outs:
         if args.json:
-            print(json.dumps({k: getattr(g, k) for k in
-                              ("text", "token_ids", "nfe", "token_forwards", "tpf", "tps", "seconds")}))
+            print(json.dumps(g.to_dict()))
         else:
             print(g.text)
             print(f"[{params.spec} | NFE {g.nfe} | TPF {g.tpf:.2f} | {g.tps:.1f} tokens/s | "

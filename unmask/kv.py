@@ -22,7 +22,7 @@ class KVStore:
     committed since its forward holds K/V of its old [MASK], which a policy may recompute.
     """
 
-    k: list[Tensor]
+    k: list[Tensor]  # or a per-layer row view (`rows`)
     v: list[Tensor]
     token: Tensor
 
@@ -42,8 +42,37 @@ class KVStore:
         )
 
     def rows(self, index: Tensor) -> KVStore:
-        """The store for a gathered set of rows (e.g. one copy per FreeDave draft)."""
+        """The store as seen by a gathered set of rows (e.g. FreeDave's drafts, several per
+        row). K/V are gathered one layer at a time when attention reads them, so no copy of the
+        whole store is ever made; the per-layer gather lives as long as that layer's attention."""
+        return KVStore(_Gathered(self.k, index), _Gathered(self.v, index), self.token[index])
+
+    # --- membership (batch rows join and leave; not per step) ---------------------------------
+    def cat_rows(self, n: int) -> KVStore:
+        """This store with `n` empty rows appended."""
+        def grow(t: Tensor, fill: float) -> Tensor:
+            return torch.cat([t, torch.full((n, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
+        return KVStore([grow(k, 0) for k in self.k], [grow(v, 0) for v in self.v],
+                       grow(self.token, -1))
+
+    def select_rows(self, index: Tensor) -> KVStore:
+        """A compacted store of `index`'s rows (finished rows leave)."""
         return KVStore([k[index] for k in self.k], [v[index] for v in self.v], self.token[index])
+
+    def resize_slots(self, front: int, back: int) -> KVStore:
+        """Add (negative: drop) `front` empty slots before and `back` after every row."""
+        def pad(t: Tensor, dim: int, fill: float) -> Tensor:
+            t = t.narrow(dim, max(-front, 0), t.shape[dim] - max(-front, 0) - max(-back, 0))
+            parts = [t]
+            for n, at in ((front, 0), (back, 1)):
+                if n > 0:
+                    shape = list(t.shape)
+                    shape[dim] = n
+                    part = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+                    parts.insert(len(parts) * at, part)
+            return torch.cat(parts, dim=dim) if len(parts) > 1 else t.contiguous()
+        return KVStore([pad(k, 2, 0) for k in self.k], [pad(v, 2, 0) for v in self.v],
+                       pad(self.token, 1, -1))
 
     def invalidate(self, rows: Tensor) -> None:
         """Forget every slot of ``rows`` (a refresh rebuilds them)."""
@@ -64,6 +93,19 @@ class KVStore:
             self.k[layer][b, :, s] = k[r_idx, :, t_idx]
             self.v[layer][b, :, s] = v[r_idx, :, t_idx]
         self.token[b, s] = tokens[r_idx, t_idx]
+
+
+class _Gathered:
+    """Per-layer tensors (B, ...) read through a row index: layer i is gathered on access."""
+
+    def __init__(self, layers: list[Tensor], index: Tensor) -> None:
+        self.layers, self.index = layers, index
+
+    def __getitem__(self, layer: int) -> Tensor:
+        return self.layers[layer][self.index]
+
+    def __len__(self) -> int:
+        return len(self.layers)
 
 
 @dataclass

@@ -3,70 +3,122 @@
 - full: all of them (the reference).
 - window: only the first `suffix_local` positions after the block (the prior approach).
 - structured: local (first `suffix_local` after the block), tail (last `suffix_tail` of the
-  canvas) and `suffix_middle` positions of the middle chosen by a deterministic rule (`even`:
-  evenly spaced; `decay`: denser near the block; `grid`: fixed slots, see `_grid`). Dropped
-  positions are left out of the forward entirely; kept ones keep their true position ids. With
-  `inject` > 0 a kept position's input embedding carries the previous step's prediction:
-  e = E[mask] + inject * (E[pred] - E[mask]).
+  row's canvas) and `suffix_middle` positions of the middle chosen by a deterministic rule
+  (`even`: evenly spaced; `decay`: denser near the block; `grid`: fixed slots, see `grid`).
+  Dropped positions are left out of the forward entirely; kept ones keep their true position
+  ids. With `inject` > 0 a kept position's input embedding carries the previous step's
+  prediction: e = E[mask] + inject * (E[pred] - E[mask]).
+
+Every quantity is computed from the row's own canvas (its prompt start, block and end), never
+from the batch's padded width, so a row keeps the same positions whoever shares its batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from unmask.decoding.params import DecodeParams
-
-
-def keep_mask(params: DecodeParams, slots: Tensor, block_end: Tensor) -> Tensor:
-    """(R, S) bool: slots kept in this step's forward (everything up to the block end, plus the
-    chosen suffix positions)."""
-    end = block_end[:, None]  # (R, 1)
-    keep = slots[None, :] < end
-    if params.suffix == "full":
-        return torch.ones_like(keep)
-    local_end = end + params.suffix_local
-    keep = keep | (slots[None, :] < local_end)
-    if params.suffix == "window":
-        return keep
-    n_slots = slots.shape[0]
-    tail_start = max(n_slots - params.suffix_tail, 0)
-    keep = keep | (slots[None, :] >= tail_start)
-    if params.suffix_middle > 0:
-        rule = _grid if params.suffix_rule == "grid" else _middle
-        keep = keep | rule(params, slots, local_end.squeeze(1), tail_start)
-    return keep
+if TYPE_CHECKING:
+    from unmask.decoding.params import DecodeParams
 
 
-def _grid(params: DecodeParams, slots: Tensor, mid_start: Tensor, mid_end: int) -> Tensor:
-    """The middle's share of a fixed grid: slots mid_end-1, mid_end-1-stride, ... (N_mid of
-    them, stride = mid_end // N_mid). The picks do not move with the block, so a K/V cache keeps
-    them from one block to the next instead of computing new ones; the price is that fewer
-    than N_mid remain as the block advances into the grid."""
-    n = params.suffix_middle
-    stride = max(mid_end // n, 1)
-    back = mid_end - 1 - slots[None, :]  # (1, S) distance below the tail
+class SuffixPolicy:
+    """Interface: `keep` -> (R, S) slots in this step's forward; `embeds` -> input embeddings
+    (None: plain lookup)."""
+
+    def __init__(self, params: DecodeParams) -> None:
+        self.params = params
+
+    def keep(self, slots: Tensor, row_start: Tensor, block_end: Tensor, row_end: Tensor) -> Tensor:
+        """slots (S,); row_start (R,) slot of position 0 (after left padding); block_end (R,)
+        one past the current block; row_end (R,) one past the row's last generated slot."""
+        raise NotImplementedError
+
+    def embeds(self, model: nn.Module, ids: Tensor, idx: Tensor, ok: Tensor, prev_token: Tensor,
+               block_end: Tensor) -> Tensor | None:
+        """(R, T, d) embeddings of the forwarded tokens ids (R, T) at slots idx, carrying the
+        previous step's predictions (prev_token (R, S)) into kept suffix slots; None when off."""
+        lam = self.params.inject
+        if lam == 0:
+            return None
+        prev = prev_token.gather(1, idx)  # (R, T)
+        mask_id = model.config.mask_token_id
+        use = ok & (ids == mask_id) & (idx >= block_end[:, None]) & (prev != mask_id)
+        if not bool(use.any()):
+            return None
+        e = model.embed(ids)  # (R, T, d)
+        e_pred = model.embed(torch.where(use, prev, ids))
+        return torch.where(use[..., None], e + lam * (e_pred - e), e)
+
+
+class Full(SuffixPolicy):
+    def keep(self, slots: Tensor, row_start: Tensor, block_end: Tensor, row_end: Tensor) -> Tensor:
+        return slots[None, :] < row_end[:, None]
+
+    def embeds(self, *args, **kwargs) -> Tensor | None:
+        return None  # nothing is dropped, so there is nothing to carry
+
+
+class Window(SuffixPolicy):
+    def keep(self, slots: Tensor, row_start: Tensor, block_end: Tensor, row_end: Tensor) -> Tensor:
+        local_end = torch.minimum(block_end + self.params.suffix_local, row_end)
+        return slots[None, :] < local_end[:, None]
+
+
+class Structured(SuffixPolicy):
+    def keep(self, slots: Tensor, row_start: Tensor, block_end: Tensor, row_end: Tensor) -> Tensor:
+        p = self.params
+        local_end = block_end + p.suffix_local  # (R,)
+        tail_start = torch.maximum(row_end - p.suffix_tail, row_start)  # (R,)
+        s = slots[None, :]
+        keep = (s < local_end[:, None]) | (s >= tail_start[:, None])
+        if p.suffix_middle > 0:
+            keep |= MIDDLE_RULES[p.suffix_rule](p, slots, row_start, local_end, tail_start)
+        return keep & (s < row_end[:, None])
+
+
+def grid(p: DecodeParams, slots: Tensor, row_start: Tensor, mid_start: Tensor,
+         mid_end: Tensor) -> Tensor:
+    """The middle's share of a fixed grid: slots mid_end-1, mid_end-1-stride, ... (N_mid of them,
+    stride = the row's positions before the tail // N_mid). The picks do not move with the block,
+    so a K/V cache keeps them from one block to the next instead of computing new ones; the price
+    is that fewer than N_mid remain as the block advances into the grid."""
+    n = p.suffix_middle
+    stride = ((mid_end - row_start) // n).clamp_min(1)[:, None]  # (R, 1), in the row's positions
+    back = mid_end[:, None] - 1 - slots[None, :]  # (R, S) distance below the tail
     on_grid = (back >= 0) & (back % stride == 0) & (back < n * stride)
     return on_grid & (slots[None, :] >= mid_start[:, None])
 
 
-def _middle(params: DecodeParams, slots: Tensor, mid_start: Tensor, mid_end: int) -> Tensor:
+def spread(p: DecodeParams, slots: Tensor, row_start: Tensor, mid_start: Tensor,
+           mid_end: Tensor) -> Tensor:
     """Exactly min(N_mid, width) distinct positions of [mid_start, mid_end) per row.
 
     Position i sits at i + floor(f_i * (gaps + 1)) past mid_start, with gaps = width - N_mid and
     f_i increasing in [0, 1): strictly increasing, so no two picks collide. `even` spaces the
     gaps evenly; `decay` (f_i squared) keeps more positions next to the block.
     """
-    n = params.suffix_middle
+    n = p.suffix_middle
     width = (mid_end - mid_start).clamp_min(0)  # (R,)
     i = torch.arange(n, device=slots.device)  # (n,)
     frac = (i.float() + 0.5) / n
-    if params.suffix_rule == "decay":
+    if p.suffix_rule == "decay":
         frac = frac**2
     gaps = (width - n).clamp_min(0)[:, None]  # (R, 1)
-    spread = i[None, :] + (frac[None, :] * (gaps + 1).float()).long()  # (R, n)
-    offset = torch.where(width[:, None] >= n, spread, torch.minimum(i[None, :], width[:, None] - 1))
+    offsets = i[None, :] + (frac[None, :] * (gaps + 1).float()).long()  # (R, n)
+    offset = torch.where(width[:, None] >= n, offsets, torch.minimum(i[None, :], width[:, None] - 1))
     picks = (mid_start[:, None] + offset).clamp(0, slots.shape[0] - 1)
     out = torch.zeros(mid_start.shape[0], slots.shape[0], dtype=torch.bool, device=slots.device)
     out.scatter_(1, picks, (width[:, None] > 0).expand_as(picks))
     return out
+
+
+MIDDLE_RULES: dict[str, Callable[..., Tensor]] = {"even": spread, "decay": spread, "grid": grid}
+POLICIES: dict[str, type[SuffixPolicy]] = {"full": Full, "window": Window, "structured": Structured}
+
+
+def make_suffix_policy(params: DecodeParams) -> SuffixPolicy:
+    return POLICIES[params.suffix](params)

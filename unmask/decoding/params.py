@@ -12,14 +12,18 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from unmask import caching, suffix
+from unmask.decoding import methods
 from unmask.errors import SpecError  # noqa: F401  (re-exported)
 
-METHODS = ("static", "static-1", "threshold", "freedave", "freedave++")
+# The names the grammar accepts come from the registries: a new rule, cache or suffix policy is
+# one class registered in its own module.
+METHODS = tuple(methods.METHODS)
 REMASKING = ("low_confidence", "maskgit_plus", "topk_margin", "entropy", "random")
-CACHES = ("none", "prefix", "dual", "entropy")
-SUFFIXES = ("full", "window", "structured")
+CACHES = tuple(caching.POLICIES)
+SUFFIXES = tuple(suffix.POLICIES)
 BLOCK_RECOMPUTE = ("all", "masked")
-MIDDLE_RULES = ("even", "decay", "grid")
+MIDDLE_RULES = tuple(suffix.MIDDLE_RULES)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class DecodeParams:
     name: str = ""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _choice("method", self.method, METHODS)
         _choice("remasking", self.remasking, REMASKING)
         _choice("cache", self.cache, CACHES)
@@ -83,14 +88,14 @@ class DecodeParams:
                 raise SpecError(f"steps ({self.steps}) must be in 1..{self.gen_length} and a "
                                 f"multiple of the number of blocks ({self.num_blocks})")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise SpecError(f"temperature must be >= 0, got {self.temperature}")
+            raise SpecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.threshold <= 1:
             raise SpecError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.draft_steps < 1:
             raise SpecError(f"draft_steps must be >= 1, got {self.draft_steps}")
         if not 0 <= self.draft_conf <= 1:
             raise SpecError(f"draft_conf must be in [0, 1], got {self.draft_conf}")
-        if self.entropy_tau < 0:
+        if not self.entropy_tau >= 0:  # also refuses nan
             raise SpecError(f"entropy_tau must be >= 0 (inf allowed), got {self.entropy_tau}")
         for key in ("recent_k", "suffix_local", "suffix_middle", "suffix_tail"):
             if getattr(self, key) < 0:
@@ -112,12 +117,23 @@ class DecodeParams:
         return self.name or to_spec(self)
 
     def replace(self, **changes: Any) -> DecodeParams:
+        """A copy with `changes`; its spec is rebuilt from the values (the old text no longer
+        describes it) unless `name` is given."""
+        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        if unknown:
+            raise SpecError(f"unknown decoder key {unknown[0]!r}; valid: {', '.join(SPEC_KEYS)}")
+        changes.setdefault("name", "")
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def parse(cls, spec: str, **overrides: Any) -> DecodeParams:
         """Parse ``NAME[,key=value]*``; keyword overrides (e.g. gen_length from a CLI flag) win
         over the preset but lose to keys written in the spec."""
+        if not isinstance(spec, str):
+            raise SpecError(f"a decoder spec is a string NAME[,key=value]*, got {type(spec).__name__}")
+        unknown = sorted(set(overrides) - set(SPEC_KEYS))
+        if unknown:
+            raise SpecError(f"unknown decoder key {unknown[0]!r}; valid: {', '.join(SPEC_KEYS)}")
         spec = spec.strip()
         if not spec:
             raise SpecError("empty decoder spec; expected NAME[,key=value]*")
@@ -159,8 +175,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-# The decoder each lossless method claims to reproduce token for token.
-REFERENCE_METHOD = {"freedave": "static-1", "freedave++": "threshold"}
+REFERENCE_METHOD = methods.REFERENCE_METHOD
 
 
 def reference_of(p: DecodeParams) -> DecodeParams | None:
@@ -184,6 +199,23 @@ def to_spec(p: DecodeParams) -> str:
                           if f.name not in ("method", "name", "gen_length", "block_length")
                           and getattr(p, f.name) != getattr(default, f.name)]
     return ",".join(parts)
+
+
+_KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+
+
+def _check_types(p: DecodeParams) -> None:
+    """Refuse values of the wrong type (``threshold=True`` from JSON, a float gen_length) with
+    the key's name, before any range check compares them."""
+    for f in fields(p):
+        value, kind = getattr(p, f.name), str(f.type).replace(" ", "")
+        if value is None and "None" in kind:
+            continue
+        base = kind.split("|")[0]
+        ok = isinstance(value, _KINDS[base]) and (base == "bool" or not isinstance(value, bool))
+        if not ok:
+            raise SpecError(f"{f.name} must be {'an' if base == 'int' else 'a'} {base}, "
+                            f"got {value!r} ({type(value).__name__})")
 
 
 def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:

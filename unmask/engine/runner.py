@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.rules import score
 from unmask.kv import Frame, KVStore
+from unmask.suffix import SuffixPolicy
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Forwarded:
     ids: Tensor  # (R, T) the forwarded tokens
     ok: Tensor  # (R, T) bool, False for batch padding
     refresh: Tensor  # (R,) bool, the row was a full forward
+    visible: Tensor  # (R, S) bool, slots that took part (forwarded or read from the store)
 
     @property
     def n_tokens(self) -> Tensor:  # (R,) token-forwards per row
@@ -37,8 +39,9 @@ class Forwarded:
 
 
 class Runner:
-    def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int) -> None:
-        self.model, self.params = model, params
+    def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
+                 suffix: SuffixPolicy) -> None:
+        self.model, self.params, self.suffix = model, params, suffix
         self.mask_id, self.eos_id = mask_id, eos_id
         self.shift = int(getattr(model, "logit_shift", 0))
         self.device = next(model.parameters()).device
@@ -69,7 +72,8 @@ class Runner:
         ok = active.gather(1, idx)
         ids = x.gather(1, idx)
         pos = idx - pad[:, None]
-        embeds = self._inject(ids, idx, ok, prev_token, block_start)
+        block_end = block_start + self.params.block_length
+        embeds = self.suffix.embeds(self.model, ids, idx, ok, prev_token, block_end)
         frame = Frame(key_mask=ok)
         cached = visible & ~active
         if store is not None and bool(cached.any()):
@@ -93,19 +97,4 @@ class Runner:
         fresh = torch.zeros((r, s), dtype=torch.bool, device=x.device)
         token[rows, tslots], conf[rows, tslots], ent[rows, tslots] = sc.token, sc.conf, sc.entropy
         fresh[rows, tslots] = True
-        return Forwarded(token, conf, ent, fresh, frame.fresh, idx, ids, ok, refresh)
-
-    def _inject(self, ids: Tensor, idx: Tensor, ok: Tensor, prev_token: Tensor,
-                block_start: Tensor) -> Tensor | None:
-        """Input embeddings carrying the previous step's predictions into kept suffix slots."""
-        lam = self.params.inject
-        if lam == 0 or self.params.suffix == "full":
-            return None
-        prev = prev_token.gather(1, idx)  # (R, T)
-        block_end = block_start + self.params.block_length
-        use = ok & (ids == self.mask_id) & (idx >= block_end[:, None]) & (prev != self.mask_id)
-        if not bool(use.any()):
-            return None
-        e = self.model.embed(ids)  # (R, T, d)
-        e_pred = self.model.embed(torch.where(use, prev, ids))
-        return torch.where(use[..., None], e + lam * (e_pred - e), e)
+        return Forwarded(token, conf, ent, fresh, frame.fresh, idx, ids, ok, refresh, visible)

@@ -473,7 +473,7 @@ def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: i
     """
     from unmask.api import useful_length
     from unmask.decoding.params import DecodeParams
-    from unmask.engine.decoder import Decoder
+    from unmask.engine import decode
     from unmask.tasks import math as math_task
 
     check = check or (lambda text, p: math_task.check(text, p.answer))
@@ -482,8 +482,8 @@ def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: i
     params = DecodeParams.parse("static-1,early_exit=true", gen_length=gen_length,
                                 block_length=block_length)
     with _evaluating(model):
-        results = Decoder(model, params, enc.mask_id, enc.eos_id).generate(
-            [enc.prompt(p.prompt) for p in problems])
+        results = decode(model, params, [enc.prompt(p.prompt) for p in problems],
+                         mask_id=enc.mask_id, eos_id=enc.eos_id)
     solved = 0
     for p, r in zip(problems, results, strict=True):
         text = enc.tok.decode(r.token_ids[: useful_length(r.token_ids, enc.eos_id)])

@@ -1,0 +1,160 @@
+"""The decode state of the rows one decoder runs together, with `extend` and `filter`.
+
+Canvas layout, per row: left padding (never attended to), the prompt, then the row's generated
+positions, then right padding up to the batch's width S (rows may generate different lengths):
+
+    slot:  0 .. pad-1 | pad .. P-1 | P .. end-1 | end .. S-1
+           padding    | prompt     | generated  | padding
+
+Every generated region starts at slot P, so blocks line up across rows. A row's positions
+(RoPE ids) are slot - pad, so neither padding changes what a row computes. Joining rows with a
+longer prompt or generation widen every tensor (a copy when membership changes, never per
+step); leaving rows are dropped and the width shrinks back to what the remaining rows need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from unmask.engine.request import Request
+from unmask.kv import KVStore
+
+
+@dataclass
+class Predictions:
+    """The last forward's predictions of each row, by slot (valid where `fresh`)."""
+
+    token: Tensor  # (R, S) long
+    conf: Tensor  # (R, S) float
+    entropy: Tensor  # (R, S) float
+    fresh: Tensor  # (R, S) bool
+
+
+# Per-slot tensors and the value a new slot holds; `x` is filled separately (EOS padding).
+_SLOT_FILL = {"commit_step": -1}
+_PRED_FILL = {"token": None, "conf": float("-inf"), "entropy": 0.0, "fresh": False}
+# Per-row tensors holding a slot index (-1: none), shifted with the slots.
+_SLOT_INDEX_ROWS = ("pad", "end", "store_block", "block_seen")
+_ROWS = ("pad", "end", "step", "store_block", "block_seen", "block_m", "block_step",
+         "steps_per_block", "nfe", "tok_fw", "decided", "has_preds", "done")
+
+
+class DecodeBatch:
+    def __init__(self, mask_id: int, eos_id: int, device: torch.device,
+                 store_shape: tuple[int, int, int, torch.dtype] | None) -> None:
+        """store_shape: (n_layers, n_kv_heads, head_dim, dtype) when the decoder keeps a K/V
+        store, else None."""
+        self.mask_id, self.eos_id, self.device = mask_id, eos_id, device
+        self.store_shape = store_shape
+        self.requests: list[Request] = []
+        self.P = 0
+        self.S = 0
+        self.x = torch.empty(0, 0, dtype=torch.long, device=device)
+        self.commit_step = torch.empty(0, 0, dtype=torch.long, device=device)
+        for name in _ROWS:
+            setattr(self, name, torch.empty(0, dtype=torch.bool if name in ("has_preds", "done")
+                                            else torch.long, device=device))
+        self.preds = Predictions(
+            torch.empty(0, 0, dtype=torch.long, device=device),
+            torch.empty(0, 0, device=device), torch.empty(0, 0, device=device),
+            torch.empty(0, 0, dtype=torch.bool, device=device))
+        self.store: KVStore | None = None
+        if store_shape is not None:
+            n_layers, n_kv, head_dim, dtype = store_shape
+            self.store = KVStore.empty(n_layers, 0, n_kv, 0, head_dim, dtype, device)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def slots(self) -> Tensor:  # (S,)
+        return torch.arange(self.S, device=self.device)
+
+    # --- membership --------------------------------------------------------------------------
+    def extend(self, reqs: list[Request]) -> None:
+        """Add rows for `reqs` (fresh canvases, no predictions yet)."""
+        if not reqs:
+            return
+        P = max([self.P] + [r.prompt_len for r in reqs])
+        gen = max([self.S - self.P] + [r.gen_length for r in reqs])
+        self._resize(P - self.P, (P + gen) - (self.S + (P - self.P)))
+        dev, b = self.device, len(reqs)
+        x = torch.full((b, self.S), self.eos_id, dtype=torch.long, device=dev)
+        for i, r in enumerate(reqs):
+            x[i, P - r.prompt_len : P] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            x[i, P : P + r.gen_length] = self.mask_id
+        new_rows = {
+            "pad": [P - r.prompt_len for r in reqs], "end": [P + r.gen_length for r in reqs],
+            "step": 0, "store_block": -1, "block_seen": -1, "block_m": 0, "block_step": 0,
+            "steps_per_block": [r.params.steps_per_block for r in reqs], "nfe": 0, "tok_fw": 0,
+            "decided": 0, "has_preds": False, "done": False,
+        }
+        for name in _ROWS:
+            old = getattr(self, name)
+            val = new_rows[name]
+            add = (torch.tensor(val, dtype=old.dtype, device=dev) if isinstance(val, list)
+                   else torch.full((b,), val, dtype=old.dtype, device=dev))
+            setattr(self, name, torch.cat([old, add]))
+        self.x = torch.cat([self.x, x])
+        self.commit_step = torch.cat([self.commit_step, torch.full_like(x, -1)])
+        pr = self.preds
+        self.preds = Predictions(
+            torch.cat([pr.token, torch.full_like(x, self.mask_id)]),
+            torch.cat([pr.conf, torch.full((b, self.S), float("-inf"), device=dev)]),
+            torch.cat([pr.entropy, torch.zeros(b, self.S, device=dev)]),
+            torch.cat([pr.fresh, torch.zeros(b, self.S, dtype=torch.bool, device=dev)]))
+        if self.store is not None:
+            self.store = self.store.cat_rows(b)
+        self.requests.extend(reqs)
+
+    def filter(self, keep: list[bool]) -> None:
+        """Keep the rows flagged True (finished or aborted rows leave the tensors)."""
+        if all(keep):
+            return
+        idx = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long, device=self.device)
+        self.requests = [r for r, k in zip(self.requests, keep, strict=True) if k]
+        for name in _ROWS:
+            setattr(self, name, getattr(self, name)[idx])
+        self.x, self.commit_step = self.x[idx], self.commit_step[idx]
+        pr = self.preds
+        self.preds = Predictions(pr.token[idx], pr.conf[idx], pr.entropy[idx], pr.fresh[idx])
+        if self.store is not None:
+            self.store = self.store.select_rows(idx)
+        if not self.requests:
+            self._resize(-self.P, -(self.S - self.P))
+            return
+        P = max(r.prompt_len for r in self.requests)
+        gen = max(r.gen_length for r in self.requests)
+        self._resize(P - self.P, (P + gen) - (self.S + P - self.P))
+
+    def _resize(self, front: int, back: int) -> None:
+        """Add (or, when negative, drop) `front` slots before and `back` slots after every row."""
+        if front == 0 and back == 0:
+            return
+        r, dev = self.x.shape[0], self.device
+
+        def pad(t: Tensor, fill: float | int | bool) -> Tensor:
+            t = t[:, max(-front, 0) : t.shape[1] - max(-back, 0)]
+            parts = [t]
+            if front > 0:
+                parts.insert(0, torch.full((r, front), fill, dtype=t.dtype, device=dev))
+            if back > 0:
+                parts.append(torch.full((r, back), fill, dtype=t.dtype, device=dev))
+            return torch.cat(parts, dim=1) if len(parts) > 1 else t.contiguous()
+
+        self.x = pad(self.x, self.eos_id)
+        self.commit_step = pad(self.commit_step, -1)
+        pr = self.preds
+        self.preds = Predictions(pad(pr.token, self.mask_id), pad(pr.conf, float("-inf")),
+                                 pad(pr.entropy, 0.0), pad(pr.fresh, False))
+        for name in _SLOT_INDEX_ROWS:
+            t = getattr(self, name)
+            setattr(self, name, torch.where(t >= 0, t + front, t) if name not in ("pad", "end")
+                    else t + front)
+        if self.store is not None:
+            self.store = self.store.resize_slots(front, back)
+        self.P += front
+        self.S += front + back

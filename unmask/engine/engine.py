@@ -1,0 +1,218 @@
+"""The engine: requests in, one `step()` at a time, events out.
+
+`step()` = schedule -> run -> postprocess. The scheduler (plain Python) admits waiting
+requests; each admitted request joins the batch of its decoder. Requests whose decoder specs
+differ only in seed and lengths share a decoder, hence a batch and one model call per step;
+requests of different decoders (method, cache, suffix, thresholds, ...) are in different
+batches, run one after another within the same step (interleaved, not fused). Finished and
+aborted requests leave their batch at once.
+
+A request's tokens never depend on who else is in its batch (tested): every per-row quantity
+(blocks, suffix positions, cache decisions, sampling noise) is computed from the row's own
+canvas, prompt and seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Hashable
+
+import torch
+from torch import nn
+
+from unmask.decoding.params import DecodeParams
+from unmask.engine.batch import DecodeBatch
+from unmask.engine.decoder import Decoder, StepResult
+from unmask.engine.request import Request, StepEvent
+from unmask.engine.scheduler import Scheduler, SchedulerConfig
+from unmask.errors import InputError
+
+
+def decoder_key(params: DecodeParams) -> Hashable:
+    """What decides which batch a request joins: its parameters, seed and lengths aside."""
+    return dataclasses.replace(params, seed=0, gen_length=params.block_length, steps=None, name="")
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: SchedulerConfig | None = None,
+                 mask_id: int | None = None, eos_id: int | None = None) -> None:
+        """mask_id / eos_id default to the model config's (tests override them)."""
+        self.model = model
+        c = model.config
+        self.mask_id = c.mask_token_id if mask_id is None else mask_id
+        self.eos_id = c.eos_token_id if eos_id is None else eos_id
+        self.max_sequence_length = c.max_sequence_length
+        self.scheduler = Scheduler(config or SchedulerConfig(), lambda r: decoder_key(r.params))
+        self.decoders: dict[Hashable, Decoder] = {}
+        self.batches: dict[Hashable, DecodeBatch] = {}
+        self.requests: dict[str, Request] = {}  # waiting or running
+        self._pending: list[StepEvent] = []  # events of aborts between steps
+
+    # --- requests ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None,
+                    trace: bool = False) -> Request:
+        """Queue a request; it joins the running batch at the next step."""
+        if not isinstance(params, DecodeParams):
+            raise InputError(f"params must be a DecodeParams, got {type(params).__name__}")
+        if not prompt_ids:
+            raise InputError("empty prompt: give the model something to answer")
+        if not all(isinstance(t, int) and 0 <= t < self.model.config.embedding_size
+                   for t in prompt_ids):
+            raise InputError("prompt token ids must be integers in the model's vocabulary")
+        total = len(prompt_ids) + params.gen_length
+        if total > self.max_sequence_length:
+            raise InputError(f"prompt ({len(prompt_ids)} tokens) + gen_length ({params.gen_length}) "
+                             f"exceeds max_sequence_length {self.max_sequence_length}; valid total: "
+                             f"<= {self.max_sequence_length}")
+        kw = {} if request_id is None else {"request_id": request_id}
+        req = Request(list(prompt_ids), params, trace=trace, **kw)
+        if req.request_id in self.requests:
+            raise InputError(f"request id {req.request_id!r} is already in use")
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        return req
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """Stop a waiting or running request now (reason `abort`, or `stop` when the caller saw a
+        stop string). Its event comes with the next `step()`. False if it is not in the engine."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status == "waiting":
+            self.scheduler.remove_waiting(request_id)
+        else:
+            key = decoder_key(req.params)
+            b = self.batches[key]
+            row = b.requests.index(req)
+            req.token_ids = b.x[row, b.P : b.P + req.gen_length].tolist()
+            b.filter([r is not req for r in b.requests])
+        self._retire(req, reason)
+        self._pending.append(self._final_event(req))
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def n_running(self) -> int:
+        return len(self.scheduler.running)
+
+    # --- the step ----------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        events, self._pending = self._pending, []
+        now = time.perf_counter()
+        for req in self.scheduler.schedule():
+            req.status, req.started = "running", now
+            key = decoder_key(req.params)
+            if key not in self.decoders:
+                self.decoders[key] = Decoder(self.model, req.params, self.mask_id, self.eos_id)
+                self.batches[key] = self.decoders[key].new_batch()
+            self.batches[key].extend([req])
+        for key, b in list(self.batches.items()):
+            if len(b):
+                events += self._run(self.decoders[key], b)
+        return events
+
+    def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
+        trace = any(r.trace for r in b.requests)
+        try:
+            res = dec.step(b, trace=trace)
+        except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
+            return self._fail(b, f"{type(e).__name__}: {e}")
+        events = self._events(dec, b, res)
+        keep = [not (f or s) for f, s in zip(res.finished.tolist(), res.stalled.tolist(), strict=True)]
+        if not all(keep):
+            b.filter(keep)
+        return events
+
+    def _events(self, dec: Decoder, b: DecodeBatch, res: StepResult) -> list[StepEvent]:
+        gen = slice(b.P, b.S)
+        changed = (b.x[:, gen] != res.before[:, gen])
+        pos = changed.nonzero().tolist()
+        drafted = res.drafted[:, gen].nonzero().tolist()
+        masked = b.x[:, gen] == self.mask_id
+        prefix = torch.where(masked.any(-1), masked.float().argmax(-1), b.end - b.P).tolist()
+        start = (dec._blocks(b, res.before)[0] - b.P).tolist()
+        per_row: list[list[int]] = [[] for _ in b.requests]
+        for r, c in pos:
+            per_row[r].append(c)
+        drafted_rows: list[list[int]] = [[] for _ in b.requests]
+        for r, c in drafted:
+            drafted_rows[r].append(c)
+        tokens = b.x[:, gen].tolist()
+        counters = torch.stack([b.nfe, b.tok_fw, b.decided, b.step]).tolist()
+        flags = torch.stack([res.forwarded, res.refreshed, res.finished, res.stalled]).tolist()
+        now = time.perf_counter()
+        events = []
+        for i, req in enumerate(b.requests):
+            req.nfe, req.token_forwards, req.decided, req.steps = (c[i] for c in counters)
+            forwarded, refreshed, finished, stalled = (f[i] for f in flags)
+            block_len = req.params.block_length
+            ev = StepEvent(
+                request_id=req.request_id, step=req.steps, positions=per_row[i],
+                tokens=[tokens[i][c] for c in per_row[i]], drafted=drafted_rows[i],
+                forwarded=bool(forwarded), refreshed=bool(refreshed),
+                block=(start[i], start[i] + block_len), prefix=prefix[i], nfe=req.nfe,
+                token_forwards=req.token_forwards, decided=req.decided)
+            if req.trace and res.kept is not None:
+                ev.suffix_kept = [c for c in res.kept[i, b.P + start[i] + block_len : b.S].nonzero()
+                                  .flatten().add(start[i] + block_len).tolist()]
+            if finished or stalled:
+                req.token_ids = tokens[i][: req.gen_length]
+                req.finished_at = now
+                if stalled:
+                    req.error = ("no progress: a step committed nothing (the scores are not "
+                                 "finite; check temperature and the model's logits)")
+                    reason = "error"
+                else:
+                    reason = "eos" if self.eos_id in req.token_ids else "length"
+                self._retire(req, reason)
+                ev.finished, ev.error = reason, req.error
+            events.append(ev)
+        return events
+
+    def _fail(self, b: DecodeBatch, message: str) -> list[StepEvent]:
+        events = []
+        for req in list(b.requests):
+            req.error = message
+            req.finished_at = time.perf_counter()
+            self._retire(req, "error")
+            events.append(self._final_event(req))
+        b.filter([False] * len(b))
+        return events
+
+    def _retire(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = "finished", reason
+        if req.finished_at is None:
+            req.finished_at = time.perf_counter()
+        self.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+
+    def _final_event(self, req: Request) -> StepEvent:
+        return StepEvent(req.request_id, req.steps, [], [], [], False, False, (0, 0), 0, req.nfe,
+                         req.token_forwards, req.decided, finished=req.finish_reason,
+                         error=req.error)
+
+    # --- a whole decode ----------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until every request in the engine has finished."""
+        while self.has_unfinished:
+            self.step()
+
+
+@torch.no_grad()
+def decode(model: nn.Module, params: DecodeParams, prompts: list[list[int]],
+           max_running: int | None = None, mask_id: int | None = None,
+           eos_id: int | None = None) -> list[Request]:
+    """Decode token-id prompts to completion (all admitted at once unless max_running)."""
+    engine = Engine(model, SchedulerConfig(max_running=max_running or max(len(prompts), 1)),
+                    mask_id, eos_id)
+    reqs = [engine.add_request(p, params) for p in prompts]
+    engine.run()
+    return reqs

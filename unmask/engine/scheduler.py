@@ -1,0 +1,95 @@
+"""Which requests run: admission under a row budget and a slot budget, in arrival order.
+
+Plain Python, no tensors. Requests of one decoder share a batch whose canvas is as wide as its
+longest prompt plus its longest generation, so the slot budget counts that padded area (rows x
+width per decoder group): it is what the canvas and the K/V store actually hold.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from unmask.engine.request import Request
+from unmask.errors import InputError
+
+
+class QueueFull(InputError):
+    """The waiting queue is at its limit; try again later."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 16  # rows decoded at once, all decoders together
+    max_queue: int | None = None  # waiting requests; None = unbounded
+    max_slots: int | None = None  # padded canvas slots held at once; None = unbounded
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_running, int) and self.max_running >= 1):
+            raise InputError(f"max_running must be an integer >= 1, got {self.max_running!r}")
+        for key in ("max_queue", "max_slots"):
+            v = getattr(self, key)
+            if v is not None and not (isinstance(v, int) and v >= 0):
+                raise InputError(f"{key} must be an integer >= 0 or None, got {v!r}")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, group_of: Callable[[Request], Hashable]) -> None:
+        self.config = config
+        self.group_of = group_of
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+
+    def check_fits(self, req: Request) -> None:
+        """A request that could never run, even alone, is refused at once (not queued forever)."""
+        limit = self.config.max_slots
+        if limit is not None and req.slots > limit:
+            raise InputError(f"prompt ({req.prompt_len} tokens) + gen_length ({req.gen_length}) = "
+                             f"{req.slots} slots exceeds the engine's slot budget {limit}")
+
+    def add(self, req: Request) -> None:
+        self.check_fits(req)
+        limit = self.config.max_queue
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFull(f"queue full ({limit} waiting requests)")
+        self.waiting.append(req)
+
+    def schedule(self) -> list[Request]:
+        """Admit waiting requests in arrival order while they fit; the first that does not fit
+        waits (later ones wait behind it, so a large request is not starved)."""
+        admitted = []
+        while self.waiting and len(self.running) < self.config.max_running:
+            req = self.waiting[0]
+            if not self._fits_with(req):
+                break
+            self.waiting.popleft()
+            self.running[req.request_id] = req
+            admitted.append(req)
+        return admitted
+
+    def finish(self, req: Request) -> None:
+        self.running.pop(req.request_id, None)
+
+    def remove_waiting(self, request_id: str) -> Request | None:
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                return req
+        return None
+
+    def slots_in_use(self, extra: Request | None = None) -> int:
+        """Padded canvas area of the running requests (plus `extra`): per decoder group, rows x
+        (longest prompt + longest generation)."""
+        groups: dict[Hashable, list[int]] = {}  # group -> [rows, max prompt, max gen]
+        reqs = list(self.running.values()) + ([extra] if extra is not None else [])
+        for r in reqs:
+            g = groups.setdefault(self.group_of(r), [0, 0, 0])
+            g[0] += 1
+            g[1] = max(g[1], r.prompt_len)
+            g[2] = max(g[2], r.gen_length)
+        return sum(rows * (p + n) for rows, p, n in groups.values())
+
+    def _fits_with(self, req: Request) -> bool:
+        limit = self.config.max_slots
+        return limit is None or self.slots_in_use(req) <= limit
