@@ -34,13 +34,20 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
     (always the mask token: committing it would commit nothing; EOS when asked).
     """
     logits = logits.float().clone()
-    logits[:, [t for t in suppress if t < logits.shape[-1]]] = NEG_INF
+    suppressed = [t for t in suppress if t < logits.shape[-1]]
+    logits[:, suppressed] = NEG_INF
+    # Confidence from softmax, as LLaDA's reference computes it (exp(log_softmax) differs by an
+    # ulp near p = 1, which makes or breaks near-ties in the commit order).
+    p = torch.softmax(logits, dim=-1)
     logp = torch.log_softmax(logits, dim=-1)
-    p = logp.exp()
     entropy = entropy_of(p, logp)
     if temperature > 0:
         assert noise_u is not None
         noisy = logits.double().exp() / (-torch.log(noise_u)) ** temperature
+        # A huge temperature underflows (-log U) ** T to 0: 0/0 is NaN, which argmax would pick.
+        # NaN and suppressed tokens rank below every real score (all >= 0).
+        noisy = noisy.nan_to_num(nan=-1.0)
+        noisy[:, suppressed] = -1.0
         token = noisy.argmax(-1)
     else:
         token = logits.argmax(-1)

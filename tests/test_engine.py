@@ -1,0 +1,316 @@
+"""The engine: step events, joining and leaving, budgets, progress, and batch invariance.
+
+Batch invariance is the engine's correctness property for serving: a request's tokens (and its
+NFE and token-forwards) never depend on who else is in the batch, when it joined, or who left.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from helpers import EOS, MASK, VOCAB, peaky_model, tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from unmask.decoding.params import DecodeParams
+from unmask.engine import Engine, QueueFull, SchedulerConfig, decode
+from unmask.engine import decoder as decoder_mod
+from unmask.errors import InputError
+
+METHODS = ["static,steps=8", "static-1", "threshold,threshold=0.5", "freedave,draft_steps=3",
+           "freedave++,draft_steps=3,threshold=0.5"]
+CACHES = ["none", "prefix", "dual", "entropy", "entropy,recent_k=0,block_recompute=masked"]
+SUFFIXES = ["full", "window,suffix_local=4",
+            "structured,suffix_local=2,suffix_middle=3,suffix_tail=2",
+            "structured,suffix_local=2,suffix_middle=3,suffix_tail=2,suffix_rule=grid,inject=0.5"]
+
+
+@functools.cache
+def model(kind: str):
+    return peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)
+
+
+def params(spec: str, gen: int = 16, seed: int = 0) -> DecodeParams:
+    return DecodeParams.parse(spec, gen_length=gen, block_length=8, seed=seed)
+
+
+def outcome(req) -> tuple:
+    return req.token_ids, req.nfe, req.token_forwards, req.decided, req.finish_reason
+
+
+def alone(m, p: DecodeParams, prompt: list[int]) -> tuple:
+    return outcome(decode(m, p, [prompt], mask_id=MASK, eos_id=EOS)[0])
+
+
+def engine(m, **kw) -> Engine:
+    return Engine(m, SchedulerConfig(**kw), mask_id=MASK, eos_id=EOS)
+
+
+# --- batch invariance -----------------------------------------------------------------------------
+tokens = st.integers(3, VOCAB - 3)
+prompts = st.lists(tokens, min_size=1, max_size=9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["llada", "Dream"]), method=st.sampled_from(METHODS),
+       cache=st.sampled_from(CACHES), suffix=st.sampled_from(SUFFIXES),
+       early_exit=st.booleans(), temperature=st.sampled_from([0.0, 0.8]),
+       target=prompts, others=st.lists(st.tuples(prompts, st.sampled_from([8, 16, 32])),
+                                      min_size=1, max_size=3),
+       join_at=st.integers(0, 6), abort_at=st.integers(1, 8))
+def test_batch_invariance(kind, method, cache, suffix, early_exit, temperature, target, others,
+                          join_at, abort_at) -> None:
+    """A request decoded alone == decoded in a batch == admitted at step k of other running
+    requests == with another request aborted mid-way (same decoder, other prompts and lengths;
+    plus one request of another decoder, which runs interleaved)."""
+    m = model(kind)
+    spec = f"{method},cache={cache},suffix={suffix},early_exit={early_exit},temperature={temperature}"
+    p = params(spec, seed=3)
+    want = alone(m, p, target)
+
+    # all at once
+    reqs = decode(m, p, [target] + [q for q, _ in others], mask_id=MASK, eos_id=EOS)
+    assert outcome(reqs[0]) == want
+
+    # joining at step k, with other lengths running, one of them aborted, another decoder beside
+    eng = engine(m)
+    running = [eng.add_request(q, params(spec, gen, seed=i)) for i, (q, gen) in enumerate(others)]
+    eng.add_request(target[::-1], params("threshold,threshold=0.7,cache=dual", 16))
+    for _ in range(join_at):
+        eng.step()
+    req = eng.add_request(target, p)
+    steps = 0
+    while eng.has_unfinished:
+        eng.step()
+        steps += 1
+        if steps == abort_at and not running[0].finished:
+            assert eng.abort(running[0].request_id)
+    assert outcome(req) == want
+
+
+@pytest.mark.parametrize("spec", ["fast", "threshold,cache=entropy", "threshold,suffix=structured,"
+                                  "suffix_rule=grid", "exact", "static-1,temperature=0.5,seed=7"])
+def test_batch_invariance_embedded_model(spec: str) -> None:
+    """The embedded model, real prompts of different lengths: each alone == all in one batch ==
+    joined one at a time while the others run."""
+    from unmask import LLM
+
+    llm = LLM()
+    texts = ["What is 47 + 38?", "Sort these numbers: 5, 2, 9, 14, 3.",
+             "What is 12 * 3 + 7?", "def add(a, b):"]
+    ids = [llm.encode_prompt(t) for t in texts]
+    p = DecodeParams.parse(spec, gen_length=64, block_length=32)
+    solo = [outcome(decode(llm.model, p, [q])[0]) for q in ids]
+    assert [outcome(r) for r in decode(llm.model, p, ids)] == solo
+    eng = Engine(llm.model)
+    reqs = []
+    for q in ids:
+        reqs.append(eng.add_request(q, p))
+        eng.step()
+        eng.step()
+    eng.run()
+    assert [outcome(r) for r in reqs] == solo
+
+
+# --- events ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["static-1", "freedave,draft_steps=4", "threshold,cache=entropy,"
+                                  "early_exit=true", "fast"])
+def test_events_describe_the_decode(spec: str) -> None:
+    """Every generated position is reported committed exactly once, with its final token; the
+    committed prefix only grows; counters match the request; the last event finishes it."""
+    m = model("llada")
+    eng = engine(m)
+    req = eng.add_request([5, 6, 7], params(spec, 32), trace=True)
+    seen: dict[int, int] = {}
+    prefix, last, drafted = 0, None, 0
+    while eng.has_unfinished:
+        for ev in eng.step():
+            assert ev.request_id == req.request_id
+            for pos, tok in zip(ev.positions, ev.tokens, strict=True):
+                assert pos not in seen
+                seen[pos] = tok
+            assert set(ev.drafted) <= set(ev.positions)
+            drafted += len(ev.drafted)
+            assert ev.prefix >= prefix
+            prefix = ev.prefix
+            if ev.forwarded:
+                assert ev.suffix_kept is not None
+            last = ev
+    assert last is not None and last.finished in ("eos", "length")
+    assert sorted(seen) == list(range(32))
+    assert [seen[i] for i in range(32)] == req.token_ids
+    assert (last.nfe, last.token_forwards, last.decided) == (req.nfe, req.token_forwards, req.decided)
+    if spec.startswith("freedave"):
+        assert drafted > 0  # FreeDave accepted drafts past the rule's own step
+    if "early_exit" not in spec and spec != "fast":
+        assert req.decided == 32  # every position was decided by a forward
+
+
+def test_tpf_counts_only_forward_decisions() -> None:
+    """Early exit fills EOS without a forward: those positions do not count in `decided`."""
+    from unmask import LLM
+
+    llm = LLM()
+    g = llm.generate(["What is 4 + 5?"], "threshold,early_exit=true", gen_length=256)[0]
+    decided_by_forwards = g.tpf * g.nfe
+    assert decided_by_forwards < 256  # the EOS tail was filled, not decided
+    assert g.tpf == pytest.approx(decided_by_forwards / g.nfe)
+
+
+# --- scheduling -----------------------------------------------------------------------------------
+def test_short_request_is_not_held_hostage() -> None:
+    """A 64-token request admitted while a 1024-token one runs finishes first, in far fewer
+    engine steps."""
+    m = tiny_model("llada", vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS,
+                   max_sequence_length=1100)
+    eng = engine(m)
+    long = eng.add_request([5, 6, 7], DecodeParams.parse("static-1", gen_length=1024, block_length=32))
+    for _ in range(5):
+        eng.step()
+    short = eng.add_request([8, 9], DecodeParams.parse("static-1", gen_length=64, block_length=32))
+    finished_at: dict[str, int] = {}
+    step = 5
+    while eng.has_unfinished:
+        step += 1
+        for ev in eng.step():
+            if ev.finished:
+                finished_at[ev.request_id] = step
+    # a first forward, then one commit per step (the last commit needs no forward)
+    assert finished_at[short.request_id] == 5 + 64 + 1
+    assert finished_at[long.request_id] == 1024 + 1
+    assert short.nfe == 64 and long.nfe == 1024
+
+
+def test_row_budget_queues() -> None:
+    m = model("llada")
+    eng = engine(m, max_running=2)
+    reqs = [eng.add_request([5 + i], params("static-1", 8)) for i in range(3)]
+    eng.step()
+    assert [r.status for r in reqs] == ["running", "running", "waiting"]
+    eng.run()
+    assert all(r.finished for r in reqs)
+    assert reqs[2].started >= max(reqs[0].finished_at, reqs[1].finished_at)
+
+
+def test_slot_budget_waits_and_refuses() -> None:
+    m = model("llada")
+    eng = engine(m, max_slots=40)
+    with pytest.raises(InputError, match="slot budget 40"):
+        eng.add_request([5] * 10, params("static-1", 32))  # 42 slots: never fits
+    a = eng.add_request([5] * 8, params("static-1", 24))  # 32 slots
+    b = eng.add_request([6] * 2, params("static-1", 8))  # with a: 2 rows x (8 + 24) = 64 > 40
+    eng.step()
+    assert (a.status, b.status) == ("running", "waiting")
+    assert eng.scheduler.slots_in_use() <= 40
+    eng.run()
+    assert b.finished and b.started >= a.finished_at
+
+
+def test_queue_limit() -> None:
+    eng = engine(model("llada"), max_running=1, max_queue=1)
+    eng.add_request([5], params("static-1", 8))
+    with pytest.raises(QueueFull):
+        eng.add_request([6], params("static-1", 8))
+
+
+def test_abort_waiting_and_running() -> None:
+    m = model("llada")
+    eng = engine(m, max_running=1)
+    a = eng.add_request([5, 6], params("static-1", 16))
+    b = eng.add_request([7], params("static-1", 16))
+    eng.step()
+    assert eng.abort(a.request_id) and eng.abort(b.request_id)
+    assert not eng.abort("no-such-request")
+    events = eng.step()
+    assert {(e.request_id, e.finished) for e in events} == {(a.request_id, "abort"),
+                                                            (b.request_id, "abort")}
+    assert not eng.has_unfinished and eng.n_running == 0
+    assert all(len(batch) == 0 for batch in eng.batches.values())
+
+
+def test_bad_requests() -> None:
+    eng = engine(model("llada"))
+    with pytest.raises(InputError, match="empty prompt"):
+        eng.add_request([], params("static-1"))
+    with pytest.raises(InputError, match="max_sequence_length"):
+        eng.add_request([5] * 120, params("static-1", 16))
+    with pytest.raises(InputError, match="vocabulary"):
+        eng.add_request([VOCAB + 5], params("static-1"))
+    with pytest.raises(InputError, match="DecodeParams"):
+        eng.add_request([5], "static-1")  # type: ignore[arg-type]
+    eng.add_request([5], params("static-1"), request_id="x")
+    with pytest.raises(InputError, match="already in use"):
+        eng.add_request([5], params("static-1"), request_id="x")
+
+
+# --- progress and failures --------------------------------------------------------------------------
+def test_a_step_that_commits_nothing_is_an_error(monkeypatch) -> None:
+    """A decode that stops making progress finishes with an error naming the cause; the other
+    decoder's request in the same engine is unaffected."""
+    m = model("llada")
+    want = alone(m, params("threshold,threshold=0.5"), [9, 9])
+    real = decoder_mod.Decoder._draft
+
+    def stuck(self, b):  # the static-1 decoder's drafts commit nothing
+        d = real(self, b)
+        if self.params.method == "static-1":
+            d.x = torch.where(d.added, MASK, d.x)
+            d.added[:] = False
+        return d
+
+    monkeypatch.setattr(decoder_mod.Decoder, "_draft", stuck)
+    eng = engine(m)
+    bad = eng.add_request([5, 6], params("static-1"))
+    good = eng.add_request([9, 9], params("threshold,threshold=0.5"))
+    for _ in range(50):
+        if not eng.has_unfinished:
+            break
+        eng.step()
+    assert not eng.has_unfinished
+    assert bad.finish_reason == "error" and "no progress" in bad.error
+    assert outcome(good) == want
+
+
+def test_huge_temperature_terminates() -> None:
+    """temperature=1000 used to give 0/0 = NaN for the suppressed mask token, which argmax
+    picked: the decoder 'committed' [MASK] forever."""
+    m = model("llada")
+    for temp in (1000.0, 1e5):
+        req = decode(m, params(f"static-1,temperature={temp}", 16), [[5, 6]], mask_id=MASK,
+                     eos_id=EOS)[0]
+        assert req.finish_reason in ("eos", "length") and MASK not in req.token_ids
+        assert req.nfe == 16  # one position per step, the last needs no forward
+
+
+def test_a_failing_batch_fails_alone(monkeypatch) -> None:
+    """An exception inside one decoder's step fails that batch's requests with an error event;
+    the engine keeps serving the other decoder."""
+    m = model("llada")
+    want = alone(m, params("threshold,threshold=0.5"), [9, 9])
+    real = decoder_mod.Decoder.step
+
+    def boom(self, b, trace=False):
+        if self.params.method == "static-1":
+            raise RuntimeError("kaput")
+        return real(self, b, trace)
+
+    monkeypatch.setattr(decoder_mod.Decoder, "step", boom)
+    eng = engine(m)
+    bad = eng.add_request([5, 6], params("static-1"))
+    good = eng.add_request([9, 9], params("threshold,threshold=0.5"))
+    events = eng.step()
+    assert any(e.request_id == bad.request_id and e.finished == "error" for e in events)
+    eng.run()
+    assert bad.finish_reason == "error" and "kaput" in bad.error
+    assert outcome(good) == want
+
+
+def test_noise_is_per_request() -> None:
+    """Two prompts with the same seed draw different noise; the same prompt and seed the same."""
+    m = model("llada")
+    p = params("static-1,temperature=1.0", 16, seed=5)
+    a, b, a2 = decode(m, p, [[5, 6, 7], [5, 6, 8], [5, 6, 7]], mask_id=MASK, eos_id=EOS)
+    assert a.token_ids == a2.token_ids
+    assert a.noise_key != b.noise_key
