@@ -39,8 +39,8 @@ def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x rotated by the angles of cos/sin, computed in cos's dtype and returned in x's.
 
-    float32 cos/sin with bfloat16 x is LLaDA's rope_full_precision: rotating in bfloat16 moves
-    its logits by up to 0.44 on the embedded model (README: Checkpoints).
+    float32 cos/sin with bfloat16 x is LLaDA's rope_full_precision: rotating in bfloat16 instead
+    moves the embedded model's logits by up to 0.41 (README: Checkpoints).
     """
     h = x.to(cos.dtype)
     half = h.shape[-1] // 2
