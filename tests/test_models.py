@@ -45,7 +45,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def _llada_to_llama(name: str) -> str:
-    """LLaDA tensor name -> transformers Llama tensor name (DESIGN section 5)."""
+    """LLaDA tensor name -> transformers Llama tensor name."""
     if name == "model.transformer.wte.weight":
         return "model.embed_tokens.weight"
     if name == "model.transformer.ln_f.weight":

@@ -37,6 +37,9 @@ def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | 
     model-0000i-of-0000n.safetensors and listed in model.safetensors.index.json. Weight files
     of an earlier save to the same folder are removed first, so the folder has one set.
     """
+    if max_shard_size is not None and (isinstance(max_shard_size, bool)
+                                       or not isinstance(max_shard_size, int) or max_shard_size <= 0):
+        raise CheckpointError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model*.safetensors"), out / INDEX]:
@@ -65,9 +68,6 @@ def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | 
 
 def _split(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
     """Tensor names in state order, cut into runs of at most max_bytes (None: one run)."""
-    if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
-                                  or max_bytes <= 0):
-        raise CheckpointError(f"max_shard_size must be a positive number of bytes, got {max_bytes!r}")
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in state.items():

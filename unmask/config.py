@@ -137,7 +137,7 @@ class ModelConfig:
 
     def _check_choices(self, dream: bool) -> None:
         if self.torch_dtype not in TORCH_DTYPES:
-            raise ConfigError(f"config key 'torch_dtype' = {self.torch_dtype!r} is not supported; "
+            raise ConfigError(f"config key 'torch_dtype' = {_show(self.torch_dtype)} is not supported; "
                               f"valid: {', '.join(TORCH_DTYPES)}")
         if self.include_bias:
             raise ConfigError("config key 'include_bias' = true (biases on every linear, the LM "
