@@ -3,7 +3,7 @@
 Dream predicts position i from the hidden state at i-1. `forward` returns the raw per-token
 logits (as Qwen2 does); `logit_shift = 1` tells the decoding runner to read position i's
 prediction from token i-1, which stays correct when a forward covers only a subset of positions.
-`JSON_KEYS` says what each key of Dream's Qwen2-style config.json does here.
+`DreamModel.json_keys` says what each key of Dream's Qwen2-style config.json does here.
 """
 
 from __future__ import annotations

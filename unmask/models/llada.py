@@ -1,8 +1,8 @@
 """LLaDA (`model_type: llada`): a LLaMA block stack with bidirectional attention.
 
 Module names mirror the public checkpoint's tensor names (model.transformer.blocks.N.q_proj...),
-so state_dict() keys are the safetensors keys with no renaming table. `JSON_KEYS` says what each
-key of LLaDA's OLMo-style config.json does here.
+so state_dict() keys are the safetensors keys with no renaming table. `LLaDAModel.json_keys`
+says what each key of LLaDA's OLMo-style config.json does here.
 """
 
 from __future__ import annotations
