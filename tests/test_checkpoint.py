@@ -1,5 +1,6 @@
-"""Checkpoint IO: save -> load is bit-exact, the folder has DESIGN section 5's keys and tensor
-names, and every malformed folder fails with a CheckpointError that names the problem."""
+"""Checkpoint IO: save -> load is bit-exact (one file or shards), the folder has the public
+checkpoints' config keys and tensor names, and every malformed folder (sharded ones too) fails
+with a CheckpointError that names the problem."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from helpers import tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from unmask.checkpoint import CheckpointError, load_model, save_checkpoint
+from unmask.checkpoint import INDEX, CheckpointError, load_model, save_checkpoint
 from unmask.config import ModelConfig
 from unmask.models import build_model
 
@@ -296,3 +297,102 @@ def test_public_llada_config_builds_same_model() -> None:
     out = config.to_dict()
     for k, v in PUBLIC_LLADA_CONFIG.items():
         assert out[k] == v, k
+
+
+# --- sharded folders -----------------------------------------------------------------------------
+def _sharded(folder: Path, model_type: str = "llada") -> dict[str, str]:
+    """A tiny model saved in shards of at most 20 KB; returns the index's weight_map."""
+    save_checkpoint(tiny_model(model_type), folder, max_shard_size=20_000)
+    return json.loads((folder / INDEX).read_text())["weight_map"]
+
+
+def _write_index(folder: Path, weight_map: dict[str, str]) -> None:
+    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_sharded_round_trip_bit_exact(tmp_path: Path, model_type: str) -> None:
+    model = tiny_model(model_type)
+    weight_map = _sharded(tmp_path, model_type)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) > 2 and not (tmp_path / "model.safetensors").exists()
+    assert sorted(set(weight_map.values())) == [f.name for f in files]
+    for f in files:  # each shard holds exactly what the index says, within the limit
+        held = set(load_file(str(f)))
+        assert held == {k for k, v in weight_map.items() if v == f.name}
+        assert sum(t.numel() * t.element_size() for t in load_file(str(f)).values()) <= 20_000 \
+            or len(held) == 1
+    loaded = load_model(tmp_path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    save_checkpoint(model, tmp_path)  # back to one file: the shards and index are gone
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (tmp_path / INDEX).exists()
+
+
+def test_sharded_tensors_stay_memory_mapped(tmp_path: Path) -> None:
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    weight_map = _sharded(tmp_path)
+    loaded = load_model(tmp_path)
+    target = str((tmp_path / weight_map["model.transformer.wte.weight"]).resolve())
+    ptr = loaded.model.transformer.wte.weight.data_ptr()
+    ranges = [tuple(int(x, 16) for x in line.split()[0].split("-"))
+              for line in maps.read_text().splitlines() if line.rstrip().endswith(target)]
+    assert any(lo <= ptr < hi for lo, hi in ranges), "the loaded tensor is a copy, not the mapping"
+
+
+def test_shard_listed_but_missing(tmp_path: Path) -> None:
+    weight_map = _sharded(tmp_path)
+    gone = weight_map["model.transformer.blocks.1.q_proj.weight"]
+    (tmp_path / gone).unlink()
+    with pytest.raises(CheckpointError, match=f"lists {gone}, which is not in"):
+        load_model(tmp_path)
+
+
+def test_file_not_in_index(tmp_path: Path) -> None:
+    _sharded(tmp_path)
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="model.safetensors is not listed in"):
+        load_model(tmp_path)
+
+
+def test_tensor_in_another_file_than_listed(tmp_path: Path) -> None:
+    weight_map = _sharded(tmp_path)
+    key = "model.transformer.blocks.0.k_proj.weight"
+    other = next(f for f in sorted(set(weight_map.values())) if f != weight_map[key])
+    _write_index(tmp_path, {**weight_map, key: other})
+    with pytest.raises(CheckpointError, match=key):
+        load_model(tmp_path)
+
+
+def test_tensor_not_in_index(tmp_path: Path) -> None:
+    weight_map = _sharded(tmp_path)
+    key = "model.transformer.ln_f.weight"
+    _write_index(tmp_path, {k: v for k, v in weight_map.items() if k != key})
+    with pytest.raises(CheckpointError, match=f"holds tensor {key!r}, which {INDEX} does not list"):
+        load_model(tmp_path)
+
+
+def test_tensor_in_two_files(tmp_path: Path) -> None:
+    save_checkpoint(tiny_model("llada"), tmp_path)
+    key = "model.transformer.ln_f.weight"
+    save_file({key: load_file(str(tmp_path / "model.safetensors"))[key]}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{key!r} is in both"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"metadata": {}}', '{"weight_map": {"a": 1}}',
+                                  '{"weight_map": {"a": "../model.safetensors"}}'])
+def test_malformed_index(tmp_path: Path, text: str) -> None:
+    _sharded(tmp_path)
+    (tmp_path / INDEX).write_text(text)
+    with pytest.raises(CheckpointError, match=INDEX):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("size", [0, -5, 1.5, "2GB"])
+def test_bad_max_shard_size(tmp_path: Path, size) -> None:
+    with pytest.raises(CheckpointError, match="max_shard_size"):
+        save_checkpoint(tiny_model("llada"), tmp_path, max_shard_size=size)

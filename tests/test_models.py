@@ -1,15 +1,18 @@
 """Layer math: our LLaDA / Dream forwards equal transformers' Llama / Qwen2 on the same random
-weights when both sides use a causal mask (DESIGN section 5), and are bidirectional without it."""
+weights when both sides use a causal mask, in float32 and in bfloat16 (with LLaDA's RoPE in
+float32 on the reference side too), and are bidirectional without a mask."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.llama import modeling_llama
 
 from unmask.config import ModelConfig
 from unmask.kv import Frame
 from unmask.models import build_model
+from unmask.models.layers import apply_rope, rope_cos_sin
 
 VOCAB, D, HEADS, LAYERS, FF = 100, 64, 4, 2, 128
 ATOL = 1e-5
@@ -42,7 +45,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def _llada_to_llama(name: str) -> str:
-    """LLaDA tensor name -> transformers Llama tensor name (DESIGN section 5)."""
+    """LLaDA tensor name -> transformers Llama tensor name."""
     if name == "model.transformer.wte.weight":
         return "model.embed_tokens.weight"
     if name == "model.transformer.ln_f.weight":
@@ -223,3 +226,96 @@ def test_dream_logit_shift_flag() -> None:
     """Dream's forward is unshifted (equal to Qwen2); the decoder reads the shift from the model."""
     assert build_model(_ours_config("Dream", 2, False)).logit_shift == 1
     assert build_model(_ours_config("llada", 2, False)).logit_shift == 0
+
+
+# --- bfloat16 ------------------------------------------------------------------------------------
+# Both sides use SDPA, so in bfloat16 they run the same kernels on the same rounded inputs; the
+# tolerance is for other platforms' kernels. Rotating q/k in bfloat16 instead moves the logits
+# by about 2% of their scale here (test_rope_in_bf16_is_caught).
+BF16_RTOL = 2e-3  # of the largest |logit|
+
+
+def _to_bf16(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
+    rotary = ref.model.rotary_emb
+    inv_freq = rotary.inv_freq  # a buffer: .to() would round RoPE's frequencies to bfloat16
+    ours.to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    rotary.inv_freq = inv_freq
+
+
+@pytest.fixture
+def llama_rope_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' Llama with LLaDA's rope_full_precision: cos/sin and the rotation of q/k in
+    float32, cast back to the model dtype."""
+    rotary_forward = modeling_llama.LlamaRotaryEmbedding.forward
+    rotate = modeling_llama.apply_rotary_pos_emb
+
+    def forward(self, x, position_ids):
+        return rotary_forward(self, x.float(), position_ids)
+
+    def apply(q, k, cos, sin, unsqueeze_dim=1):
+        q2, k2 = rotate(q.float(), k.float(), cos, sin, unsqueeze_dim)
+        return q2.to(q.dtype), k2.to(k.dtype)
+
+    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", forward)
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", apply)
+
+
+def _far_positions(b: int, t: int) -> torch.Tensor:
+    """Positions spread over a 4,096 canvas, where RoPE's angles are large."""
+    return (torch.arange(t) * 331 + 7)[None].expand(b, t).contiguous()
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_bf16_forward_matches_transformers(model_type: str, llama_rope_fp32: None) -> None:
+    ours, ref = _pair(model_type, kv_heads=2, attn="sdpa")
+    _to_bf16(ours, ref)
+    assert ours.config.rope_full_precision == (model_type == "llada")
+    ids, _ = _inputs()
+    pos = _far_positions(*ids.shape)
+    expected = _ref_logits(ref, ids, pos)
+    got = _our_logits(ours, ids, pos, _causal(*ids.shape))
+    assert got.dtype == torch.bfloat16
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, atol=BF16_RTOL * scale, rtol=0)
+
+
+def test_rope_in_bf16_is_caught(llama_rope_fp32: None) -> None:
+    """rope_full_precision: true must rotate in float32: the bf16 rotation is far outside the
+    tolerance of the comparison above."""
+    ours, ref = _pair("llada", kv_heads=2, attn="sdpa")
+    _to_bf16(ours, ref)
+    ids, _ = _inputs()
+    pos = _far_positions(*ids.shape)
+    expected = _ref_logits(ref, ids, pos)
+    scale = expected.abs().max().item()
+    ours.config.rope_full_precision = False
+    bf16_rope = (_our_logits(ours, ids, pos, _causal(*ids.shape)).float() - expected).abs().max()
+    assert bf16_rope > 5 * BF16_RTOL * scale, (bf16_rope, scale)
+
+
+def test_apply_rope_rotates_in_cos_dtype() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 8, 16, generator=g).to(torch.bfloat16)
+    pos = _far_positions(2, 8)
+    cos32, sin32 = rope_cos_sin(pos, 16, 10000.0, torch.float32)
+    full = apply_rope(x, cos32, sin32)
+    assert full.dtype == torch.bfloat16
+    assert torch.equal(full, apply_rope(x.float(), cos32, sin32).to(torch.bfloat16))
+    cos16, sin16 = rope_cos_sin(pos, 16, 10000.0, torch.bfloat16)
+    assert not torch.equal(full, apply_rope(x, cos16, sin16))
+
+
+def test_dream_linear_rope_scaling_matches_qwen2() -> None:
+    scaling = {"type": "linear", "factor": 4.0}
+    ours = build_model(ModelConfig(**{**_ours_config("Dream", 2, False).__dict__,
+                                      "rope_scaling": scaling, "extra": {}})).eval()
+    _randomize(ours, 0)
+    kw = _hf_kwargs(2, False, "sdpa")
+    ref = Qwen2ForCausalLM(Qwen2Config(**kw, rope_scaling=scaling)).eval()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    ids, pos = _inputs()
+    expected = _ref_logits(ref, ids, pos)
+    torch.testing.assert_close(_our_logits(ours, ids, pos, _causal(2, 12)), expected, atol=ATOL, rtol=0)
+    plain, _ = _pair("Dream", kv_heads=2)
+    assert not torch.allclose(_our_logits(plain, ids, pos, _causal(2, 12)), expected, atol=1e-3)

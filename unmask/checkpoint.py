@@ -1,12 +1,17 @@
-"""Hugging Face checkpoint folders: config.json, *.safetensors and tokenizer files.
+"""Hugging Face checkpoint folders: config.json, *.safetensors (one file, or shards listed in
+model.safetensors.index.json) and tokenizer files.
 
 Loading builds the model on the meta device and assigns memory-mapped tensors straight into it,
-so a checkpoint never needs twice its size in RAM.
+one shard at a time, so a checkpoint never needs twice its size in RAM: in the file's dtype on
+the CPU the weights stay mapped; otherwise each tensor is converted as it is read, and the peak
+is about one copy in the target dtype plus the shard being read.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -14,22 +19,45 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from unmask.config import ConfigError, ModelConfig
+from unmask.config import TORCH_DTYPES, ConfigError, ModelConfig
 from unmask.errors import CheckpointError  # noqa: F401  (re-exported)
 from unmask.models import build_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPES}
+INDEX = "model.safetensors.index.json"
 
 
-def save_checkpoint(model: nn.Module, out_dir: str | Path,
-                    tokenizer_dir: str | Path | None = None) -> Path:
-    """Write config.json + model.safetensors (+ tokenizer files copied from tokenizer_dir)."""
+def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+                    max_shard_size: int | None = None) -> Path:
+    """Write config.json + the weights (+ tokenizer files copied from tokenizer_dir).
+
+    max_shard_size (bytes): None writes one model.safetensors; otherwise shards of at most that
+    many bytes of tensor data (a larger tensor gets a shard of its own), named
+    model-0000i-of-0000n.safetensors and listed in model.safetensors.index.json. Weight files
+    of an earlier save to the same folder are removed first, so the folder has one set.
+    """
+    if max_shard_size is not None and (isinstance(max_shard_size, bool)
+                                       or not isinstance(max_shard_size, int) or max_shard_size <= 0):
+        raise CheckpointError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), out / INDEX]:
+        old.unlink(missing_ok=True)
     model.config.save(out)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shards = _split(state, max_shard_size)
+    if max_shard_size is None:
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file({k: state[k] for k in names}, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, name))
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_dir) / name
@@ -38,11 +66,26 @@ def save_checkpoint(model: nn.Module, out_dir: str | Path,
     return out
 
 
+def _split(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """Tensor names in state order, cut into runs of at most max_bytes (None: one run)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if max_bytes is not None and shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: str | torch.dtype | None = None) -> nn.Module:
     """The model in folder `path`, weights memory-mapped and moved to `device` in `dtype`.
 
-    dtype None means the config's torch_dtype; raises CheckpointError naming what is wrong.
+    dtype None means the config's torch_dtype, on every device; bfloat16 or float16 on the CPU
+    warns once, naming the dtype it runs in. Raises CheckpointError naming what is wrong.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -51,37 +94,101 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         config = ModelConfig.load(folder)
     except ConfigError as e:
         raise CheckpointError(f"{folder}: {e}") from e
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder} has no *.safetensors weights")
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise CheckpointError(f"dtype {dtype!r} is not supported; valid: {sorted(DTYPES)}")
-        dtype = DTYPES[dtype]
-    dtype = dtype or DTYPES.get(config.torch_dtype, torch.float32)
+    dtype = _resolve_dtype(config, torch.device(device), dtype)
+    files = weight_files(folder)
 
     with torch.device("meta"):
         model = build_model(config)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error type for corrupt files
-            raise CheckpointError(f"{file.name} is not a readable safetensors file: {e}") from e
-        with handle as f:
-            for key in f.keys():
-                if key not in expected:
-                    raise CheckpointError(f"{file.name}: unexpected tensor {key!r} for "
-                                          f"model_type {config.model_type}")
-                t = f.get_tensor(key)
-                if tuple(t.shape) != tuple(expected[key].shape):
-                    raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, config "
-                                          f"expects {tuple(expected[key].shape)}")
-                state[key] = t.to(device=device, dtype=dtype)
+    origin: dict[str, str] = {}
+    for file, names in files.items():
+        for key, t in _read(file, names):
+            if key in origin:
+                raise CheckpointError(f"tensor {key!r} is in both {origin[key]} and {file.name}")
+            origin[key] = file.name
+            if key not in expected:
+                raise CheckpointError(f"{file.name}: unexpected tensor {key!r} for "
+                                      f"model_type {config.model_type}")
+            if tuple(t.shape) != tuple(expected[key].shape):
+                raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, config "
+                                      f"expects {tuple(expected[key].shape)}")
+            state[key] = t.to(device=device, dtype=dtype)
     missing = [k for k in expected if k not in state]
     if missing:
         raise CheckpointError(f"{folder}: missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     model.load_state_dict(state, assign=True)
     return model.eval()
+
+
+def _resolve_dtype(config: ModelConfig, device: torch.device,
+                   dtype: str | torch.dtype | None) -> torch.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise CheckpointError(f"dtype {dtype!r} is not supported; valid: {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if dtype is not None:
+        if dtype not in DTYPES.values():
+            raise CheckpointError(f"dtype {dtype} is not supported; valid: {', '.join(DTYPES)}")
+        return dtype
+    if device.type == "cpu" and config.torch_dtype != "float32":
+        warnings.warn(f"running in {config.torch_dtype} (the checkpoint's torch_dtype) on the CPU, "
+                      "where it is slower than float32 on most machines; dtype='float32' "
+                      "(--dtype float32) trades twice the memory for speed", stacklevel=3)
+    return DTYPES[config.torch_dtype]
+
+
+def weight_files(folder: Path) -> dict[Path, list[str] | None]:
+    """The safetensors files to read, each with the tensor names its index lists (None: no index).
+
+    With model.safetensors.index.json, every listed file must exist and every .safetensors file
+    in the folder must be listed; the files' contents are checked against the index as they are
+    read. Without one, every *.safetensors file is read.
+    """
+    index = folder / INDEX
+    present = sorted(folder.glob("*.safetensors"))
+    if not index.is_file():
+        if not present:
+            raise CheckpointError(f"{folder} has no *.safetensors weights")
+        return dict.fromkeys(present)
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index.name} is not a safetensors index (a JSON object with a "
+                              f"weight_map): {e}") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index.name}: weight_map must map tensor names to file names")
+    files: dict[Path, list[str]] = {}
+    for name, file in weight_map.items():
+        if Path(file).name != file:
+            raise CheckpointError(f"{index.name} lists {file!r} for {name!r}: not a file in the folder")
+        files.setdefault(folder / file, []).append(name)
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{index.name} lists {file.name}, which is not in {folder}")
+    for file in present:
+        if file not in files:
+            raise CheckpointError(f"{file.name} is not listed in {index.name}; remove it or the index")
+    return dict(sorted(files.items()))
+
+
+def _read(file: Path, listed: list[str] | None):
+    """(name, memory-mapped tensor) of one file, checked against the names the index lists."""
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error type for corrupt files
+        raise CheckpointError(f"{file.name} is not a readable safetensors file: {e}") from e
+    with handle as f:
+        names = list(f.keys())
+        if listed is not None:
+            unlisted = sorted(set(names) - set(listed))
+            if unlisted:
+                raise CheckpointError(f"{file.name} holds tensor {unlisted[0]!r}, which "
+                                      f"{INDEX} does not list in this file")
+            absent = sorted(set(listed) - set(names))
+            if absent:
+                raise CheckpointError(f"{INDEX} lists tensor {absent[0]!r} in {file.name}, "
+                                      "which does not hold it")
+        for name in names:
+            yield name, f.get_tensor(name)

@@ -1,25 +1,58 @@
-"""Model configuration: one dataclass per checkpoint format, validated on construction.
+"""Model configuration: one dataclass for every checkpoint format, validated on construction.
 
-The field names are exactly the config.json keys of the public checkpoints (DESIGN section 5), so
-a config round-trips through JSON without a translation table.
+The field names are LLaDA's config.json keys. Each model file says how its format's config.json
+maps onto them (a `JsonKeys`): which keys are renamed (Dream's Qwen2 names), which keys name an
+architecture variant unmask builds only one value of, and which keys do not change inference.
+Every key of a config.json is one of those or a field; any other key is refused, so nothing a
+checkpoint asks for is silently ignored.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from unmask.errors import ConfigError  # noqa: F401  (re-exported)
 
+MODEL_TYPES = ("llada", "Dream")
+# The dtypes a checkpoint can run in; the names are config.json's torch_dtype values.
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class JsonKeys:
+    """How one model_type's config.json keys map onto ModelConfig; each model file has one."""
+
+    # config.json key -> ModelConfig field, where the names differ.
+    renamed: dict[str, str]
+    # key -> (the values unmask builds, what the key asks for). Any other value is refused;
+    # the first value is written on save so the public modeling file builds the same model.
+    variants: dict[str, tuple[tuple[Any, ...], str]]
+    # Keys with no effect on inference (training setup, dropout, packaging, token ids the
+    # tokenizer owns); kept and written back unchanged.
+    inert: frozenset[str]
+    # ModelConfig fields this format's config.json has no key for.
+    omitted: frozenset[str] = frozenset()
+    # Written on save when the config did not come with them.
+    written: dict[str, Any] = field(default_factory=dict)
+    # Fills what the reference derives from other keys or nulls (e.g. LLaDA's mlp_ratio).
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+    def json_fields(self) -> dict[str, str]:
+        """config.json key -> field, for every field this format's config.json carries."""
+        inverse = {v: k for k, v in self.renamed.items()}
+        names = [f.name for f in fields(ModelConfig) if f.name not in ("extra", *self.omitted)]
+        return {inverse.get(n, n): n for n in names}
+
 
 @dataclass
 class ModelConfig:
     """Architecture of a LLaDA (`llada`) or Dream (`Dream`) checkpoint.
 
-    Dream checkpoints use Qwen2 key names (hidden_size, num_attention_heads, ...); `from_dict`
-    maps them onto these fields and `to_dict` writes them back, so one dataclass serves both.
+    Fields left None take the model type's reference value in `__post_init__`.
     """
 
     model_type: str = "llada"
@@ -29,25 +62,58 @@ class ModelConfig:
     n_layers: int = 4
     mlp_hidden_size: int = 1024
     vocab_size: int = 2048
-    embedding_size: int = 2048
+    # Rows of the embedding (LLaDA pads it past vocab_size); None: vocab_size, as in LLaDA.
+    embedding_size: int | None = None
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     max_sequence_length: int = 4096
     weight_tying: bool = False
     mask_token_id: int = 2
     eos_token_id: int = 1
+    # LLaDA's include_bias puts biases on every linear, the LM head and the norms; only false
+    # is built (kept as a field because LLaDA configs always carry it).
     include_bias: bool = False
-    # Dream (Qwen2) has biases on q/k/v only; LLaDA's include_bias applies to every linear.
-    qkv_bias: bool = False
+    # Biases on q/k/v only: LLaDA's include_qkv_bias (default false); Dream (Qwen2) always has them.
+    qkv_bias: bool | None = None
+    # Rotate q/k in float32 and cast back (LLaDA's rope_full_precision, default true in its
+    # configuration file); Dream (Qwen2) rotates in the model's dtype.
+    rope_full_precision: bool | None = None
+    # Dream (Qwen2) only: None, or {"type" (or "rope_type"): "linear" | "default", "factor": f}.
+    rope_scaling: dict[str, Any] | None = None
     torch_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self._check_types()
         if self.model_type not in MODEL_TYPES:
             raise ConfigError(
                 f"model_type {self.model_type!r} is not supported; valid: {sorted(MODEL_TYPES)}"
             )
+        dream = self.model_type == "Dream"
+        if self.embedding_size is None:
+            self.embedding_size = self.vocab_size
+        if self.qkv_bias is None:
+            self.qkv_bias = dream
+        if self.rope_full_precision is None:
+            self.rope_full_precision = not dream
+        self._check_extra()
+        self._check_types()
+        self._check_sizes()
+        self._check_choices(dream)
+
+    def _check_types(self) -> None:
+        """Coerce JSON numbers to the field types; name the key when a value is not one."""
+        for f in fields(self):
+            value, kind = getattr(self, f.name), str(f.type).removesuffix(" | None")
+            if kind in ("int", "float", "bool"):
+                cast = {"int": int, "float": float, "bool": bool}[kind]
+                ok = isinstance(value, (int, float)) and not (kind == "int" and value != int(value))
+                if kind == "bool":
+                    ok = isinstance(value, bool) or value in (0, 1)
+                if not ok:
+                    raise ConfigError(f"config key {f.name!r} must be {kind}, got {value!r}")
+                setattr(self, f.name, cast(value))
+
+    def _check_sizes(self) -> None:
         for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size",
                      "vocab_size", "embedding_size", "max_sequence_length"):
             if int(getattr(self, name)) <= 0:
@@ -69,57 +135,89 @@ class ModelConfig:
             if not 0 <= tok < self.embedding_size:
                 raise ConfigError(f"{name}={tok} is outside the embedding (0..{self.embedding_size - 1})")
 
-    def _check_types(self) -> None:
-        """Coerce JSON numbers to the field types; name the key when a value is not one."""
-        for f in fields(self):
-            value, kind = getattr(self, f.name), str(f.type)
-            if kind in ("int", "float", "bool"):
-                cast = {"int": int, "float": float, "bool": bool}[kind]
-                ok = isinstance(value, (int, float)) and not (kind == "int" and value != int(value))
-                if kind == "bool":
-                    ok = isinstance(value, bool) or value in (0, 1)
-                if not ok:
-                    raise ConfigError(f"config key {f.name!r} must be {kind}, got {value!r}")
-                setattr(self, f.name, cast(value))
+    def _check_choices(self, dream: bool) -> None:
+        if self.torch_dtype not in TORCH_DTYPES:
+            raise ConfigError(f"config key 'torch_dtype' = {_show(self.torch_dtype)} is not supported; "
+                              f"valid: {', '.join(TORCH_DTYPES)}")
+        if self.include_bias:
+            raise ConfigError("config key 'include_bias' = true (biases on every linear, the LM "
+                              "head and the norms) is not supported; unmask builds false")
+        if not dream:
+            if self.rope_scaling is not None:
+                raise ConfigError(f"config key 'rope_scaling' = {_show(self.rope_scaling)} is not "
+                                  "a LLaDA key; unmask builds LLaDA without RoPE scaling")
+            return
+        if not self.qkv_bias:
+            raise ConfigError("Dream (Qwen2) always has q/k/v biases; qkv_bias=False is not a Dream model")
+        if self.rope_full_precision:
+            raise ConfigError("rope_full_precision is a LLaDA key; Dream rotates q/k in the model dtype")
+        if self.embedding_size != self.vocab_size:
+            raise ConfigError(f"Dream's embedding has vocab_size ({self.vocab_size}) rows; "
+                              f"embedding_size={self.embedding_size} cannot be written in its config")
+        self.rope_factor()  # validates rope_scaling
+
+    def _check_extra(self) -> None:
+        keys = json_keys(self.model_type)
+        for key, value in self.extra.items():
+            if key in keys.variants:
+                allowed, what = keys.variants[key]
+                if not any(value == a and type(value) is type(a) or value is a for a in allowed):
+                    raise ConfigError(
+                        f"config key {key!r} = {_show(value)} ({what}) is not supported; unmask "
+                        f"builds {key} = {' or '.join(_show(a) for a in allowed)}")
+            elif key not in keys.inert:
+                raise ConfigError(
+                    f"config key {key!r} = {_show(value)} is not one unmask knows for model_type "
+                    f"{self.model_type}; refused rather than ignored (README: Checkpoints)")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def rope_factor(self) -> float:
+        """The linear RoPE scaling factor (positions are divided by it); 1.0 without scaling."""
+        s = self.rope_scaling
+        if s is None:
+            return 1.0
+        kind = s.get("rope_type", s.get("type")) if isinstance(s, dict) else None
+        factor = s.get("factor", 1.0) if isinstance(s, dict) else None
+        if kind == "default":
+            return 1.0
+        if kind != "linear" or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+                or factor <= 0:
+            raise ConfigError(f"config key 'rope_scaling' = {_show(s)} is not supported; unmask "
+                              "builds null, default, or linear with a positive factor")
+        return float(factor)
 
     # --- JSON -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
-        raw = dict(raw)
         model_type = raw.get("model_type")
         if model_type is None:
             raise ConfigError("config.json has no model_type (expected 'llada' or 'Dream')")
-        if model_type == "Dream":
-            raw = _qwen2_to_fields(raw)
-        names = {f.name for f in fields(cls)} - {"extra"}
-        known = {k: v for k, v in raw.items() if k in names}
-        extra = {k: v for k, v in raw.items() if k not in names}
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} is not supported; valid: {sorted(MODEL_TYPES)}")
+        keys = json_keys(model_type)
+        raw = keys.prepare(dict(raw)) if keys.prepare else dict(raw)
+        to_field = keys.json_fields()
+        known = {to_field[k]: v for k, v in raw.items() if k in to_field}
+        extra = {k: v for k, v in raw.items() if k not in to_field}
         try:
             return cls(**known, extra=extra)
         except TypeError as e:  # wrong value types surface as TypeError in comparisons
             raise ConfigError(f"bad config value: {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if k != "extra"}
+        """The config.json of this config's format: fields under their JSON names, every
+        variant key at the value built, and the inert keys it was loaded with."""
+        keys = json_keys(self.model_type)
+        values = asdict(self)
+        out = {k: values[f] for k, f in keys.json_fields().items()}
+        out.update({k: allowed[0] for k, (allowed, _) in keys.variants.items()})
+        out.update(keys.written)
         out.update(self.extra)
-        if self.model_type == "Dream":
-            return _fields_to_qwen2(out)
-        out.pop("qkv_bias", None)
-        # The public LLaDA modeling file reads these too; write them so our folders load there.
-        out.setdefault("architectures", ["LLaDAModelLM"])
-        out.setdefault("activation_type", "silu")
-        out.setdefault("block_type", "llama")
-        out.setdefault("rope", True)
-        out.setdefault("attention_layer_norm", False)
-        out.setdefault("layer_norm_type", "rms")
-        out.setdefault("mlp_ratio", self.mlp_hidden_size // self.d_model or 1)
-        out.setdefault("pad_token_id", self.eos_token_id)
         return out
 
     @classmethod
@@ -137,41 +235,14 @@ class ModelConfig:
         Path(folder, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-MODEL_TYPES = {"llada", "Dream"}
+def json_keys(model_type: str) -> JsonKeys:
+    """The config.json mapping of `model_type`, owned by its model file."""
+    from unmask.models import REGISTRY  # the model files import this module
 
-_QWEN2_MAP = {
-    "hidden_size": "d_model",
-    "num_attention_heads": "n_heads",
-    "num_key_value_heads": "n_kv_heads",
-    "num_hidden_layers": "n_layers",
-    "intermediate_size": "mlp_hidden_size",
-    "max_position_embeddings": "max_sequence_length",
-    "tie_word_embeddings": "weight_tying",
-    "rms_norm_eps": "rms_norm_eps",
-    "rope_theta": "rope_theta",
-}
+    return REGISTRY[model_type].json_keys
 
 
-def _qwen2_to_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in raw.items() if k not in _QWEN2_MAP}
-    for src, dst in _QWEN2_MAP.items():
-        if src in raw:
-            out[dst] = raw[src]
-    out.setdefault("embedding_size", raw.get("vocab_size"))
-    out.setdefault("qkv_bias", True)
-    if "mask_token_id" not in out:
-        raise ConfigError("Dream config.json has no mask_token_id")
-    return out
-
-
-def _fields_to_qwen2(d: dict[str, Any]) -> dict[str, Any]:
-    out = dict(d)
-    for src, dst in _QWEN2_MAP.items():
-        if dst in out:
-            out[src] = out.pop(dst)
-    out.pop("embedding_size", None)
-    out.pop("include_bias", None)
-    out.pop("qkv_bias", None)
-    out.setdefault("architectures", ["DreamModel"])
-    out.setdefault("hidden_act", "silu")
-    return out
+def _show(value: Any) -> str:
+    """A config value as it reads in config.json, cut to one short line."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."

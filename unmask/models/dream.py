@@ -3,13 +3,16 @@
 Dream predicts position i from the hidden state at i-1. `forward` returns the raw per-token
 logits (as Qwen2 does); `logit_shift = 1` tells the decoding runner to read position i's
 prediction from token i-1, which stays correct when a forward covers only a subset of positions.
+`DreamModel.json_keys` says what each key of Dream's Qwen2-style config.json does here.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
-from unmask.config import ModelConfig
+from unmask.config import JsonKeys, ModelConfig
 from unmask.kv import Frame
 from unmask.models.layers import RMSNorm, attention, init_weights, rope_cos_sin, swiglu
 
@@ -52,6 +55,7 @@ class DreamLayer(nn.Module):
 
 class DreamModel(nn.Module):
     logit_shift = 1
+    json_keys: JsonKeys  # set below the class
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -72,8 +76,10 @@ class DreamModel(nn.Module):
 
         logits_at: optional (rows, cols); then only those N positions' logits, (N, vocab_size).
         """
+        c = self.config
         x = self.embed(input_ids) if embeds is None else embeds
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        # Qwen2 rounds cos/sin to the model dtype and rotates there.
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, x.dtype, c.rope_factor())
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache)
         x = self.model.norm(x if logits_at is None else x[logits_at])
@@ -84,3 +90,43 @@ class DreamModel(nn.Module):
         layers = self.model.layers
         init_weights(self, [lin for ly in layers for lin in (ly.self_attn.o_proj, ly.mlp.down_proj)],
                      self.config.n_layers, std)
+
+
+def _prepare(raw: dict[str, Any]) -> dict[str, Any]:
+    """The value Qwen2's configuration derives when a key is null."""
+    if raw.get("num_key_value_heads") is None:
+        raw["num_key_value_heads"] = raw.get("num_attention_heads")
+    return raw
+
+
+# Key names and meanings are those of Qwen2's configuration (Dream's configuration file is a copy).
+DreamModel.json_keys = JsonKeys(
+    renamed={
+        "hidden_size": "d_model",
+        "num_attention_heads": "n_heads",
+        "num_key_value_heads": "n_kv_heads",
+        "num_hidden_layers": "n_layers",
+        "intermediate_size": "mlp_hidden_size",
+        "max_position_embeddings": "max_sequence_length",
+        "tie_word_embeddings": "weight_tying",
+    },
+    variants={
+        "hidden_act": (("silu",), "the MLP activation"),
+        "use_sliding_window": ((False,), "sliding-window attention"),
+    },
+    inert=frozenset({
+        # read only with use_sliding_window, refused above
+        "sliding_window", "max_window_layers",
+        # dropout is off at inference in the reference too
+        "attention_dropout",
+        # training initialisation
+        "initializer_range",
+        # the tokenizer's and the engine's business; no weight depends on them
+        "bos_token_id", "pad_token_id",
+        # packaging
+        "architectures", "auto_map", "transformers_version", "use_cache", "_name_or_path",
+    }),
+    omitted=frozenset({"embedding_size", "include_bias", "qkv_bias", "rope_full_precision"}),
+    written={"architectures": ["DreamModel"]},
+    prepare=_prepare,
+)

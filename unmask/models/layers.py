@@ -22,20 +22,30 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin of shape (B, 1, T, head_dim) for explicit position ids (gaps allowed)."""
+def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape (B, 1, T, head_dim) for explicit position ids (gaps allowed).
+
+    The angles are computed in float32 and rounded to `dtype`, the dtype the rotation runs in
+    (see apply_rope). factor: linear RoPE scaling, positions divided by it.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
                                              dtype=torch.float32) / head_dim))
-    angles = position_ids[..., None].float() * inv_freq  # (B, T, head_dim/2)
+    angles = position_ids[..., None].float() * (inv_freq / factor)  # (B, T, head_dim/2)
     emb = torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, T, head_dim)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """x rotated by the angles of cos/sin, computed in cos's dtype and returned in x's.
+
+    float32 cos/sin with bfloat16 x is LLaDA's rope_full_precision: rotating in bfloat16 instead
+    moves the embedded model's logits by up to 0.41 (README: Checkpoints).
+    """
+    h = x.to(cos.dtype)
+    half = h.shape[-1] // 2
+    rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)
+    return (h * cos + rotated * sin).to(x.dtype)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads: int,
