@@ -15,7 +15,7 @@ import torch
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.decoding.params import DecodeParams, SpecError
 from unmask.engine.decoder import Decoder
-from unmask.errors import InputError  # noqa: F401  (re-exported)
+from unmask.errors import InputError
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
 
@@ -47,6 +47,40 @@ def load_tokenizer(path: str | Path):
     return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
 
 
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """The torch device to run on: None = cuda when this torch has it, else cpu. Anything this
+    machine cannot run (cuda without CUDA, cuda:3 on one GPU, tpu, a typo) is an InputError that
+    names what is valid here."""
+    valid = ["cpu"]
+    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_cuda:
+        valid += ["cuda"] + [f"cuda:{i}" for i in range(n_cuda)]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        valid.append("mps")
+    if name is None:
+        return torch.device("cuda" if n_cuda else "cpu")
+    choices = ", ".join(valid)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"unknown device {name!r}; valid here: {choices}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not n_cuda:
+            raise InputError(f"device {name!r}: this torch build has no usable CUDA "
+                             f"(torch {torch.__version__}, torch.cuda.is_available() is False); "
+                             f"valid here: {choices}")
+        if dev.index is not None and dev.index >= n_cuda:
+            raise InputError(f"device {name!r}: this machine has {n_cuda} CUDA device(s); "
+                             f"valid here: {choices}")
+        return dev
+    if dev.type == "mps" and "mps" in valid:
+        return dev
+    raise InputError(f"device {name!r} is not supported here; valid here: {choices}")
+
+
 class LLM:
     """A dLLM checkpoint ready to generate. path None = the embedded default model."""
 
@@ -59,7 +93,7 @@ class LLM:
                     f"the embedded default model is not in this install ({path}); "
                     "pass a model folder with --model / LLM(path=...)")
         self.path = Path(path)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.model = load_model(self.path, self.device, dtype)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
