@@ -14,9 +14,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from unmask.api import LLM, InputError, useful_length
+from unmask.api import LLM, useful_length
 from unmask.bench.tasks import BenchTask
 from unmask.decoding.params import DecodeParams, reference_of, same_decoder
+from unmask.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,9 @@ def run_side_by_side(llm: LLM, task: BenchTask, decoders: Sequence[DecodeParams]
     """samples[d][p] = decoder d on prompt p. on_progress(prompts_done, spec) is called after
     each decoder finishes a batch (prompts_done counts prompt x decoder runs)."""
     if not decoders:
-        raise ValueError("give at least one --decoder")
+        raise InputError("give at least one --decoder")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
     ids = [llm.encode_prompt(ex.prompt) for ex in task.examples]
     limit = llm.config.max_sequence_length
     longest = max(map(len, ids))
