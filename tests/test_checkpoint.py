@@ -1,5 +1,6 @@
-"""Checkpoint IO: save -> load is bit-exact, the folder has DESIGN section 5's keys and tensor
-names, and every malformed folder fails with a CheckpointError that names the problem."""
+"""Checkpoint IO: save -> load is bit-exact, the folder has the keys and tensor names of
+docs/design.md § Checkpoints, and every malformed folder fails with a CheckpointError that names
+the problem."""
 
 from __future__ import annotations
 

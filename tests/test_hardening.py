@@ -163,3 +163,23 @@ def test_ruff_targets_the_oldest_supported_python() -> None:
     conf = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
     oldest = conf["project"]["requires-python"].removeprefix(">=")
     assert conf["tool"]["ruff"]["target-version"] == "py" + oldest.replace(".", "")
+
+
+# --- the design document the code cites is in the repository ------------------------------------
+
+ROOT = PACKAGE.parent
+
+
+def test_design_citations_name_sections_that_exist() -> None:
+    design = (ROOT / "docs" / "design.md").read_text()
+    headings = [h.strip() for h in re.findall(r"^#{2,3} (.+)$", design, flags=re.M)]
+    cited = 0
+    for path in [*SOURCES, *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "scripts").glob("*")),
+                 ROOT / "README.md", ROOT / "BENCHMARKS.md"]:
+        text = path.read_text()
+        assert not re.search(r"DESIGN(\.md)? (section|§)", text), f"{path}: cites a document not here"
+        for m in re.finditer(r"docs/design\.md\s+§\s+", text):
+            after = " ".join(text[m.end():m.end() + 80].split())
+            assert any(after.startswith(h) for h in headings), f"{path}: § {after[:40]}..."
+            cited += 1
+    assert cited >= 10

@@ -1,5 +1,5 @@
 """Layer math: our LLaDA / Dream forwards equal transformers' Llama / Qwen2 on the same random
-weights when both sides use a causal mask (DESIGN section 5), and are bidirectional without it."""
+weights when both sides use a causal mask (docs/design.md § Checkpoints), and are bidirectional without it."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
 
 
 def _llada_to_llama(name: str) -> str:
-    """LLaDA tensor name -> transformers Llama tensor name (DESIGN section 5)."""
+    """LLaDA tensor name -> transformers Llama tensor name (docs/design.md § Checkpoints)."""
     if name == "model.transformer.wte.weight":
         return "model.embed_tokens.weight"
     if name == "model.transformer.ln_f.weight":

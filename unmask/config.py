@@ -1,6 +1,6 @@
 """Model configuration: one dataclass per checkpoint format, validated on construction.
 
-The field names are exactly the config.json keys of the public checkpoints (DESIGN section 5), so
+The field names are exactly the config.json keys of the public checkpoints (docs/design.md § Checkpoints), so
 a config round-trips through JSON without a translation table.
 """
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-# (key, header, format) in table order; names follow DESIGN section 4.
+# (key, header, format) in table order; names and definitions: docs/design.md § Metrics.
 COLUMNS: list[tuple[str, str, str]] = [
     ("accuracy", "accuracy", "pct"),
     ("exact_match", "exact-match", "pct"),

@@ -1,4 +1,5 @@
-"""Run decoders side by side on the same prompts and reduce the runs to the DESIGN section 4 metrics.
+"""Run decoders side by side on the same prompts and reduce the runs to the metrics of
+docs/design.md § Metrics.
 
 Timing on a shared CPU drifts (another process, thermal state, allocator warm-up), so decoders
 are never run one after another over the whole set: for each prompt (or batch) every decoder
@@ -117,7 +118,7 @@ def _exact(runs: Sequence[Sample], ref: Sequence[Sample]) -> float:
 
 def summarize(samples: list[list[Sample]], baseline: int = 0,
               references: Sequence[int | None] | None = None) -> list[dict[str, Any]]:
-    """One dict per decoder with the DESIGN section 4 metrics, measured against decoder
+    """One dict per decoder with the docs/design.md § Metrics metrics, measured against decoder
     ``baseline`` (exact_match, speedup); ``exact_ref`` is the exact-match rate against the
     decoder's own reference (``references[d]``), None without one. Undefined values (e.g. cost
     per token when no decoder produced a useful token) are None."""

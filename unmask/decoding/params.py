@@ -1,8 +1,8 @@
 """Decoding parameters and the one decoder-spec grammar: ``NAME[,key=value]*``.
 
 NAME is a method (static, static-1, threshold, freedave, freedave++) or a preset (exact, fast);
-keys are DecodeParams fields. The same parser serves the CLI, the bench, the Python API and the
-server, so a spec means the same thing everywhere.
+keys are DecodeParams fields. The same parser serves the CLI, the bench and the Python API, so
+a spec means the same thing everywhere.
 """
 
 from __future__ import annotations

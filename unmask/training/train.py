@@ -182,7 +182,7 @@ class DataStream:
 
 # ------------------------------------------------------------------------------------ loss
 
-SEMI_AR_BLOCK = 32  # the block length decoding uses by default (DESIGN section 2)
+SEMI_AR_BLOCK = 32  # the block length decoding uses by default (docs/design.md § Vocabulary)
 
 
 def mask_batch(batch: Batch, mask_id: int, gen: torch.Generator | None = None,
