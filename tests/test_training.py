@@ -434,3 +434,13 @@ def test_parse_buckets() -> None:
     for bad in ("56-144", "a-b:1", "tight:0-4:1", "9-3:1"):
         with pytest.raises(ValueError, match="bucket|needed"):
             parse_buckets(bad)
+
+
+def test_python_m_unmask_training_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from unmask.training.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "tpu", "--max-steps", "0", "--threads", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "valid here" in err and len(err.strip().splitlines()) == 1

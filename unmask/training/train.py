@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unmask.errors import CheckpointError, InputError
+from unmask.errors import CheckpointError, InputError, UnmaskError
 from unmask.training.args import DEFAULT_BUCKETS, CanvasBucket, add_train_arguments, parse_buckets
 from unmask.training.tokenizer import EOS, MASK, format_prompt
 
@@ -631,4 +631,9 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m unmask.training", description=__doc__.split("\n")[0])
     add_train_arguments(p)
-    run_train(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        run_train(args)
+    except UnmaskError as e:  # the caller's input: one line, exit 2, as `unmask train` does
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
