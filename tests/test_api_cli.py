@@ -115,6 +115,18 @@ def test_cli_generate_text(llada_dir: Path, capsys: pytest.CaptureFixture) -> No
     cap = capsys.readouterr()
     assert code == 0
     assert "NFE" in cap.err and "threshold" in cap.err
+    # Several answers are told apart: a header names each one's prompt, a blank line between.
+    lines = cap.out.splitlines()
+    assert lines[0] == "=== [1/2] hello"
+    second = lines.index("=== [2/2] what is 1 + 2?")
+    assert lines[second - 1] == ""
+
+
+def test_cli_generate_json_several_prompts(llada_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", "--model", str(llada_dir), "--gen-length", "16", "--block-length", "8",
+                 "--json", "hello", "what is 1 + 2?"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(set(json.loads(ln)) == JSON_KEYS for ln in lines)
 
 
 def _make_broken(root: Path, kind: str, llada_dir: Path) -> Path:
@@ -233,3 +245,70 @@ def test_cli_help_lists_commands(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     for cmd in ("generate", "eval", "bench", "train"):
         assert cmd in out, cmd
+
+
+def test_cli_help_documents_exit_codes_and_decoders(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "2    bad input" in out and "1    a bug" in out
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps help text
+    defaults = DecodeParams()
+    assert f"else {defaults.gen_length})" in out and f"else {defaults.block_length})" in out
+    from unmask.decoding.params import METHODS, PRESETS
+
+    for name in (*METHODS, *PRESETS):
+        assert name in out, name
+
+
+def test_cli_bug_keeps_its_traceback(llada_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ValueError that is not an UnmaskError is a bug in unmask: not 'bad input, exit 2'."""
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(LLM, "generate", broken)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(["generate", "--model", str(llada_dir), "--gen-length", "16", "--block-length", "8",
+              "hello"])
+
+
+def test_cli_bug_exits_1_with_traceback() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, unmask.cli as c\n"
+            "def bad(args):\n    raise KeyError('an internal bug')\n"
+            "c.cmd_generate = bad\n"
+            "sys.exit(c.main(['generate', 'hi']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r
+    assert "Traceback" in r.stderr and "an internal bug" in r.stderr
+
+
+def test_cli_prompt_not_utf8(llada_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    import os
+
+    bad = os.fsdecode(b"\xff\xfe")  # what argv holds for `unmask generate $'\\xff\\xfe'`
+    err = _run_error(["generate", "--model", str(llada_dir), "--gen-length", "16",
+                      "--block-length", "8", "hello", bad], capsys)
+    assert "prompt 2 of 2" in err and "UTF-8" in err and "\\xff\\xfe" in err
+
+
+@pytest.mark.parametrize("device", ["tpu", "foo", "cuda:99", "xla"])
+def test_cli_bad_device(device: str, llada_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    err = _run_error(["generate", "--model", str(llada_dir), "--device", device, "--gen-length", "16",
+                      "--block-length", "8", "hello"], capsys)
+    assert device in err and "valid here: cpu" in err
+
+
+def test_api_bad_device(llada_dir: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="no usable CUDA.*valid here: cpu"):
+            LLM(llada_dir, device="cuda")
+    with pytest.raises(InputError, match="valid here"):
+        LLM(llada_dir, device="tpu")
+    assert LLM(llada_dir, device="cpu").device.type == "cpu"

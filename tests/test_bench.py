@@ -244,3 +244,78 @@ def test_eval_summary_table_keeps_the_count() -> None:
     assert len(lines) == 4 and len({len(line) for line in lines}) == 1  # header, rule, 2 rows
     assert "| `fast`" in lines[2] and "accuracy 81.2% (78/96)" in lines[2] and "81.0" in lines[2]
     assert "parse rate 50.0% (24/48)" in lines[3]
+
+
+# --- output paths are checked before the run ------------------------------------------------------
+
+
+def _no_run(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the run started although an output path is unusable")
+
+
+@pytest.mark.parametrize("command, flag", [
+    ("bench", "--json"), ("bench", "--samples"), ("bench", "--markdown"), ("bench", "--plot"),
+    ("eval", "--json"), ("eval", "--samples"),
+])
+@pytest.mark.parametrize("case", ["missing-folder", "folder-is-a-file", "path-is-a-folder"])
+def test_output_paths_checked_before_the_run(command: str, flag: str, case: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import unmask.bench.cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "measure", _no_run)
+    name = "out.png" if flag == "--plot" else "out.txt"
+    if case == "missing-folder":
+        path = tmp_path / "no" / "such" / name
+    elif case == "folder-is-a-file":
+        (tmp_path / "file").write_text("x")
+        path = tmp_path / "file" / name
+    else:
+        path = tmp_path / name
+        path.mkdir()
+    assert main([command, "--task", "math", "--decoder", "static-1", flag, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"unmask: error: {flag} {path}") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "no").exists()  # nothing was created on the way
+
+
+def test_output_path_checks_leave_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import unmask.bench.cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "measure", _no_run)
+    js, old = tmp_path / "a.json", tmp_path / "old.md"
+    old.write_text("keep me")
+    # A plot format matplotlib cannot write fails up front too; the writable paths stay as they were.
+    assert main(["bench", "--task", "math", "--decoder", "static-1", "--json", str(js),
+                 "--markdown", str(old), "--plot", str(tmp_path / "p.xyz")]) == 2
+    assert "matplotlib cannot write .xyz" in capsys.readouterr().err
+    assert not js.exists() and old.read_text() == "keep me"
+    assert main(["bench", "--task", "math", "--decoder", "static-1", "--json", str(js),
+                 "--markdown", str(js)]) == 2
+    assert "same file" in capsys.readouterr().err
+
+
+def test_bench_bug_is_not_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only UnmaskError is the caller's fault; any other error propagates with its traceback."""
+    import unmask.bench.cli as bench_cli
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("an internal bug")
+
+    monkeypatch.setattr(bench_cli, "measure", broken)
+    with pytest.raises(ValueError, match="an internal bug"):
+        main(["eval", "--task", "math"])
+
+
+def test_gsm8k_not_utf8_is_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "g.jsonl"
+    f.write_bytes(b'{"question": "\xff", "answer": "#### 1"}\n')
+    assert main(["bench", "--task", f"gsm8k:{f}", "--decoder", "static-1"]) == 2
+    assert "not UTF-8" in capsys.readouterr().err
+
+
+def test_machine_info_date() -> None:
+    from unmask.bench.report import machine_info
+
+    assert machine_info("cpu")["date"].endswith("Z")

@@ -1,5 +1,6 @@
 """Decoders on synthetic logits: a fake model whose logits are a deterministic function of the
-canvas lets every step be checked against a plain re-implementation of DESIGN section 2."""
+canvas lets every step be checked against a plain re-implementation of docs/design.md
+§ Reference decoders."""
 
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ def canvases(model: FakeModel, prompt: list[int], final: list[int]) -> list[list
 def reference(fn: LogitFn, prompt: list[int], method: str, gen_length: int, block_length: int,
               steps: int | None = None, tau: float = 0.9,
               remasking: str = "low_confidence") -> tuple[list[int], list[list[int]]]:
-    """DESIGN section 2, written plainly: LLaDA's static schedule / threshold at temperature 0,
-    ties to the lowest position and the lowest token id, the mask token never predicted."""
+    """docs/design.md § Reference decoders, written plainly: LLaDA's static schedule / threshold
+    at temperature 0, ties to the lowest position and the lowest token id, the mask token never predicted."""
     p, x = len(prompt), prompt + [MASK] * gen_length
     seen = []
     n_blocks = gen_length // block_length
@@ -112,7 +113,7 @@ def reference(fn: LogitFn, prompt: list[int], method: str, gen_length: int, bloc
             logits[:, MASK] = float("-inf")
             prob = torch.softmax(logits, -1)
             tok = [int(row.tolist().index(max(row.tolist()))) for row in logits]  # first max
-            if remasking == "topk_margin":  # Dream's rules (DESIGN section 2)
+            if remasking == "topk_margin":  # Dream's rules (docs/design.md § Reference decoders)
                 top2 = prob.topk(2, -1).values
                 conf = (top2[:, 0] - top2[:, 1]).tolist()
             elif remasking == "entropy":
@@ -223,7 +224,8 @@ def test_static_count_function() -> None:
 def test_tiny_model_matches_reference(model_type: str, spec: str, method: str,
                                       steps: int | None) -> None:
     """A real (random) model through the engine equals the plain reference on full-canvas
-    forwards; for Dream the reference shifts the logits right by one (DESIGN section 2)."""
+    forwards; for Dream the reference shifts the logits right by one (docs/design.md
+    § Reference decoders)."""
     model = tiny_model(model_type, vocab_size=V)
     assert model.config.mask_token_id == MASK
 
@@ -243,7 +245,7 @@ def test_tiny_model_matches_reference(model_type: str, spec: str, method: str,
         assert got.nfe < gen  # several tokens per step at tau 0.1
 
 
-# --- ties (DESIGN section 1) ---------------------------------------------------------------------
+# --- ties (docs/design.md § Exactness and ties) ---------------------------------------------------
 def _tied_row() -> Tensor:
     row = torch.zeros(V)
     row[[12, 5, 9]] = 3.0  # three tokens share the max
@@ -383,3 +385,16 @@ def test_parse_errors(spec: str, kw: dict, must_contain: list[str]) -> None:
 def test_every_method_parses() -> None:
     for m in METHODS:
         assert DecodeParams.parse(m).method == m
+
+
+def test_grammar_names_are_the_registries() -> None:
+    """The spec grammar's name lists are exactly the registries' keys (written out in params.py
+    so that the CLI's help does not import torch)."""
+    from unmask import caching, suffix
+    from unmask.decoding import methods, params
+
+    assert params.METHODS == tuple(methods.METHODS)
+    assert params.CACHES == tuple(caching.POLICIES)
+    assert params.SUFFIXES == tuple(suffix.POLICIES)
+    assert params.MIDDLE_RULES == tuple(suffix.MIDDLE_RULES)
+    assert set(params.REFERENCE_METHOD) <= set(params.METHODS)

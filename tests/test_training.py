@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from unmask.errors import CheckpointError, InputError
 from unmask.tasks import TASKS
 from unmask.tasks import code as code_task
 from unmask.tasks import math as math_task
@@ -317,6 +318,64 @@ def _tiny_model(enc: TextEncoder):
     return model
 
 
+def _train_args(tok_dir: Path, *extra: str) -> argparse.Namespace:
+    from unmask.training.train import add_train_arguments
+
+    p = add_train_arguments(argparse.ArgumentParser())
+    return p.parse_args(["--tokenizer", str(tok_dir), "--d-model", "32", "--n-layers", "1",
+                         "--n-heads", "2", "--mlp-hidden", "64", "--batch-tokens", "512",
+                         "--code-frac", "0", "--eval-every", "2", "--eval-batches", "1",
+                         "--solve-every", "0", "--threads", "1", *extra])
+
+
+class _Payload:
+    """Unpickling this runs ``open(marker, "w")``: the shape of any code-execution payload."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.marker, "w"))
+
+
+def test_resume_refuses_a_state_that_runs_code(tok_dir: Path, tmp_path: Path, one_thread: None) -> None:
+    from unmask.training.train import run_train
+
+    marker = tmp_path / "pwned"
+    out = tmp_path / "run"
+    out.mkdir()
+    torch.save({"model": {}, "step": 0, "payload": _Payload(marker)}, out / "state.pt")
+    with pytest.raises(CheckpointError, match="state.pt"):
+        run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "1", "--resume"))
+    assert not marker.exists(), "loading state.pt ran code"
+    # The same file does run code when it is unpickled without weights_only: the test is live.
+    torch.load(out / "state.pt", weights_only=False)
+    assert marker.exists()
+
+
+def test_resume_names_a_state_from_another_architecture(tok_dir: Path, tmp_path: Path,
+                                                       one_thread: None) -> None:
+    from unmask.training.train import run_train
+
+    out = tmp_path / "run"
+    run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "1"))
+    with pytest.raises(CheckpointError, match="does not fit this run"):
+        run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "2", "--resume",
+                              "--d-model", "64"))
+
+
+def test_train_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from unmask.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--buckets", "9-3:1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "bad canvas bucket" in err and len(err.strip().splitlines()) == 1
+    assert main(["train", "--device", "tpu", "--max-steps", "0", "--threads", "1"]) == 2
+    assert "valid here" in capsys.readouterr().err
+
+
 def test_run_train_resume_and_init(tok_dir: Path, tmp_path: Path, one_thread: None) -> None:
     from unmask.checkpoint import load_model
     from unmask.training.train import add_train_arguments, run_train
@@ -340,7 +399,7 @@ def test_run_train_resume_and_init(tok_dir: Path, tmp_path: Path, one_thread: No
     src, dst = load_model(a / "final"), load_model(b / "final")
     for (name, x), (_, y) in zip(src.state_dict().items(), dst.state_dict().items(), strict=True):
         assert torch.equal(x, y), name  # zero steps: exactly the --init weights
-    with pytest.raises(SystemExit, match="config differs"):
+    with pytest.raises(InputError, match="config differs"):
         run_train(args("--out", str(tmp_path / "c"), "--d-model", "64", "--init", str(a / "final")))
 
 
@@ -377,3 +436,13 @@ def test_parse_buckets() -> None:
     for bad in ("56-144", "a-b:1", "tight:0-4:1", "9-3:1"):
         with pytest.raises(ValueError, match="bucket|needed"):
             parse_buckets(bad)
+
+
+def test_python_m_unmask_training_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from unmask.training.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "tpu", "--max-steps", "0", "--threads", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "valid here" in err and len(err.strip().splitlines()) == 1

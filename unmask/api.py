@@ -49,6 +49,40 @@ def load_tokenizer(path: str | Path):
     return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
 
 
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """The torch device to run on: None = cuda when this torch has it, else cpu. Anything this
+    machine cannot run (cuda without CUDA, cuda:3 on one GPU, tpu, a typo) is an InputError that
+    names what is valid here."""
+    valid = ["cpu"]
+    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_cuda:
+        valid += ["cuda"] + [f"cuda:{i}" for i in range(n_cuda)]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        valid.append("mps")
+    if name is None:
+        return torch.device("cuda" if n_cuda else "cpu")
+    choices = ", ".join(valid)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise InputError(f"unknown device {name!r}; valid here: {choices}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if not n_cuda:
+            raise InputError(f"device {name!r}: this torch build has no usable CUDA "
+                             f"(torch {torch.__version__}, torch.cuda.is_available() is False); "
+                             f"valid here: {choices}")
+        if dev.index is not None and dev.index >= n_cuda:
+            raise InputError(f"device {name!r}: this machine has {n_cuda} CUDA device(s); "
+                             f"valid here: {choices}")
+        return dev
+    if dev.type == "mps" and "mps" in valid:
+        return dev
+    raise InputError(f"device {name!r} is not supported here; valid here: {choices}")
+
+
 class LLM:
     """A dLLM checkpoint ready to generate. path None = the embedded default model."""
 
@@ -61,7 +95,7 @@ class LLM:
                     f"the embedded default model is not in this install ({path}); "
                     "pass a model folder with --model / LLM(path=...)")
         self.path = Path(path)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.model = load_model(self.path, self.device, dtype)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
@@ -75,6 +109,11 @@ class LLM:
                                            add_generation_prompt=True, tokenize=False)
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(prompt, add_special_tokens=False)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Text of generated tokens (special tokens dropped); the server streams prefixes of it."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
 
     def generate(self, prompts: str | list[str], params: DecodeParams | str | None = None,
                  chat: bool = True, batch_size: int = 8,
@@ -116,12 +155,12 @@ class LLM:
         return [self.generation(r) for r in reqs]
 
     def generation(self, r: Request) -> Generation:
-        """A finished request as text and metrics (docs/design.md, "Metrics")."""
+        """A finished request as text and metrics (docs/design.md § Metrics)."""
         if r.finish_reason == "error":
             raise RuntimeError(f"request {r.request_id} failed in the engine: {r.error}")
         eos = self.config.eos_token_id
         useful = useful_length(r.token_ids, eos)
-        text = self.tokenizer.decode(r.token_ids[:useful], skip_special_tokens=True)
+        text = self.detokenize(r.token_ids[:useful])
         return Generation(text=text, token_ids=r.token_ids, nfe=r.nfe,
                           token_forwards=r.token_forwards, tpf=r.decided / max(r.nfe, 1),
                           tps=useful / r.seconds if r.seconds > 0 else 0.0, seconds=r.seconds,

@@ -1,7 +1,12 @@
 """The `unmask` command line: generate, eval, bench, train.
 
-Every user error (bad spec, bad model folder, bad lengths, empty prompt) is one line on stderr
-naming the problem and the valid range, with exit code 2 and no traceback.
+Exit codes: 0 success; 2 the caller's input is wrong (an `UnmaskError`: bad spec, bad model
+folder, bad lengths, empty or undecodable prompt, unusable device or output path, or an argparse
+usage error), printed as one line on stderr naming the problem and what is valid; 130
+interrupted. Anything else is a bug in unmask: Python prints its traceback and exits with 1.
+
+Only argparse and the torch-free argument modules are imported to build the parser, so
+`unmask --help` answers without loading torch; each command imports what it runs.
 """
 
 from __future__ import annotations
@@ -10,16 +15,22 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import fields
 
-from unmask.checkpoint import CheckpointError
-from unmask.config import ConfigError
-from unmask.decoding.params import SpecError
+from unmask.decoding.params import METHODS, PRESETS, DecodeParams
+from unmask.errors import InputError, UnmaskError
 
-USER_ERRORS: tuple[type[Exception], ...] = (SpecError, CheckpointError, ConfigError, ValueError,
-                                            FileNotFoundError)
+EXIT_CODES = """\
+exit codes:
+  0    success
+  1    a bug in unmask (the traceback is printed; please report it)
+  2    bad input: one line on stderr says what is wrong and what is valid
+  130  interrupted (Ctrl-C)"""
+
+DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when this torch has it, else cpu)"
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -39,88 +50,134 @@ class _Parser(argparse.ArgumentParser):
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights/compute dtype (default: the config's torch_dtype)")
-    p.add_argument("--threads", type=_positive, default=None,
+    p.add_argument("--threads", type=positive, default=None,
                    help="torch CPU threads (default: torch's choice)")
 
 
+def decoder_names() -> str:
+    """The spec grammar's names, from the registry the parser itself uses."""
+    return f"methods {', '.join(METHODS)}; presets {', '.join(PRESETS)}"
+
+
 def add_decode_arguments(p: argparse.ArgumentParser, default: str = "static-1") -> None:
+    defaults = {f.name: f.default for f in fields(DecodeParams)}
     p.add_argument("--decoder", default=default,
-                   help=f"decoder spec NAME[,key=value]* (default: {default}); see README")
-    p.add_argument("--gen-length", type=_positive, default=None, help="generated positions L")
-    p.add_argument("--block-length", type=_positive, default=None, help="semi-AR block length")
+                   help=f"decoder spec NAME[,key=value]* (default: {default}); NAME is one of the "
+                        f"{decoder_names()}; keys in README")
+    p.add_argument("--gen-length", type=positive, default=None,
+                   help=f"generated positions L (default: the spec's gen_length, else "
+                        f"{defaults['gen_length']})")
+    p.add_argument("--block-length", type=positive, default=None,
+                   help=f"semi-AR block length (default: the spec's block_length, else "
+                        f"{defaults['block_length']})")
+
+
+def check_prompts(prompts: list[str]) -> None:
+    """Every prompt is non-empty text. A command-line argument that is not valid UTF-8 reaches
+    Python with its bad bytes as lone surrogates, which no tokenizer can encode."""
+    for i, prompt in enumerate(prompts, 1):
+        which = f"prompt {i} of {len(prompts)}" if len(prompts) > 1 else "the prompt"
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raw = prompt.encode("utf-8", "surrogateescape")  # the bytes the shell passed
+            shown = raw.decode("utf-8", "backslashreplace").replace("\n", "\\n").replace("\r", "\\r")
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise InputError(f"{which} is not valid UTF-8 (a bad byte at character {e.start}): "
+                             f"\"{shown}\"; pass text in UTF-8") from None
+        if not prompt.strip():
+            raise InputError(f"empty prompt ({which}): give the model something to answer")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from unmask.api import LLM
-    from unmask.decoding.params import DecodeParams
-
     params = DecodeParams.parse(args.decoder, gen_length=args.gen_length,
                                 block_length=args.block_length)
-    for prompt in args.prompts:
-        if not prompt.strip():
-            raise ValueError("empty prompt: give the model something to answer")
+    check_prompts(args.prompts)
+    from unmask.api import LLM
+
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     outs = llm.generate(args.prompts, params, chat=not args.raw)
-    for g in outs:
+    several = len(outs) > 1
+    for i, (prompt, g) in enumerate(zip(args.prompts, outs, strict=True), 1):
         if args.json:
             print(json.dumps(g.to_dict()))
-        else:
-            print(g.text)
-            print(f"[{params.spec} | NFE {g.nfe} | TPF {g.tpf:.2f} | {g.tps:.1f} tokens/s | "
-                  f"{g.seconds:.2f} s]", file=sys.stderr)
+            continue
+        if several:  # a header per answer: answers are free text, often several lines each
+            if i > 1:
+                print()
+            print(f"=== [{i}/{len(outs)}] {prompt.strip()}")
+        print(g.text)
+        print(f"[{params.spec} | NFE {g.nfe} | TPF {g.tpf:.2f} | {g.tps:.1f} tokens/s | "
+              f"{g.seconds:.2f} s]", file=sys.stderr)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="unmask", description="Fast, exact inference for diffusion LMs.")
+    from unmask.bench.cli import add_bench_arguments, add_eval_arguments
+    from unmask.server.run import add_serve_arguments
+    from unmask.training.args import add_train_arguments
+
+    p = _Parser(prog="unmask", description="Fast, exact inference for diffusion LMs.",
+                epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
 
-    g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("prompts", nargs="+", metavar="PROMPT")
+    g = sub.add_parser("generate", help="generate text for one or more prompts", epilog=EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("prompts", nargs="+", metavar="PROMPT",
+                   help="one or more prompts; with several, each answer gets a '=== [i/n] PROMPT' "
+                        "header line")
     add_model_arguments(g)
     add_decode_arguments(g)
-    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
-    from unmask.bench.cli import add_bench_arguments, add_eval_arguments, run_bench, run_eval
-
-    e = sub.add_parser("eval", help="accuracy of a decoder on a task's held-out set")
+    e = sub.add_parser("eval", help="accuracy of a decoder on a task's held-out set", epilog=EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     add_eval_arguments(e)
-    e.set_defaults(func=run_eval)
-    b = sub.add_parser("bench", help="decoders side by side: accuracy, speed, cost, plot")
+    e.set_defaults(func=_lazy("unmask.bench.cli", "run_eval"))
+    b = sub.add_parser("bench", help="decoders side by side: accuracy, speed, cost, plot",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(b)
-    b.set_defaults(func=run_bench)
+    b.set_defaults(func=_lazy("unmask.bench.cli", "run_bench"))
 
-    from unmask.training.train import add_train_arguments, run_train
-
-    t = sub.add_parser("train", help="train a small LLaDA-format model (the embedded model)")
+    t = sub.add_parser("train", help="train a small LLaDA-format model (the embedded model)",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_train_arguments(t)
-    t.set_defaults(func=_wrap_train(run_train))
+    t.set_defaults(func=_lazy("unmask.training.train", "run_train", returns_code=False))
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs unmask[serve])",
+                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_serve_arguments(s)
+    s.set_defaults(func=_lazy("unmask.server.run", "run_serve"))
     return p
 
 
-def _wrap_train(run: Callable) -> Callable[[argparse.Namespace], int]:
+def _lazy(module: str, name: str, returns_code: bool = True) -> Callable[[argparse.Namespace], int]:
+    """A command that imports ``module`` (and with it torch) only when it runs."""
+
     def go(args: argparse.Namespace) -> int:
-        run(args)
-        return 0
+        import importlib
+
+        result = getattr(importlib.import_module(module), name)(args)
+        return int(result or 0) if returns_code else 0
     return go
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if isinstance(getattr(args, "threads", None), int):
-        import torch
-
-        torch.set_num_threads(args.threads)
     try:
+        if isinstance(getattr(args, "threads", None), int):
+            import torch
+
+            torch.set_num_threads(args.threads)
         code = args.func(args)
-    except USER_ERRORS as e:
+    except UnmaskError as e:
         print(f"unmask: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

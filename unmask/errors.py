@@ -1,7 +1,7 @@
 """The project's error types: one base class for everything that is the caller's input.
 
 The CLI turns an `UnmaskError` into one line and exit code 2; anything else is a bug and keeps
-its traceback (exit code 1). The server maps `UnmaskError` to a 400 response.
+its traceback (exit code 1).
 """
 
 from __future__ import annotations

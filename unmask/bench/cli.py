@@ -8,24 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
-
-from unmask.cli import _positive, add_model_arguments
+from unmask.cli import add_model_arguments, positive
 from unmask.decoding.params import DecodeParams
+from unmask.errors import InputError
 
 if TYPE_CHECKING:
     from unmask.bench.runner import Sample
@@ -50,13 +42,13 @@ def _add_common(p: argparse.ArgumentParser, n_default: int, batch_default: int) 
     p.add_argument("--task", default=None,
                    help="math, code, gsm8k:PATH or humaneval (see --list-tasks)")
     p.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
-    p.add_argument("--n", type=_positive, default=n_default,
+    p.add_argument("--n", type=positive, default=n_default,
                    help=f"number of prompts (default: {n_default})")
-    p.add_argument("--gen-length", type=_positive, default=DEFAULT_GEN_LENGTH,
+    p.add_argument("--gen-length", type=positive, default=DEFAULT_GEN_LENGTH,
                    help=f"generated positions L (default: {DEFAULT_GEN_LENGTH})")
-    p.add_argument("--block-length", type=_positive, default=DEFAULT_BLOCK_LENGTH,
+    p.add_argument("--block-length", type=positive, default=DEFAULT_BLOCK_LENGTH,
                    help=f"semi-AR block length (default: {DEFAULT_BLOCK_LENGTH})")
-    p.add_argument("--batch-size", type=_positive, default=batch_default,
+    p.add_argument("--batch-size", type=positive, default=batch_default,
                    help=f"prompts per model call (default: {batch_default})")
     p.add_argument("--seed", type=int, default=0,
                    help="selects the task's prompts and the decoders' sampling seed (default: 0)")
@@ -105,7 +97,7 @@ def _parse_decoders(specs: list[str], args: argparse.Namespace) -> list[DecodePa
     if len(lengths) > 1:
         # Outputs of different lengths are never token-identical, and TPS over different
         # canvases is not a like-for-like comparison.
-        raise ValueError(f"all decoders must share one gen_length; got {sorted(lengths)}")
+        raise InputError(f"all decoders must share one gen_length; got {sorted(lengths)}")
     return decoders
 
 
@@ -135,13 +127,23 @@ def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> st
 def measure(args: argparse.Namespace, specs: list[str], warmup: int,
             ) -> tuple[dict[str, Any], str]:
     """Run ``specs`` side by side as the arguments say; (JSON document, metric name)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
     from unmask.api import LLM
     from unmask.bench.report import machine_info
     from unmask.bench.runner import reference_indices, run_side_by_side, summarize
     from unmask.bench.tasks import load_task
 
     if not args.task:
-        raise ValueError("--task is required (see --list-tasks)")
+        raise InputError("--task is required (see --list-tasks)")
     decoders = _parse_decoders(specs, args)  # before loading anything: a bad spec fails fast
     task = load_task(args.task, args.n, seed=args.seed,
                      allow_code_execution=args.allow_code_execution)
@@ -179,12 +181,48 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     return doc, task.metric
 
 
+def check_output_path(path: str, flag: str) -> None:
+    """Fail before a run, not after it: ``path``'s folder exists and ``path`` can be written.
+    Nothing is created: a file this check makes to prove it can is removed again."""
+    out = Path(path)
+    parent = out.parent
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist"
+        raise InputError(f"{flag} {path}: the folder {parent} {what}; create it first")
+    if out.is_dir():
+        raise InputError(f"{flag} {path} is a folder; give a file name")
+    existed = out.exists()
+    try:
+        with out.open("a"):
+            pass
+    except OSError as e:
+        raise InputError(f"{flag} {path} cannot be written: {e.strerror or e}") from None
+    if not existed:
+        os.unlink(out)
+
+
+def check_outputs(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
+    """Every output file the arguments name (``--plot`` also by its extension), before the run."""
+    given = [(f, getattr(args, f)) for f in flags if getattr(args, f, None)]
+    for flag, path in given:
+        check_output_path(path, f"--{flag}")
+    if getattr(args, "plot", None):
+        from unmask.bench.plot import plot_formats
+
+        ext = Path(args.plot).suffix.lower().lstrip(".")
+        if ext and ext not in plot_formats():
+            raise InputError(f"--plot {args.plot}: matplotlib cannot write .{ext} files; valid: "
+                             f"{', '.join(plot_formats())}")
+    paths = [os.path.realpath(p) for _, p in given]
+    if len(set(paths)) < len(paths):
+        raise InputError("two output flags name the same file: "
+                         + ", ".join(f"--{f} {p}" for f, p in given))
+
+
 def _write_samples(path: str, task: BenchTask, decoders: list[DecodeParams],
                    samples: list[list[Sample]]) -> None:
     """One JSON line per (decoder, prompt), in the order the score was computed from."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as f:
+    with Path(path).open("w") as f:
         for d, runs in zip(decoders, samples, strict=True):
             for i, (ex, s) in enumerate(zip(task.examples, runs, strict=True)):
                 f.write(json.dumps({"decoder": d.spec, "index": i, "prompt": ex.prompt,
@@ -193,9 +231,7 @@ def _write_samples(path: str, task: BenchTask, decoders: list[DecodeParams],
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    Path(path).write_text(json.dumps(doc, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- commands
@@ -207,7 +243,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.list_tasks:
         return _print_tasks()
     if not args.decoder:
-        raise ValueError("give at least one --decoder SPEC (the first is the baseline)")
+        raise InputError("give at least one --decoder SPEC (the first is the baseline)")
+    check_outputs(args, ("json", "samples", "markdown", "plot"))
     doc, metric = measure(args, args.decoder, warmup=args.warmup)
     cmd = command_line(args, "bench", args.decoder)
     doc["command"] = cmd
@@ -216,9 +253,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, doc)
     if args.markdown:
-        out = Path(args.markdown)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(markdown_section(doc, cmd, metric))
+        Path(args.markdown).write_text(markdown_section(doc, cmd, metric))
     if args.plot:
         from unmask.bench.plot import plot_speedup_accuracy
 
@@ -235,6 +270,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.list_tasks:
         return _print_tasks()
+    check_outputs(args, ("json", "samples"))
     doc, metric = measure(args, [args.decoder], warmup=0)
     doc["command"] = command_line(args, "eval", [args.decoder])
     r = doc["results"][0]

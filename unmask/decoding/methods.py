@@ -3,7 +3,7 @@
 A `Rule` says how many of the current block's masked positions one reference step commits
 (the positions themselves are always the most confident ones, `select_top`). A `Method` is a
 rule plus the number of drafts a step forwards: one for the plain decoders, `draft_steps` for
-FreeDave, which verifies the drafts against the same rule (docs/design.md, "FreeDave"). The
+FreeDave, which verifies the drafts against the same rule (docs/design.md § FreeDave). The
 spec grammar's method names are this registry's keys.
 """
 
@@ -98,8 +98,6 @@ METHODS: dict[str, Callable[..., Method]] = {
     "freedave++": _freedave(lambda p: Threshold(p.threshold)),
 }
 
-# The decoder each lossless method claims to reproduce token for token.
-REFERENCE_METHOD = {"freedave": "static-1", "freedave++": "threshold"}
 
 
 def make_method(params: DecodeParams) -> Method:

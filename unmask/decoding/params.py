@@ -1,8 +1,8 @@
 """Decoding parameters and the one decoder-spec grammar: ``NAME[,key=value]*``.
 
 NAME is a method (static, static-1, threshold, freedave, freedave++) or a preset (exact, fast);
-keys are DecodeParams fields. The same parser serves the CLI, the bench, the Python API and the
-server, so a spec means the same thing everywhere.
+keys are DecodeParams fields. The same parser serves the CLI, the bench and the Python API, so
+a spec means the same thing everywhere.
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from unmask import caching, suffix
-from unmask.decoding import methods
 from unmask.errors import SpecError  # noqa: F401  (re-exported)
 
-# The names the grammar accepts come from the registries: a new rule, cache or suffix policy is
-# one class registered in its own module.
-METHODS = tuple(methods.METHODS)
+# The names the grammar accepts: the keys of the registries in unmask.decoding.methods,
+# unmask.caching and unmask.suffix (a new rule or policy is one class registered there, plus its
+# name here). Written out rather than imported so that the CLI's help text does not load torch;
+# tests/test_decoding_rules.py checks they match the registries.
+METHODS = ("static", "static-1", "threshold", "freedave", "freedave++")
 REMASKING = ("low_confidence", "maskgit_plus", "topk_margin", "entropy", "random")
-CACHES = tuple(caching.POLICIES)
-SUFFIXES = tuple(suffix.POLICIES)
+CACHES = ("none", "prefix", "dual", "entropy")
+SUFFIXES = ("full", "window", "structured")
 BLOCK_RECOMPUTE = ("all", "masked")
-MIDDLE_RULES = tuple(suffix.MIDDLE_RULES)
+MIDDLE_RULES = ("even", "decay", "grid")
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-REFERENCE_METHOD = methods.REFERENCE_METHOD
+# The decoder each lossless method claims to reproduce token for token.
+REFERENCE_METHOD = {"freedave": "static-1", "freedave++": "threshold"}
 
 
 def reference_of(p: DecodeParams) -> DecodeParams | None:

@@ -1,7 +1,7 @@
 """The decoding rules: from logits to (token, confidence) per position, and which masked
 positions of the current block to commit.
 
-Ties (DESIGN section 1), written once here and used everywhere: argmax over the vocabulary keeps
+Ties (docs/design.md § Exactness and ties), one rule used everywhere: argmax over the vocabulary keeps
 the lowest token id (torch.argmax returns the first maximum) and rankings over positions keep
 the lowest position (a stable sort of the negated confidence).
 """

@@ -2,7 +2,7 @@
 
 A plain decoder (static, static-1, threshold) is the one-draft case: its only draft is the rule's
 step, which is always accepted. FreeDave adds drafts that commit more of the same ranking and
-keeps the longest chain that the rule itself would have produced (docs/design.md, "FreeDave").
+keeps the longest chain that the rule itself would have produced (docs/design.md § FreeDave).
 All rows of the batch and all drafts of a row go through one model call per step; a row that
 has just joined has no predictions yet, so its only draft is its canvas and its first step is
 the forward that scores it.

@@ -48,6 +48,8 @@ class Engine:
         self.batches: dict[Hashable, DecodeBatch] = {}
         self.requests: dict[str, Request] = {}  # waiting or running
         self._pending: list[StepEvent] = []  # events of aborts between steps
+        self.model_calls = 0  # engine-wide NFE: model calls made, all batches together
+        self.token_forwards = 0  # token positions those calls processed
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None,
@@ -125,7 +127,11 @@ class Engine:
             res = dec.step(b, trace=trace)
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
             return self._fail(b, f"{type(e).__name__}: {e}")
+        if bool(res.forwarded.any()):
+            self.model_calls += 1
+        tok_fw_before = sum(r.token_forwards for r in b.requests)
         events = self._events(dec, b, res)
+        self.token_forwards += sum(r.token_forwards for r in b.requests) - tok_fw_before
         keep = [not (f or s) for f, s in zip(res.finished.tolist(), res.stalled.tolist(), strict=True)]
         if not all(keep):
             b.filter(keep)

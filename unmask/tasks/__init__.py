@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from unmask.errors import InputError
 from unmask.tasks import code as _code
 from unmask.tasks import math as _math
 
@@ -38,7 +39,7 @@ class Task:
 
     def load(self, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
         if split not in ("train", "heldout"):
-            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+            raise InputError(f"split must be 'train' or 'heldout', got {split!r}")
         return self._load(split, n, seed)
 
     def check(self, example: Example, text: str) -> bool:

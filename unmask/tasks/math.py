@@ -2,9 +2,9 @@
 
 Why this format: a tiny model (~5-10M parameters, an hour of CPU training) cannot do a big
 computation inside one token, but it can learn steps that are each trivially local — a
-single-digit sum, copying a digit, comparing two digits (DESIGN.md §6). Every solution here
-is a chain of such steps, written in a fixed, very regular layout, and ends with a marked
-final answer line ``#### <answer>`` that :func:`extract_answer` reads.
+single-digit sum, copying a digit, comparing two digits (docs/design.md § The embedded
+model). Every solution here is a chain of such steps, written in a fixed, very regular layout,
+and ends with a marked final answer line ``#### <answer>`` that :func:`extract_answer` reads.
 
 Families:
 - ``add``: multi-digit addition, column by column with carries.

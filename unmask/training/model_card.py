@@ -15,7 +15,7 @@ TEMPLATE = Path(__file__).with_name("MODEL_CARD.md.template")
 def _buckets_text(buckets: list[dict[str, Any]] | None) -> str:
     from dataclasses import asdict
 
-    from unmask.training.train import DEFAULT_BUCKETS
+    from unmask.training.args import DEFAULT_BUCKETS
 
     bs = buckets if buckets is not None else [asdict(b) for b in DEFAULT_BUCKETS]
     return ", ".join(f"{b['weight']:.0%} " + (f"longest answer + {b['lo']}-{b['hi']} EOS" if b.get("tight")

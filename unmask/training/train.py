@@ -40,52 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unmask.errors import CheckpointError, InputError, UnmaskError
+from unmask.training.args import DEFAULT_BUCKETS, CanvasBucket, add_train_arguments, parse_buckets
 from unmask.training.tokenizer import EOS, MASK, format_prompt
 
+__all__ = ["DEFAULT_BUCKETS", "CanvasBucket", "add_train_arguments", "parse_buckets", "run_train"]
+
 # ------------------------------------------------------------------------------------ data
-
-
-@dataclass(frozen=True)
-class CanvasBucket:
-    """Canvas lengths drawn uniformly from [lo, hi] with probability ``weight``.
-
-    A ``tight`` bucket instead sizes the canvas to the batch: the longest response plus
-    U[lo, hi] extra EOS positions.
-    """
-
-    lo: int
-    hi: int
-    weight: float
-    tight: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.lo <= self.hi or self.weight < 0:
-            raise ValueError(f"bad canvas bucket {self}")
-
-
-# Mostly tight (where the answers are) but reaching 1024 so gen_length 256/512/1024 all work.
-DEFAULT_BUCKETS = (CanvasBucket(0, 16, 0.65, tight=True), CanvasBucket(100, 320, 0.20),
-                   CanvasBucket(321, 1024, 0.15))
-# What the shipped model (first run) was trained with: `--buckets 56-144:0.6,145-384:0.27,385-1024:0.13`.
-
-
-def parse_buckets(spec: str) -> tuple[CanvasBucket, ...]:
-    """``LO-HI:WEIGHT[,...]``; prefix ``tight:`` for extra EOS after the batch's longest answer,
-    e.g. ``tight:0-16:0.65,100-320:0.2,321-1024:0.15`` (the default)."""
-    out = []
-    for part in spec.split(","):
-        fields = part.strip().split(":")
-        tight = fields[0] == "tight"
-        try:
-            lo_hi, weight = fields[1:] if tight else fields
-            lo, hi = (int(v) for v in lo_hi.split("-"))
-            out.append(CanvasBucket(lo, hi, float(weight), tight=tight))
-        except ValueError as e:
-            raise ValueError(f"bad canvas bucket {part!r} in {spec!r}: want [tight:]LO-HI:WEIGHT "
-                             f"({e})") from e
-    if not any(not b.tight for b in out):
-        raise ValueError(f"{spec!r}: at least one fixed LO-HI bucket is needed (it caps answer length)")
-    return tuple(out)
 
 
 @dataclass
@@ -221,7 +182,7 @@ class DataStream:
 
 # ------------------------------------------------------------------------------------ loss
 
-SEMI_AR_BLOCK = 32  # the block length decoding uses by default (DESIGN section 2)
+SEMI_AR_BLOCK = 32  # the block length decoding uses by default (docs/design.md § Vocabulary)
 
 
 def mask_batch(batch: Batch, mask_id: int, gen: torch.Generator | None = None,
@@ -240,7 +201,7 @@ def mask_batch(batch: Batch, mask_id: int, gen: torch.Generator | None = None,
     2/40 vs 0/40); the run went on to 83% on held-out math. The default since.
     """
     if not 0.0 <= semi_ar <= 1.0:
-        raise ValueError(f"semi_ar is a share of rows in [0, 1], got {semi_ar}")
+        raise InputError(f"semi_ar is a share of rows in [0, 1], got {semi_ar}")
     ids = batch.input_ids
     b, t_len = ids.shape
     dev = ids.device
@@ -279,7 +240,7 @@ class LossWeights:
 
     def __post_init__(self) -> None:
         if self.pad < 0 or self.digit < 0:
-            raise ValueError(f"loss weights must be >= 0, got {self}")
+            raise InputError(f"loss weights must be >= 0, got {self}")
 
 
 def position_weights(batch: Batch, weights: LossWeights = LossWeights()) -> Tensor:
@@ -327,65 +288,10 @@ def lr_at(progress: float, peak: float, warmup: float, final_frac: float = 0.1) 
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * x)))
 
 
-def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = p.add_argument_group("run")
-    g.add_argument("--out", default="runs/default", help="run folder (checkpoints, logs)")
-    g.add_argument("--resume", action="store_true", help="continue from OUT/state.pt")
-    g.add_argument("--init", default=None,
-                   help="start from the weights of this model folder (same architecture and tokenizer)")
-    g.add_argument("--export", default=None, help="also write the final model folder here")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    g.add_argument("--threads", default="auto",
-                   help="torch CPU threads, or 'auto': re-measure 1 vs 2 threads every 200 steps "
-                        "(on a shared 2-core machine 2 threads ran 4x slower than 1 under contention)")
-    g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (trained if absent)")
-    g.add_argument("--vocab-size", type=int, default=2048)
-    g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int, default=256)
-    g.add_argument("--n-layers", type=int, default=4)
-    g.add_argument("--n-heads", type=int, default=4)
-    g.add_argument("--mlp-hidden", type=int, default=768)
-    g.add_argument("--max-seq-len", type=int, default=2048)
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--max-steps", type=int, default=10_000)
-    g.add_argument("--time-budget-min", type=float, default=None,
-                   help="stop (with LR fully decayed) after this many minutes of training")
-    g.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (B x T)")
-    g.add_argument("--lr", type=float, default=1.5e-3)
-    g.add_argument("--warmup", type=float, default=0.03, help="fraction of progress")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0)
-    g.add_argument("--code-frac", type=float, default=0.25)
-    g.add_argument("--code-max-tokens", type=int, default=0,
-                   help="train only on functions whose body is at most this many tokens "
-                        "(0: every one that fits the canvas); the held-out split is not cut")
-    g.add_argument("--buckets", type=parse_buckets, default=DEFAULT_BUCKETS,
-                   help="canvas lengths per batch, [tight:]LO-HI:WEIGHT,... "
-                        "(default tight:0-16:0.65,100-320:0.2,321-1024:0.15)")
-    g.add_argument("--pad-weight", type=float, default=0.1,
-                   help="loss weight of EOS padding after the answer's own EOS (1 = LLaDA's)")
-    g.add_argument("--digit-weight", type=float, default=5.0,
-                   help="loss weight of digit tokens in responses (1 = LLaDA's)")
-    g.add_argument("--semi-ar", type=float, default=0.5,
-                   help="share of rows masked as semi-AR decoding sees them: clean prefix, "
-                        "masked block, masked rest (0 = LLaDA's uniform masking only)")
-    g = p.add_argument_group("evaluation and checkpoints")
-    g.add_argument("--eval-every", type=int, default=200, help="steps between held-out losses")
-    g.add_argument("--eval-batches", type=int, default=8)
-    g.add_argument("--solve-every", type=int, default=2000,
-                   help="steps between decoding --solve-n held-out math problems (0: never)")
-    g.add_argument("--solve-n", type=int, default=16)
-    g.add_argument("--ckpt-minutes", type=float, default=5.0)
-    g.add_argument("--log-every", type=int, default=20)
-    return p
-
-
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    from unmask.api import resolve_device
+
+    return resolve_device(None if name == "auto" else name)
 
 
 def _model_config(args: argparse.Namespace, enc: TextEncoder):  # -> ModelConfig
@@ -499,6 +405,22 @@ def _args_dict(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def load_state(path: Path, device: torch.device) -> dict[str, Any]:
+    """A run's ``state.pt``, read with ``weights_only=True``: tensors and plain Python values
+    only, so a crafted file cannot run code when it is loaded."""
+    import pickle  # only for the error type: nothing here unpickles with it
+
+    try:
+        st = torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is not a training state this version can load safely "
+                              f"(tensors and plain values only): {first}") from None
+    if not isinstance(st, dict):
+        raise CheckpointError(f"{path} holds a {type(st).__name__}, not a training state")
+    return st
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(obj, tmp)
@@ -553,7 +475,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         theirs, ours = ({k: v for k, v in asdict(c).items() if k != "extra"} for c in (src.config, config))
         if theirs != ours:
             diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
-            raise SystemExit(f"--init {args.init}: its config differs from this run's (theirs, ours): {diff}")
+            raise InputError(f"--init {args.init}: its config differs from this run's (theirs, ours): {diff}")
         model.load_state_dict(src.state_dict())
         console.print(f"initialised from the weights in {args.init}")
     model.to(device)
@@ -581,13 +503,17 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     step, elapsed, tokens_seen, history = 0, 0.0, 0, []
     state_path = out / "state.pt"
     if args.resume and state_path.is_file():
-        st = torch.load(state_path, map_location=device, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        step, elapsed, tokens_seen, history = st["step"], st["elapsed"], st["tokens"], st["history"]
-        data.rng.setstate(st["data_rng"])
-        gen.set_state(st["gen_state"])
-        torch.set_rng_state(st["torch_rng"])
+        st = load_state(state_path, device)
+        try:
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optimizer"])
+            step, elapsed, tokens_seen, history = st["step"], st["elapsed"], st["tokens"], st["history"]
+            data.rng.setstate(st["data_rng"])
+            gen.set_state(st["gen_state"])
+            torch.set_rng_state(st["torch_rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{state_path} does not fit this run (same --d-model, --n-layers, "
+                                  f"... as the run that wrote it?): {e}") from None
         console.print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min)")
     (out / "args.json").write_text(json.dumps(_args_dict(args), indent=2) + "\n")
     prog = "python -m unmask.training" if sys.argv[0].endswith("__main__.py") else "unmask train"
@@ -705,4 +631,9 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m unmask.training", description=__doc__.split("\n")[0])
     add_train_arguments(p)
-    run_train(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        run_train(args)
+    except UnmaskError as e:  # the caller's input: one line, exit 2, as `unmask train` does
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)

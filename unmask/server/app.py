@@ -1,0 +1,499 @@
+"""`unmask serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Requests join the engine's running batch at its next step and leave when done
+(continuous batching); each request's tokens are those it would get alone (batch invariance).
+
+A completion's canvas is `max_tokens` rounded up to the decoder's block_length; the text ends at
+the first EOS (finish_reason "stop") or at the canvas end ("length"). A stop string cuts the text
+before it, and decoding stops as soon as it is committed. Streaming sends the committed prefix
+as it grows: text is never retracted or reordered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from unmask.api import LLM, useful_length
+from unmask.decoding.params import DecodeParams
+from unmask.engine import Engine, SchedulerConfig, StepEvent
+from unmask.engine.scheduler import QueueFull
+from unmask.errors import InputError, UnmaskError
+from unmask.server.async_engine import EngineThread, Handle
+from unmask.server.metrics import ServerMetrics
+from unmask.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Unsupported,
+    _Common,
+    error_body,
+)
+
+log = logging.getLogger("unmask.server")
+
+
+@dataclass
+class ServerConfig:
+    decoder: str = "threshold"  # default decoder spec of requests that name none
+    max_running: int = 16
+    max_queue: int = 256
+    max_slots: int | None = None
+    model_name: str | None = None  # the id /v1/models reports (default: the folder's name)
+    retry_after: int = 1  # seconds, sent with 429
+
+    def __post_init__(self) -> None:
+        DecodeParams.parse(self.decoder)  # a bad default spec fails at startup, not per request
+
+
+@dataclass
+class ServerState:
+    llm: LLM
+    config: ServerConfig
+    engine: EngineThread
+    metrics: ServerMetrics
+    model_name: str
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers
+
+
+# --- text of a decode in progress --------------------------------------------------------------
+class TextStream:
+    """The committed prefix of one request as text: what may be sent now, and when to stop.
+
+    Text up to the first EOS, cut before the first stop string. While decoding, the text is held
+    back where it could still change: an incomplete character at the end, or an end that could
+    be the start of a stop string.
+    """
+
+    def __init__(self, llm: LLM, gen_length: int, stops: list[str] | None) -> None:
+        self.llm, self.stops = llm, stops or []
+        self.eos = llm.config.eos_token_id
+        self.tokens: list[int | None] = [None] * gen_length
+        self.sent = ""
+        self.stop_hit = False
+        self.n_tokens = 0  # generated tokens behind the text (up to EOS or the stop)
+
+    def update(self, ev: StepEvent) -> str:
+        """Apply a step's commits; return the new text that is safe to send."""
+        for pos, tok in zip(ev.positions, ev.tokens, strict=True):
+            self.tokens[pos] = tok
+        text, final = self._text(self.tokens[: ev.prefix])
+        if not final:
+            text = self._hold_back(text)
+        return self._advance(text)
+
+    def finish(self, token_ids: list[int] | None) -> str:
+        """The rest of the text once the request has finished (token_ids: its final canvas;
+        None when it was stopped: the committed prefix is final)."""
+        if token_ids is not None and not self.stop_hit:
+            self.tokens = list(token_ids)
+        prefix = self.tokens
+        first_gap = next((i for i, t in enumerate(prefix) if t is None), len(prefix))
+        text, _ = self._text(prefix[:first_gap])
+        return self._advance(text)
+
+    def _text(self, ids: list[int | None]) -> tuple[str, bool]:
+        """(text, final): final once an EOS or a stop string ends the text."""
+        ids = [t for t in ids if t is not None]
+        n = useful_length(ids, self.eos)
+        text = self.llm.detokenize(ids[:n])
+        final = n < len(ids)
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, final, self.stop_hit = text[:cut], True, True
+            self.n_tokens = len(self.llm.tokenizer.encode(text, add_special_tokens=False))
+        else:
+            self.n_tokens = n
+        return text, final
+
+    def _hold_back(self, text: str) -> str:
+        text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence at the end
+        keep = len(text)
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    keep = min(keep, len(text) - k)
+                    break
+        return text[:keep]
+
+    def _advance(self, text: str) -> str:
+        if not text.startswith(self.sent):  # never retract: wait until it extends what was sent
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
+# --- the app -------------------------------------------------------------------------------------
+def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    metrics = ServerMetrics()
+    engine = Engine(llm.model, SchedulerConfig(max_running=config.max_running,
+                                               max_queue=config.max_queue,
+                                               max_slots=config.max_slots))
+
+    def on_step(events: list[StepEvent]) -> None:
+        metrics.engine_totals(engine.model_calls, engine.token_forwards)
+        metrics.queue_depth.set(engine.n_waiting)
+        metrics.running.set(engine.n_running)
+
+    thread = EngineThread(engine, on_step)
+    state = ServerState(llm, config, thread, metrics, config.model_name or llm.path.name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        thread.start()
+        yield
+        state.draining = True
+        thread.stop()
+
+    app = FastAPI(title="unmask", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server for diffusion language models")
+    app.state.unmask = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), e.kind, e.param), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            msg, loc = "request body is not valid JSON", None
+        elif first.get("type") == "extra_forbidden":
+            msg = f"unknown field {loc!r}"
+        text = f"{loc}: {msg}" if loc else msg
+        return JSONResponse(error_body(text, "invalid_request_error", loc or None), 400)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine.error is not None or not state.engine.alive:
+            return JSONResponse({"status": "engine stopped"}, 503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok", "running": engine.n_running,
+                             "waiting": engine.n_waiting})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model",
+                                            "created": int(state.started), "owned_by": "unmask"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prompts = _check(state, body)
+        ids = [_encode(llm, p, chat=False) for p in prompts]
+        return await _respond(state, body, ids, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check(state, body)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        ids = [_encode_chat(llm, messages)]
+        return await _respond(state, body, ids, request, chat=True)
+
+    return app
+
+
+def _check(state: ServerState, body: _Common) -> list[str]:
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "server_error")
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                            f"{state.model_name!r}", param="model")
+    try:
+        body.check_supported()
+    except Unsupported as e:
+        raise APIError(400, str(e), param=e.field) from None
+    return body.prompts() if isinstance(body, CompletionRequest) else []
+
+
+def _encode(llm: LLM, prompt: str, chat: bool) -> list[int]:
+    try:
+        return llm.encode_prompt(prompt, chat=chat)
+    except UnmaskError as e:
+        raise APIError(400, str(e), param="prompt") from None
+
+
+def _encode_chat(llm: LLM, messages: list[dict]) -> list[int]:
+    tok = llm.tokenizer
+    if not tok.chat_template:
+        raise APIError(400, "this checkpoint has no chat template; use /v1/completions",
+                       param="messages")
+    if not any(m["content"].strip() for m in messages):
+        raise APIError(400, "empty messages: give the model something to answer", param="messages")
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
+    """The request's decoder: its `decoder` spec (or the server's), with max_tokens (rounded up
+    to block_length), temperature and seed from the request. Against the server's default spec
+    the request's fields win; in a spec the request wrote itself, a conflict is an error."""
+    spec = body.decoder or config.decoder
+    try:
+        base = DecodeParams.parse(spec)
+        fields: dict[str, Any] = {}
+        if body.max_tokens is not None:
+            fields["gen_length"] = math.ceil(body.max_tokens / base.block_length) * base.block_length
+        if body.temperature is not None:
+            fields["temperature"] = body.temperature
+        if body.seed is not None:
+            fields["seed"] = body.seed
+        if body.decoder is None:
+            return base.replace(**fields, name=base.spec) if fields else base
+        return DecodeParams.parse(spec, **fields)
+    except UnmaskError as e:
+        raise APIError(400, str(e), param="decoder") from None
+
+
+async def _submit(state: ServerState, ids: list[int], params: DecodeParams,
+                  trace: bool = False) -> Handle:
+    if state.engine.error is not None:
+        raise APIError(503, "the engine has stopped; see the server log", "server_error")
+    try:
+        return await state.engine.submit(ids, params, f"cmpl-{uuid.uuid4().hex}", trace)
+    except QueueFull as e:
+        state.metrics.requests.labels("rejected").inc()
+        raise APIError(429, str(e), "rate_limit_error",
+                       headers={"Retry-After": str(state.config.retry_after)}) from None
+    except InputError as e:
+        raise APIError(400, str(e)) from None
+
+
+@dataclass
+class _Run:
+    """One engine request of a response, and what has been sent of it."""
+
+    index: int
+    handle: Handle
+    text: TextStream
+    prompt_tokens: int
+    first_text: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    outcome: str | None = None
+    counted: bool = False  # its metrics were recorded
+
+    @property
+    def request(self):
+        return self.handle.request
+
+
+async def _respond(state: ServerState, body: _Common, ids: list[list[int]], request: Request,
+                   chat: bool) -> Response:
+    params = request_params(state.config, body)
+    runs: list[_Run] = []
+    try:
+        for i, p in enumerate(ids):
+            h = await _submit(state, p, params)
+            runs.append(_Run(i, h, TextStream(state.llm, params.gen_length, body.stop), len(p)))
+    except BaseException:
+        for r in runs:
+            state.engine.abort(r.request.request_id)
+        raise
+    rid = runs[0].request.request_id
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        gen = _stream(state, runs, request, chat, rid, params, include_usage)
+        return StreamingResponse(gen, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    texts = ["" for _ in runs]
+    try:
+        await asyncio.gather(*(_collect(state, r, request, texts) for r in runs))
+    finally:
+        for r in runs:
+            _finish_metrics(state, r)
+    failed = [r for r in runs if r.error]
+    if failed:
+        raise APIError(500, f"the request failed in the engine: {failed[0].error}", "server_error")
+    if any(r.finish_reason is None for r in runs):  # the client left: nobody reads this
+        return Response(status_code=499)
+    choices = []
+    for r, text in zip(runs, texts, strict=True):
+        if chat:
+            choices.append({"index": r.index, "message": {"role": "assistant", "content": text},
+                            "finish_reason": r.finish_reason, "logprobs": None})
+        else:
+            choices.append({"index": r.index, "text": text, "finish_reason": r.finish_reason,
+                            "logprobs": None})
+    return JSONResponse({
+        "id": rid, "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()), "model": state.model_name, "choices": choices,
+        "usage": _usage(runs), "unmask": _extra(runs, params)})
+
+
+async def _events(state: ServerState, run: _Run, request: Request) -> AsyncIterator[str]:
+    """Yield the text deltas of one run until it finishes; aborts it if the client leaves."""
+    q = run.handle.events
+    done = False
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(q.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if ev.finished:
+                done = True
+                if ev.finished == "error":
+                    run.error, run.outcome = ev.error or "unknown error", "error"
+                    return
+                stopped = ev.finished == "stop" or run.text.stop_hit
+                delta = run.text.update(ev) if ev.positions else ""
+                delta += run.text.finish(None if stopped else run.request.token_ids)
+                run.finish_reason = "stop" if stopped or ev.finished == "eos" else "length"
+                run.outcome = run.finish_reason
+                if delta:
+                    _first(run)
+                    yield delta
+                return
+            delta = run.text.update(ev)
+            if run.text.stop_hit:  # committed: stop decoding now
+                state.engine.abort(run.request.request_id, "stop")
+            if delta:
+                _first(run)
+                yield delta
+    finally:
+        if not done:
+            run.outcome = "abort"
+            state.engine.abort(run.request.request_id)
+
+
+def _first(run: _Run) -> None:
+    if run.first_text is None:
+        run.first_text = time.perf_counter()
+
+
+async def _collect(state: ServerState, run: _Run, request: Request, texts: list[str]) -> None:
+    async for delta in _events(state, run, request):
+        texts[run.index] += delta
+
+
+async def _stream(state: ServerState, runs: list[_Run], request: Request, chat: bool, rid: str,
+                  params: DecodeParams, include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> str:
+        if chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish,
+                                      "logprobs": None}
+        else:
+            choice = {"index": index, "text": text or "", "finish_reason": finish,
+                      "logprobs": None}
+        payload = {"id": rid, "object": obj, "created": created, "model": state.model_name,
+                   "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload)}\n\n"
+
+    out: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+    async def pump(run: _Run) -> None:
+        try:
+            async for delta in _events(state, run, request):
+                await out.put((run.index, delta))
+        finally:
+            await out.put((run.index, None))
+
+    tasks = [asyncio.create_task(pump(r)) for r in runs]
+    try:
+        if chat:
+            for r in runs:
+                yield chunk(r.index, "", None, role=True)
+        open_runs = len(runs)
+        while open_runs:
+            index, delta = await out.get()
+            run = runs[index]
+            if delta is None:
+                open_runs -= 1
+                if run.error:
+                    err = error_body(f"the request failed in the engine: {run.error}",
+                                     "server_error")
+                    yield f"data: {json.dumps(err)}\n\n"
+                    return
+                if run.finish_reason is not None:
+                    yield chunk(index, None if chat else "", run.finish_reason)
+                continue
+            yield chunk(index, delta, None)
+        if include_usage:
+            payload = {"id": rid, "object": obj, "created": created, "model": state.model_name,
+                       "choices": [], "usage": _usage(runs), "unmask": _extra(runs, params)}
+            yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        for r in runs:
+            if r.finish_reason is None and not r.error:
+                state.engine.abort(r.request.request_id)
+                r.outcome = r.outcome or "abort"
+            _finish_metrics(state, r)
+
+
+def _usage(runs: list[_Run]) -> dict[str, int]:
+    prompt = sum(r.prompt_tokens for r in runs)
+    completion = sum(r.text.n_tokens for r in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _extra(runs: list[_Run], params: DecodeParams) -> dict[str, Any]:
+    """unmask's own numbers (docs/design.md § Metrics), summed over the response's choices."""
+    nfe = sum(r.request.nfe for r in runs)
+    decided = sum(r.request.decided for r in runs)
+    return {"decoder": params.spec, "nfe": nfe, "token_forwards": sum(r.request.token_forwards
+                                                                     for r in runs),
+            "tpf": decided / nfe if nfe else 0.0,
+            "seconds": max((r.request.seconds for r in runs), default=0.0)}
+
+
+def _finish_metrics(state: ServerState, run: _Run) -> None:
+    if run.counted:
+        return
+    run.counted = True
+    req = run.request
+    m = state.metrics
+    m.finished(run.outcome or "abort", req.nfe, req.decided, run.text.n_tokens)
+    m.latency.observe(time.perf_counter() - run.handle.submitted)
+    if run.first_text is not None:
+        m.ttft.observe(run.first_text - run.handle.submitted)

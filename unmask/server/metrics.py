@@ -1,0 +1,78 @@
+"""Prometheus metrics of one server (prometheus-client, a registry per app).
+
+Counters are totals since start (rates come from PromQL, e.g. rate(unmask_model_calls_total[1m])
+is NFE per second); the `*_per_second` and `unmask_tpf` gauges are the same quantities over the
+last `window` seconds, for a glance without a Prometheus server.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ServerMetrics:
+    def __init__(self, window: float = 10.0) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queue_depth = Gauge("unmask_queue_depth", "Requests waiting for admission", registry=r)
+        self.running = Gauge("unmask_running_requests", "Requests being decoded", registry=r)
+        self.requests = Counter("unmask_requests", "Finished requests by outcome "
+                                "(stop, length, abort, error, rejected)", ["outcome"], registry=r)
+        self.model_calls = Counter("unmask_model_calls", "Model calls (engine-wide NFE)", registry=r)
+        self.token_forwards = Counter("unmask_token_forwards", "Token positions forwarded",
+                                      registry=r)
+        self.decided = Counter("unmask_decided_positions", "Generated positions committed by a "
+                               "forward's decision (TPF numerator)", registry=r)
+        self.request_nfe = Counter("unmask_request_nfe", "Sum of per-request NFE (TPF "
+                                   "denominator)", registry=r)
+        self.useful = Counter("unmask_useful_tokens", "Generated tokens up to the first EOS",
+                              registry=r)
+        self.latency = Histogram("unmask_request_latency_seconds", "Request latency",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("unmask_time_to_first_token_seconds", "Time to the first "
+                              "committed text", buckets=LATENCY_BUCKETS, registry=r)
+        self.nfe_rate = Gauge("unmask_model_calls_per_second", "NFE per second (window)",
+                              registry=r)
+        self.tf_rate = Gauge("unmask_token_forwards_per_second", "Token-forwards per second "
+                             "(window)", registry=r)
+        self.useful_rate = Gauge("unmask_useful_tokens_per_second", "Useful tokens per second "
+                                 "(window)", registry=r)
+        self.tpf = Gauge("unmask_tpf", "Tokens per forward of requests finished in the window",
+                         registry=r)
+        self.window = window
+        self._lock = threading.Lock()
+        self._samples: deque[tuple[float, int, int, int, int, int]] = deque()
+        self._last = (0, 0)
+
+    def engine_totals(self, model_calls: int, token_forwards: int) -> None:
+        """Called after each step with the engine's running totals."""
+        with self._lock:
+            calls, tf = model_calls - self._last[0], token_forwards - self._last[1]
+            self._last = (model_calls, token_forwards)
+        self.model_calls.inc(calls)
+        self.token_forwards.inc(tf)
+        self._add(calls, tf, 0, 0, 0)
+
+    def finished(self, outcome: str, nfe: int, decided: int, useful: int) -> None:
+        self.requests.labels(outcome).inc()
+        self.decided.inc(decided)
+        self.request_nfe.inc(nfe)
+        self.useful.inc(useful)
+        self._add(0, 0, useful, decided, nfe)
+
+    def _add(self, calls: int, tf: int, useful: int, decided: int, nfe: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._samples.append((now, calls, tf, useful, decided, nfe))
+            while self._samples and self._samples[0][0] < now - self.window:
+                self._samples.popleft()
+            sums = [sum(s[i] for s in self._samples) for i in range(1, 6)]
+        self.nfe_rate.set(sums[0] / self.window)
+        self.tf_rate.set(sums[1] / self.window)
+        self.useful_rate.set(sums[2] / self.window)
+        self.tpf.set(sums[3] / sums[4] if sums[4] else 0.0)

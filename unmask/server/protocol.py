@@ -1,0 +1,133 @@
+"""The OpenAI-compatible request bodies, validated with pydantic.
+
+Fields that mean something for a dLLM are honoured; fields that would be silently ignored
+(log-probabilities, nucleus sampling, tools, penalties, ...) are refused with a 400 naming the
+field; unknown fields are refused too. `decoder` (our spec grammar) is the one extension.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from unmask.errors import InputError
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None  # an end-user id for the caller's own records; not used
+    decoder: str | None = None  # unmask's decoder spec; the server's --decoder when absent
+    # Accepted only at the value that means "off": anything else would be silently ignored.
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: Any = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be up to 4 non-empty strings")
+        return stops
+
+    def check_supported(self) -> None:
+        """Refuse values the engine would silently ignore, naming the field."""
+        if self.n != 1:
+            raise Unsupported("n", "only n=1 is supported; send several requests (each gets its "
+                              "own seed) for several samples")
+        if self.top_p is not None and self.top_p != 1:
+            raise Unsupported("top_p", "nucleus sampling is not implemented; use temperature")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise Unsupported(name, "penalties are not implemented")
+        if self.logprobs not in (None, False, 0):
+            raise Unsupported("logprobs", "log-probabilities are not returned")
+        if self.logit_bias:
+            raise Unsupported("logit_bias", "logit biases are not implemented")
+        if self.stream_options is not None and not self.stream:
+            raise Unsupported("stream_options", "stream_options needs stream=true")
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.prompts():
+            raise Unsupported("prompt", "prompt must not be an empty list")
+        if self.echo:
+            raise Unsupported("echo", "echo is not supported")
+        if self.best_of not in (None, 1):
+            raise Unsupported("best_of", "best_of is not supported")
+        if self.suffix:
+            raise Unsupported("suffix", "insertion (suffix) is not supported")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "tool_choice", "functions", "function_call"):
+            if getattr(self, name) not in (None, [], "none"):
+                raise Unsupported(name, "tool and function calling are not supported")
+        if self.response_format not in (None, {"type": "text"}):
+            raise Unsupported("response_format", "only plain text responses are supported")
+        if self.top_logprobs:
+            raise Unsupported("top_logprobs", "log-probabilities are not returned")
+        if self.max_completion_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+                raise Unsupported("max_completion_tokens", "differs from max_tokens")
+            self.max_tokens = self.max_completion_tokens
+
+
+class Unsupported(InputError):
+    """A request field the server refuses (it would otherwise be silently ignored)."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"unsupported value for field {field!r}: {why}")
+        self.field = field
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

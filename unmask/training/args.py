@@ -1,0 +1,118 @@
+"""`unmask train`'s arguments and canvas buckets: no torch here, so `unmask --help` stays fast.
+
+`unmask.training.train` re-exports everything in this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from unmask.errors import InputError
+
+
+@dataclass(frozen=True)
+class CanvasBucket:
+    """Canvas lengths drawn uniformly from [lo, hi] with probability ``weight``.
+
+    A ``tight`` bucket instead sizes the canvas to the batch: the longest response plus
+    U[lo, hi] extra EOS positions.
+    """
+
+    lo: int
+    hi: int
+    weight: float
+    tight: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.lo <= self.hi or self.weight < 0:
+            raise InputError(f"bad canvas bucket {self}: want 0 <= lo <= hi and weight >= 0")
+
+
+# Mostly tight (where the answers are) but reaching 1024 so gen_length 256/512/1024 all work.
+DEFAULT_BUCKETS = (CanvasBucket(0, 16, 0.65, tight=True), CanvasBucket(100, 320, 0.20),
+                   CanvasBucket(321, 1024, 0.15))
+# What the shipped model (first run) was trained with: `--buckets 56-144:0.6,145-384:0.27,385-1024:0.13`.
+
+
+def parse_buckets(spec: str) -> tuple[CanvasBucket, ...]:
+    """``LO-HI:WEIGHT[,...]``; prefix ``tight:`` for extra EOS after the batch's longest answer,
+    e.g. ``tight:0-16:0.65,100-320:0.2,321-1024:0.15`` (the default)."""
+    out = []
+    for part in spec.split(","):
+        fields = part.strip().split(":")
+        tight = fields[0] == "tight"
+        try:
+            lo_hi, weight = fields[1:] if tight else fields
+            lo, hi = (int(v) for v in lo_hi.split("-"))
+            out.append(CanvasBucket(lo, hi, float(weight), tight=tight))
+        except ValueError as e:
+            raise InputError(f"bad canvas bucket {part!r} in {spec!r}: want [tight:]LO-HI:WEIGHT "
+                             f"({e})") from e
+    if not any(not b.tight for b in out):
+        raise InputError(f"{spec!r}: at least one fixed LO-HI bucket is needed (it caps answer length)")
+    return tuple(out)
+
+
+def _buckets_arg(spec: str) -> tuple[CanvasBucket, ...]:
+    """parse_buckets for argparse, which prints an ArgumentTypeError's message as it is."""
+    try:
+        return parse_buckets(spec)
+    except InputError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = p.add_argument_group("run")
+    g.add_argument("--out", default="runs/default", help="run folder (checkpoints, logs)")
+    g.add_argument("--resume", action="store_true", help="continue from OUT/state.pt")
+    g.add_argument("--init", default=None,
+                   help="start from the weights of this model folder (same architecture and tokenizer)")
+    g.add_argument("--export", default=None, help="also write the final model folder here")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto",
+                   help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    g.add_argument("--threads", default="auto",
+                   help="torch CPU threads, or 'auto': re-measure 1 vs 2 threads every 200 steps "
+                        "(on a shared 2-core machine 2 threads ran 4x slower than 1 under contention)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (trained if absent)")
+    g.add_argument("--vocab-size", type=int, default=2048)
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=int, default=256)
+    g.add_argument("--n-layers", type=int, default=4)
+    g.add_argument("--n-heads", type=int, default=4)
+    g.add_argument("--mlp-hidden", type=int, default=768)
+    g.add_argument("--max-seq-len", type=int, default=2048)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max-steps", type=int, default=10_000)
+    g.add_argument("--time-budget-min", type=float, default=None,
+                   help="stop (with LR fully decayed) after this many minutes of training")
+    g.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (B x T)")
+    g.add_argument("--lr", type=float, default=1.5e-3)
+    g.add_argument("--warmup", type=float, default=0.03, help="fraction of progress")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--code-frac", type=float, default=0.25)
+    g.add_argument("--code-max-tokens", type=int, default=0,
+                   help="train only on functions whose body is at most this many tokens "
+                        "(0: every one that fits the canvas); the held-out split is not cut")
+    g.add_argument("--buckets", type=_buckets_arg, default=DEFAULT_BUCKETS,
+                   help="canvas lengths per batch, [tight:]LO-HI:WEIGHT,... "
+                        "(default tight:0-16:0.65,100-320:0.2,321-1024:0.15)")
+    g.add_argument("--pad-weight", type=float, default=0.1,
+                   help="loss weight of EOS padding after the answer's own EOS (1 = LLaDA's)")
+    g.add_argument("--digit-weight", type=float, default=5.0,
+                   help="loss weight of digit tokens in responses (1 = LLaDA's)")
+    g.add_argument("--semi-ar", type=float, default=0.5,
+                   help="share of rows masked as semi-AR decoding sees them: clean prefix, "
+                        "masked block, masked rest (0 = LLaDA's uniform masking only)")
+    g = p.add_argument_group("evaluation and checkpoints")
+    g.add_argument("--eval-every", type=int, default=200, help="steps between held-out losses")
+    g.add_argument("--eval-batches", type=int, default=8)
+    g.add_argument("--solve-every", type=int, default=2000,
+                   help="steps between decoding --solve-n held-out math problems (0: never)")
+    g.add_argument("--solve-n", type=int, default=16)
+    g.add_argument("--ckpt-minutes", type=float, default=5.0)
+    g.add_argument("--log-every", type=int, default=20)
+    return p
