@@ -56,6 +56,8 @@ def run_serve(args: argparse.Namespace) -> int:
         def handle_exit(self, sig: int, frame: object) -> None:
             state.draining = True
             super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal once it has shut down; a drained server exits 0.
+            getattr(self, "_captured_signals", []).clear()
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.shutdown_timeout))

@@ -1,0 +1,363 @@
+"""`unmask serve` against live servers on 127.0.0.1, driven by the real `openai` client.
+
+Every response must equal what `LLM.generate` gives offline for the same prompt, decoder and
+seed (streamed or not, alone or under load); every bad request gets its status and an OpenAI
+error body; nothing a client does takes the server down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+
+from unmask import LLM
+from unmask.engine import decoder as decoder_mod
+from unmask.server.app import ServerConfig, build_app
+from unmask.server.protocol import CompletionRequest
+from unmask.tasks import TASKS
+
+PROMPTS = ["What is 47 + 38?", "Sort these numbers: 5, 2, 9, 14, 3.", "What is 12 * 3 + 7?",
+           "What is 305 - 17?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """`build_app` under uvicorn on a background thread."""
+
+    def __init__(self, llm: LLM, **config) -> None:
+        self.app = build_app(llm, ServerConfig(**config))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+    @property
+    def engine(self):
+        return self.app.state.unmask.engine.engine
+
+    def client(self, timeout: float = 120) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def server(llm: LLM):
+    with LiveServer(llm, decoder="threshold", max_running=16) as s:
+        yield s
+
+
+def offline(llm: LLM, prompt: str, spec: str, max_tokens: int, chat: bool = True,
+            seed: int | None = None) -> str:
+    from unmask.server.app import request_params
+    from unmask.server.protocol import CompletionRequest
+
+    body = CompletionRequest(prompt=prompt, max_tokens=max_tokens, decoder=spec, seed=seed)
+    return llm.generate([prompt], request_params(ServerConfig(), body), chat=chat)[0].text
+
+
+# --- responses equal offline decoding --------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["threshold", "fast", "exact", "static-1,temperature=0.7"])
+def test_openai_client_matches_offline(server: LiveServer, llm: LLM, spec: str) -> None:
+    client = server.client()
+    prompt = PROMPTS[0]
+    extra = {"decoder": spec}
+    want_chat = offline(llm, prompt, spec, 64, chat=True, seed=11)
+    want_raw = offline(llm, prompt, spec, 64, chat=False, seed=11)
+    messages = [{"role": "user", "content": prompt}]
+
+    r = client.chat.completions.create(model="default_model", messages=messages, max_tokens=64,
+                                       seed=11, extra_body=extra)
+    assert r.choices[0].message.content == want_chat
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.model_extra["unmask"]["nfe"] > 0
+
+    chunks = list(client.chat.completions.create(
+        model="default_model", messages=messages, max_tokens=64, seed=11, extra_body=extra,
+        stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want_chat
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [r.choices[0].finish_reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage == r.usage
+
+    c = client.completions.create(model="default_model", prompt=prompt, max_tokens=64, seed=11,
+                                  extra_body=extra)
+    assert c.choices[0].text == want_raw
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="default_model", prompt=prompt, max_tokens=64, seed=11, extra_body=extra,
+        stream=True) if ch.choices)
+    assert streamed == want_raw
+
+
+def test_concurrent_mixed_load(server: LiveServer, llm: LLM) -> None:
+    """32 concurrent clients, mixed decoders, prompts and lengths, half of them streaming: every
+    response arrives, complete, and equals its offline result (batch invariance under load)."""
+    held_out = [ex.prompt for ex in TASKS["math"].load("heldout", 8)]
+    jobs = []
+    for i in range(32):
+        spec = ["threshold", "fast", "exact", "threshold,cache=entropy"][i % 4]
+        jobs.append((held_out[i % 8], spec, [32, 64][(i // 4) % 2], i % 2 == 0))
+    want = {}
+    for spec in {j[1] for j in jobs}:
+        for n in (32, 64):
+            ps = sorted({j[0] for j in jobs if j[1] == spec and j[2] == n})
+            if ps:
+                from unmask.server.app import request_params
+
+                params = request_params(ServerConfig(), CompletionRequest(
+                    prompt="x", max_tokens=n, decoder=spec))
+                for p, g in zip(ps, llm.generate(ps, params, batch_size=8), strict=True):
+                    want[(p, spec, n)] = g.text
+    client = server.client(timeout=300)
+
+    def run(job) -> str:
+        prompt, spec, n, stream = job
+        kw = dict(model="default_model", messages=[{"role": "user", "content": prompt}],
+                  max_tokens=n, extra_body={"decoder": spec})
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kw))
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return client.chat.completions.create(**kw).choices[0].message.content
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(run, jobs, timeout=600))
+    for job, text in zip(jobs, got, strict=True):
+        assert text == want[job[:3]], job
+
+
+def test_stop_strings_cut_and_stop_decoding(server: LiveServer, llm: LLM) -> None:
+    client = server.client()
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    full = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=128,
+                                          extra_body={"decoder": "static-1"})
+    text = full.choices[0].message.content
+    assert "tens" in text
+    cut = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=128,
+                                         stop=["tens"], extra_body={"decoder": "static-1"})
+    assert cut.choices[0].message.content == text[: text.index("tens")]
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.model_extra["unmask"]["nfe"] < full.model_extra["unmask"]["nfe"]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="default_model", messages=msgs, max_tokens=128, stop=["tens"], stream=True,
+        extra_body={"decoder": "static-1"}) if c.choices)
+    assert streamed == cut.choices[0].message.content
+
+
+def test_stream_disconnect_aborts(server: LiveServer) -> None:
+    """A streaming client that leaves mid-answer has its request aborted: the running count
+    drops and the engine makes no more model calls for it."""
+    body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 1024,
+            "stream": True, "decoder": "static-1"}
+    with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/chat/completions",
+                                                       json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert server.engine.n_running == 1
+    deadline = time.monotonic() + 10
+    while server.engine.n_running or server.engine.has_unfinished:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    calls = server.engine.model_calls
+    time.sleep(0.5)
+    assert server.engine.model_calls == calls
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["running"] == 0
+
+
+def test_non_streaming_disconnect_aborts(server: LiveServer) -> None:
+    body = {"messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": 1024,
+            "decoder": "static-1"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while server.engine.has_unfinished:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+
+
+# --- errors ---------------------------------------------------------------------------------------
+BAD = [
+    ("not json", b"{bad", 400, None),
+    ("missing field", {"max_tokens": 8}, 400, "prompt"),
+    ("unknown field", {"prompt": "hi", "foo": 1}, 400, "foo"),
+    ("top_p", {"prompt": "hi", "top_p": 0.5}, 400, "top_p"),
+    ("logprobs", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("penalty", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("n", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("echo", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("bad spec", {"prompt": "hi", "decoder": "warp-drive"}, 400, "decoder"),
+    ("bad spec key", {"prompt": "hi", "decoder": "threshold,threshold=2"}, 400, "decoder"),
+    ("too long", {"prompt": "hi", "max_tokens": 5000}, 400, None),
+    ("negative tokens", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("wrong type", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("empty prompt", {"prompt": "   "}, 400, "prompt"),
+    ("wrong model", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests(server: LiveServer, name, body, status, param) -> None:
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(
+        body, bytes) else {"json": body}
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30, **kw)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param:
+        assert err["param"] == param or param in err["message"]
+    if name == "too long":
+        assert "max_sequence_length" in err["message"]
+
+
+def test_bad_chat_requests(server: LiveServer) -> None:
+    for body, param in (({"messages": []}, "messages"),
+                        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, "tools"),
+                        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+                        ({"messages": [{"role": "user", "content": ""}]}, "messages")):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400, body
+        assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+
+
+def test_queue_full_is_429(llm: LLM) -> None:
+    with LiveServer(llm, decoder="static-1", max_running=1, max_queue=1) as s:
+        body = {"prompt": "hi", "max_tokens": 128}
+
+        def post(_):
+            return httpx.post(f"{s.url}/v1/completions", json=body, timeout=120)
+
+        with ThreadPoolExecutor(4) as pool:
+            rs = list(pool.map(post, range(4)))
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(429) >= 1 and codes.count(200) >= 2
+        limited = next(r for r in rs if r.status_code == 429)
+        assert limited.headers["Retry-After"] == "1"
+        assert limited.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_engine_failure_is_500_and_the_server_keeps_serving(server: LiveServer, monkeypatch) -> None:
+    real = decoder_mod.Decoder.step
+
+    def step(self, b, trace=False):
+        if self.params.remasking == "topk_margin":
+            raise RuntimeError("kaput")
+        return real(self, b, trace)
+
+    monkeypatch.setattr(decoder_mod.Decoder, "step", step)
+    client = server.client()
+    bad = httpx.post(f"{server.url}/v1/completions", json={
+        "prompt": "hi", "max_tokens": 16, "decoder": "threshold,remasking=topk_margin"}, timeout=30)
+    assert bad.status_code == 500
+    assert "kaput" in bad.json()["error"]["message"]
+    ok = client.completions.create(model="default_model", prompt="hi", max_tokens=16)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_models_health_metrics(server: LiveServer) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["default_model"]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in ("unmask_queue_depth", "unmask_running_requests", "unmask_requests_total",
+                 "unmask_model_calls_total", "unmask_token_forwards_total", "unmask_tpf",
+                 "unmask_useful_tokens_per_second", "unmask_request_latency_seconds_bucket",
+                 "unmask_time_to_first_token_seconds_bucket"):
+        assert name in text, name
+
+
+# --- fuzzing the schema: no input gives a 5xx -----------------------------------------------------
+def test_fuzz_openapi_schema_no_5xx(llm: LLM, tmp_path) -> None:
+    """schemathesis generates requests from the server's own OpenAPI schema (boundary values,
+    then random ones; a bounded number per operation): none may get a 5xx."""
+    with LiveServer(llm, decoder="fast") as s:
+        out = subprocess.run(
+            [os.path.join(os.path.dirname(sys.executable), "schemathesis"), "run",
+             f"{s.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "25",
+             "--seed", "1", "--request-timeout", "120", "--phases", "examples,coverage,fuzzing",
+             "--generation-database", "none"],
+            capture_output=True, text=True, timeout=900, cwd=tmp_path)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+        assert "/v1/chat/completions" in out.stdout and "/v1/completions" in out.stdout
+        assert httpx.get(f"{s.url}/health").json()["status"] == "ok"
+
+
+# --- shutdown --------------------------------------------------------------------------------------
+def test_sigterm_finishes_running_requests_then_exits(tmp_path) -> None:
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "unmask.cli", "serve", "--port", str(port),
+                             "--threads", "1", "--decoder", "static-1"], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.2)
+        lines: list[str] = []
+        body = {"prompt": "hi", "max_tokens": 256, "stream": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                lines.extend(x for x in r.iter_lines() if x)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while not lines:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert lines[-1] == "data: [DONE]"  # the running request finished
+        finish = [json.loads(x[6:]) for x in lines if x.startswith("data: {")][-1]
+        assert finish["choices"][0]["finish_reason"] in ("stop", "length")
+        assert proc.wait(30) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{url}/health", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
