@@ -1,0 +1,337 @@
+"""unmask inside lm-evaluation-harness: the `unmask` model, its likelihood bound, the shipped tasks.
+
+lm-eval's CLI indexes its thousands of built-in tasks at every start (~20 s here), so one CLI run
+is in the default suite (accuracy against `unmask eval`); the other CLI runs are marked slow.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_model, tiny_model_dir
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from unmask.checkpoint import CheckpointError  # noqa: E402
+from unmask.cli import main as unmask_main  # noqa: E402
+from unmask.decoding.params import DecodeParams, SpecError, same_decoder  # noqa: E402
+from unmask.errors import InputError  # noqa: E402
+from unmask.evaluation import TASKS_DIR  # noqa: E402
+from unmask.evaluation.cli import with_task_folder  # noqa: E402
+from unmask.evaluation.harness import UnmaskLM, cut_at_stops  # noqa: E402
+from unmask.evaluation.likelihood import draw_masks, estimate_bound, sample_seed  # noqa: E402
+from unmask.evaluation.tasks import MATH_JSONL, MATH_N, gsm8k_results, math_results  # noqa: E402
+from unmask.tasks import TASKS  # noqa: E402
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+
+def lm_eval_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run `unmask-lm-eval` (lm-eval's CLI with `unmask` registered) offline, one thread."""
+    script = Path(sys.executable).parent / "unmask-lm-eval"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "unmask.evaluation"]
+    env = {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
+    return subprocess.run([*cmd, *args, "--device", "cpu"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+
+
+def requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+@pytest.fixture(scope="module")
+def embedded() -> UnmaskLM:
+    return UnmaskLM(device="cpu", mc_num=16, greedy_check=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {kind: tiny_model_dir(root, kind) for kind in ("llada", "Dream")}
+
+
+# --------------------------------------------------------------------------- lm-eval's CLI
+
+
+def test_cli_accuracy_equals_unmask_eval(tmp_path: Path) -> None:
+    """`lm_eval --model unmask --tasks unmask_math` scores the problems `unmask eval --task math`
+    scores, with the same outputs, so the same accuracy."""
+    n, decoder, gen = 12, "threshold", 128
+    run = lm_eval_cli(tmp_path, "--model", "unmask", "--model_args",
+                      f"decoder={decoder},gen_length={gen},block_length=32",
+                      "--tasks", "unmask_math", "--apply_chat_template", "--limit", str(n),
+                      "--batch_size", "4", "--log_samples", "--output_path", str(tmp_path / "out"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    samples = [json.loads(line) for f in glob.glob(str(tmp_path / "out/**/samples_unmask_math_*.jsonl"),
+                                                   recursive=True) for line in open(f)]
+    samples.sort(key=lambda s: s["doc_id"])
+    assert len(samples) == n
+
+    ours = tmp_path / "unmask-eval.jsonl"
+    assert unmask_main(["eval", "--task", "math", "--n", str(n), "--decoder", decoder,
+                        "--gen-length", str(gen), "--block-length", "32", "--threads", "1",
+                        "--samples", str(ours)]) == 0
+    reference = [json.loads(line) for line in ours.open()]
+    assert [s["doc"]["prompt"] for s in samples] == [r["prompt"] for r in reference]
+    assert [s["resps"][0][0] for s in samples] == [r["text"] for r in reference]
+    assert [s["acc"] for s in samples] == [float(r["correct"]) for r in reference]
+    results = json.loads(open(glob.glob(str(tmp_path / "out/**/results_*.json"),
+                                        recursive=True)[0]).read())
+    acc = results["results"]["unmask_math"]["acc,none"]
+    assert acc == pytest.approx(sum(r["correct"] for r in reference) / n)
+    assert acc >= 0.5  # the embedded model scores ~84% on these problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_args, names", [
+    ("decoder=threshold,colour=red", "unknown --model_args key 'colour'"),
+    ("decoder=warp", "unknown decoder 'warp'"),
+    ("pretrained=/no/such/folder", "/no/such/folder"),
+])
+def test_cli_bad_model_args_fail_in_one_line(tmp_path: Path, model_args: str, names: str) -> None:
+    run = lm_eval_cli(tmp_path, "--model", "unmask", "--model_args", model_args,
+                      "--tasks", "unmask_math", "--limit", "1")
+    assert run.returncode == 2
+    assert "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("unmask-lm-eval: error: ") and names in last
+
+
+@pytest.mark.slow
+def test_cli_gsm8k_from_a_local_file(tmp_path: Path) -> None:
+    """unmask_gsm8k reads the JSONL given with --metadata; nothing is downloaded."""
+    rows = [{"question": e.prompt, "answer": f"worked\n#### {e.answer}"}
+            for e in TASKS["math"].load("heldout", 4)]
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = lm_eval_cli(tmp_path, "--model", "unmask", "--model_args", "decoder=fast,gen_length=128",
+                      "--tasks", "unmask_gsm8k", "--apply_chat_template",
+                      "--metadata", f"gsm8k_path={data}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "unmask_gsm8k" in run.stdout and "exact_match" in run.stdout
+
+
+@pytest.mark.slow
+def test_plain_lm_eval_finds_the_entry_point(tmp_path: Path) -> None:
+    """`lm_eval --model unmask` itself, where lm-eval discovers `lm_eval.models` entry points."""
+    import lm_eval.api.registry as registry
+
+    if not hasattr(registry, "load_plugins"):
+        pytest.skip(f"lm-eval {importlib.metadata.version('lm_eval')} does not discover plugin models")
+    env = {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
+    run = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "unmask",
+                          "--model_args", "decoder=threshold,gen_length=64", "--tasks", "unmask_math",
+                          "--include_path", str(TASKS_DIR), "--limit", "2", "--device", "cpu"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_entry_point_and_task_folder() -> None:
+    eps = importlib.metadata.entry_points(group="lm_eval.models")
+    assert any(ep.name == "unmask" and ep.load() is UnmaskLM for ep in eps)
+    assert with_task_folder(["--model", "unmask"])[-2:] == ["--include_path", str(TASKS_DIR)]
+    assert with_task_folder(["--include_path=x", "--model", "unmask"]) == ["--include_path=x",
+                                                                            "--model", "unmask"]
+    assert with_task_folder(["-h"]) == ["-h"]
+
+
+# --------------------------------------------------------------------------- model arguments
+
+
+@pytest.mark.parametrize("kwargs, error, names", [
+    ({"colour": "red"}, InputError, "'colour'"),
+    ({"decoder": "warp"}, SpecError, "'warp'"),
+    ({"decoder": "threshold", "threshold": 2}, SpecError, "threshold"),
+    ({"gen_length": 100, "block_length": 32}, SpecError, "multiple of block_length"),
+    ({"mc_num": 0}, InputError, "mc_num"),
+    ({"pretrained": "/no/such/folder"}, CheckpointError, "/no/such/folder"),
+])
+def test_bad_model_args_name_the_problem(kwargs: dict, error: type, names: str) -> None:
+    with pytest.raises(error, match=names) as info:
+        UnmaskLM(device="cpu", **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_model_args_make_the_decoder_spec() -> None:
+    lm = UnmaskLM(device="cuda:0" if torch.cuda.is_available() else "cpu", decoder="fast",
+                  gen_length=128, block_length=16, threshold=0.8, batch_size="auto")
+    assert same_decoder(lm.params, DecodeParams.parse("fast,threshold=0.8", gen_length=128,
+                                                      block_length=16))
+    assert lm.batch_size == 8
+    # lm-eval's --device defaults to cuda:0: without CUDA that means the CPU.
+    assert UnmaskLM(device="cuda:0").llm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --------------------------------------------------------------------------- generate_until
+
+
+def test_cut_at_stops() -> None:
+    assert cut_at_stops("a\n\nb Question: c", ["Question:", "\n\n"]) == "a"
+    assert cut_at_stops("abc", []) == "abc"
+    assert cut_at_stops("abc", ["", "z"]) == "abc"
+
+
+def test_generate_until_batches_stops_and_limits(tiny_dirs: dict[str, Path]) -> None:
+    lm = UnmaskLM(pretrained=str(tiny_dirs["llada"]), decoder="static-1", block_length=8,
+                  gen_length=16, batch_size=2, device="cpu")
+    prompts = ["hello", "what is 12 + 34?", "sort the list", "def add(a, b):"]
+    alone = {p: lm.llm.generate(p, "static-1", chat=False, gen_length=16, block_length=8)[0]
+             for p in prompts}
+    # No max_gen_toks: the spec's gen_length; the batch of 2 gives what each prompt gives alone.
+    got = lm.generate_until(requests("generate_until", [(p, {"until": []}) for p in prompts]))
+    assert got == [alone[p].text for p in prompts]
+    # max_gen_toks 5 -> canvas 8 (rounded up to block_length), text of its first 5 tokens.
+    got = lm.generate_until(requests("generate_until", [(p, {"max_gen_toks": 5}) for p in prompts]))
+    canvas8 = lm.llm.generate(prompts, "static-1", chat=False, gen_length=8, block_length=8)
+    for text, g in zip(got, canvas8, strict=True):
+        ids = g.token_ids[:5]
+        ids = ids[: ids.index(1)] if 1 in ids else ids
+        assert text == lm.llm.tokenizer.decode(ids, skip_special_tokens=True)
+    # until: cut at the first stop string found in the text.
+    first = alone[prompts[0]].text
+    if len(first) > 2:
+        stop = first[1:3]
+        got = lm.generate_until(requests("generate_until", [(prompts[0], {"until": [stop, "zzz"]})]))
+        assert got == [first[: first.find(stop)]]
+
+
+def test_apply_chat_template_matches_unmask_prompts(embedded: UnmaskLM) -> None:
+    text = embedded.apply_chat_template([{"role": "user", "content": "What is 47 + 38?"}])
+    assert embedded.llm.tokenizer.encode(text, add_special_tokens=False) == \
+        embedded.llm.encode_prompt("What is 47 + 38?")
+
+
+# --------------------------------------------------------------------------- loglikelihood
+
+
+def _corrupt(answer: str) -> list[str]:
+    """Three wrong answers of the same family."""
+    if answer.isdigit():
+        n = int(answer)
+        return [str(n + 1), str(n + 10), str(n - 1) if n > 0 else str(n + 2)]
+    parts = answer.split(", ")
+    wrong = [", ".join(reversed(parts)), ", ".join(parts[1:] + parts[:1]),
+             ", ".join(parts[:-1] + [str((int(parts[-1]) + 1) % 10)])]
+    return [w for w in dict.fromkeys(wrong) if w != answer]
+
+
+def test_loglikelihood_prefers_the_true_answer(embedded: UnmaskLM) -> None:
+    """Context: a held-out prompt (chat template); continuations: its worked solution ending in
+    the true `#### answer`, or the same solution ending in a wrong one. The true one should win
+    far more often than chance (1 in 4)."""
+    args, groups = [], []
+    for ex in TASKS["math"].load("heldout", 12):
+        context = embedded.apply_chat_template([{"role": "user", "content": ex.prompt}])
+        body = ex.response[: ex.response.rindex("####") + 4]
+        groups.append([len(args) + i for i in range(1 + len(_corrupt(ex.answer)))])
+        args += [(context, f"{body} {a}") for a in [ex.answer, *_corrupt(ex.answer)]]
+    scores = [lp for lp, _ in embedded.loglikelihood(requests("loglikelihood", args))]
+    wins = sum(all(scores[g[0]] > scores[j] for j in g[1:]) for g in groups)
+    chance = statistics.mean(1 / len(g) for g in groups)
+    assert wins / len(groups) >= 0.75 > 2 * chance
+
+
+def test_loglikelihood_is_deterministic_and_order_free(embedded: UnmaskLM) -> None:
+    args = [("What is 2 + 3?", " #### 5"), ("Sort 3, 1.", " #### 1, 3"), ("", "hello")]
+    a = embedded.loglikelihood(requests("loglikelihood", args))
+    b = embedded.loglikelihood(requests("loglikelihood", args[::-1]))[::-1]
+    assert a == b
+    other = UnmaskLM(device="cpu", mc_num=16, greedy_check=False, seed=1)
+    assert other.loglikelihood(requests("loglikelihood", args[:1])) != a[:1]
+
+
+def test_spread_shrinks_as_mc_num_grows(embedded: UnmaskLM) -> None:
+    """Std over seeds of the estimate, summed over three held-out solutions: the per-sample loss
+    is heavy-tailed (one hard token masked alone weighs L times), so use a wide mc_num gap."""
+    llm = embedded.llm
+    spread = dict.fromkeys((2, 32), 0.0)
+    for ex in TASKS["math"].load("heldout", 3):
+        prompt = llm.encode_prompt(ex.prompt)
+        target = llm.tokenizer.encode(ex.response, add_special_tokens=False)
+        for mc in spread:
+            values = [estimate_bound(llm.model, prompt, target, llm.config.mask_token_id, mc_num=mc,
+                                     batch_size=32, seed=s).logprob for s in range(8)]
+            spread[mc] += statistics.stdev(values)
+    # 16x the samples: 4x less spread for independent draws; ask for 2x.
+    assert spread[32] < spread[2] / 2, spread
+
+
+def test_draw_masks_stratifies_the_masked_count() -> None:
+    g = torch.Generator().manual_seed(0)
+    masked, count = draw_masks(10, 20, g)
+    assert masked.sum(1).tolist() == count.tolist()
+    assert count.min() >= 1 and count.max() <= 10
+    # 20 stratified ratios over 10 tokens: every count 1..10 twice.
+    assert sorted(count.tolist()) == sorted(list(range(1, 11)) * 2)
+    assert sample_seed(0, [1], [2]) != sample_seed(1, [1], [2]) != sample_seed(0, [1, 2], [])
+
+
+@pytest.mark.parametrize("kind", ["llada", "Dream"])
+def test_bound_matches_a_full_logits_reference(kind: str) -> None:
+    """estimate_bound reads only the masked positions' logits (shifted by one for Dream); a
+    reference computes full logits, shifts them as DESIGN.md says, and sums the same terms."""
+    model = tiny_model(kind, vocab_size=64, max_sequence_length=64)
+    prompt, target, mask_id, mc = [5, 6, 7], [8, 9, 10, 11, 12], 2, 6
+    got = estimate_bound(model, prompt, target, mask_id, mc_num=mc, batch_size=4, seed=3)
+    g = torch.Generator().manual_seed(sample_seed(3, prompt, target))
+    masked, count = draw_masks(len(target), mc, g)
+    losses = []
+    for j in range(mc):
+        ids = torch.tensor([prompt + target])
+        ids[0, len(prompt):][masked[j]] = mask_id
+        with torch.no_grad():
+            logits = model(ids, torch.arange(ids.shape[1])[None])
+        if kind == "Dream":
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        logp = torch.log_softmax(logits[0, len(prompt):].float(), -1)
+        nll = -logp[torch.arange(len(target)), torch.tensor(target)]
+        losses.append((nll * masked[j]).sum().item() * len(target) / count[j].item())
+    assert got.logprob == pytest.approx(-statistics.mean(losses), rel=1e-5)
+
+
+def test_is_greedy_is_static1_reproducing_the_continuation(tiny_dirs: dict[str, Path]) -> None:
+    lm = UnmaskLM(pretrained=str(tiny_dirs["llada"]), device="cpu", mc_num=2)
+    prompt = lm.llm.encode_prompt("hello", chat=False)
+    params = DecodeParams(method="static-1", gen_length=6, block_length=6)
+    greedy = lm.llm.generate_ids([prompt], params)[0].token_ids
+    assert lm._is_greedy(prompt, greedy)
+    assert not lm._is_greedy(prompt, greedy[:-1] + [(greedy[-1] + 1) % 50 + 3])
+
+
+def test_loglikelihood_rolling(tiny_dirs: dict[str, Path]) -> None:
+    lm = UnmaskLM(pretrained=str(tiny_dirs["Dream"]), device="cpu", mc_num=4)
+    (value,) = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [("hello world",)]))
+    assert value < 0
+    too_long = "hello world " * 400
+    with pytest.raises(InputError, match="no rolling"):
+        lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(too_long,)]))
+
+
+# --------------------------------------------------------------------------- shipped tasks
+
+
+def test_shipped_math_jsonl_is_the_heldout_split() -> None:
+    rows = [json.loads(line) for line in MATH_JSONL.open()]
+    want = TASKS["math"].load("heldout", MATH_N, seed=0)
+    assert [(r["prompt"], r["answer"]) for r in rows] == [(e.prompt, e.answer) for e in want]
+    assert {p.name for p in TASKS_DIR.glob("*.yaml")} == {"unmask_math.yaml", "unmask_gsm8k.yaml"}
+
+
+def test_task_checkers() -> None:
+    assert math_results({"answer": "1, 2, 3"}, ["... \n#### 1,2, 3."]) == {"acc": 1.0}
+    assert math_results({"answer": "85"}, ["#### 75"]) == {"acc": 0.0}
+    doc = {"answer": "Natalia sold 48/2 = 24 clips.\n#### 1,072"}
+    assert gsm8k_results(doc, ["so 1072 in all\n#### $1,072"]) == {"exact_match": 1.0}
+    assert gsm8k_results(doc, ["the answer is 1071"]) == {"exact_match": 0.0}

@@ -1,0 +1,5 @@
+import sys
+
+from unmask.evaluation.cli import main
+
+sys.exit(main())
