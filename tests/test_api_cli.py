@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -312,3 +313,35 @@ def test_api_bad_device(llada_dir: Path) -> None:
     with pytest.raises(InputError, match="valid here"):
         LLM(llada_dir, device="tpu")
     assert LLM(llada_dir, device="cpu").device.type == "cpu"
+
+
+def test_spec_and_flag_conflict_is_an_error(capsys) -> None:
+    """`--decoder static-1,gen_length=64 --gen-length 256` used to decode 64 silently."""
+    assert main(["generate", "hi", "--decoder", "static-1,gen_length=64", "--gen-length", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "gen_length is set twice" in err and len(err.strip().splitlines()) == 1
+    p = DecodeParams.parse("static-1,gen_length=64", explicit={"gen_length": 64})
+    assert p.gen_length == 64  # agreeing values are fine
+    assert DecodeParams.parse("static-1", explicit={"gen_length": 96}).gen_length == 96
+    assert DecodeParams.parse("static-1,gen_length=64", gen_length=256).gen_length == 64  # a default
+
+
+def test_generate_shows_progress_on_a_terminal(monkeypatch) -> None:
+    import io
+
+    from unmask.cli import decode_progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    llm = LLM()
+    with decode_progress(64) as on_event:
+        assert on_event is not None
+        llm.generate(["What is 4 + 5?"], "static-1", gen_length=64, on_event=on_event)
+    assert "decoding" in err.getvalue()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar, no callback
+    with decode_progress(64) as on_event:
+        assert on_event is None

@@ -12,9 +12,10 @@ Only argparse and the torch-free argument modules are imported to build the pars
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from unmask.decoding.params import METHODS, PRESETS, DecodeParams
@@ -68,7 +69,8 @@ def add_decode_arguments(p: argparse.ArgumentParser, default: str = "static-1") 
                    help=f"decoder spec NAME[,key=value]* (default: {default}); NAME is one of the "
                         f"{decoder_names()}; keys in README")
     p.add_argument("--gen-length", type=positive, default=None,
-                   help=f"generated positions L (default: the spec's gen_length, else "
+                   help=f"generated positions L (a spec that also sets gen_length must agree; "
+                        f"default: the spec's gen_length, else "
                         f"{defaults['gen_length']})")
     p.add_argument("--block-length", type=positive, default=None,
                    help=f"semi-AR block length (default: the spec's block_length, else "
@@ -93,13 +95,14 @@ def check_prompts(prompts: list[str]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = DecodeParams.parse(args.decoder, gen_length=args.gen_length,
-                                block_length=args.block_length)
+    params = DecodeParams.parse(args.decoder, explicit=dict(gen_length=args.gen_length,
+                                                            block_length=args.block_length))
     check_prompts(args.prompts)
     from unmask.api import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    outs = llm.generate(args.prompts, params, chat=not args.raw)
+    with decode_progress(len(args.prompts) * params.gen_length) as on_event:
+        outs = llm.generate(args.prompts, params, chat=not args.raw, on_event=on_event)
     several = len(outs) > 1
     for i, (prompt, g) in enumerate(zip(args.prompts, outs, strict=True), 1):
         if args.json:
@@ -113,6 +116,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{params.spec} | NFE {g.nfe} | TPF {g.tpf:.2f} | {g.tps:.1f} tokens/s | "
               f"{g.seconds:.2f} s]", file=sys.stderr)
     return 0
+
+
+@contextlib.contextmanager
+def decode_progress(total: int) -> Iterator[Callable | None]:
+    """A progress bar of committed positions on stderr when it is a terminal (stdout stays clean
+    for pipes and --json); yields the engine-event callback, or None when there is no terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("decoding"), BarColumn(), MofNCompleteColumn(), TextColumn("positions"),
+               TextColumn("NFE {task.fields[nfe]}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("decode", total=total, nfe=0)
+        nfe: dict[str, int] = {}
+
+        def on_event(ev) -> None:
+            nfe[ev.request_id] = ev.nfe
+            bar.update(task, advance=len(ev.positions), nfe=sum(nfe.values()))
+
+        yield on_event
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -44,8 +44,9 @@ def _add_common(p: argparse.ArgumentParser, n_default: int, batch_default: int) 
     p.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
     p.add_argument("--n", type=positive, default=n_default,
                    help=f"number of prompts (default: {n_default})")
-    p.add_argument("--gen-length", type=positive, default=DEFAULT_GEN_LENGTH,
-                   help=f"generated positions L (default: {DEFAULT_GEN_LENGTH})")
+    p.add_argument("--gen-length", type=positive, default=None,
+                   help=f"generated positions L (default: the specs' gen_length, else "
+                        f"{DEFAULT_GEN_LENGTH}; a spec that also sets it must agree)")
     p.add_argument("--block-length", type=positive, default=DEFAULT_BLOCK_LENGTH,
                    help=f"semi-AR block length (default: {DEFAULT_BLOCK_LENGTH})")
     p.add_argument("--batch-size", type=positive, default=batch_default,
@@ -91,7 +92,8 @@ def _print_tasks() -> int:
 
 
 def _parse_decoders(specs: list[str], args: argparse.Namespace) -> list[DecodeParams]:
-    decoders = [DecodeParams.parse(s, gen_length=args.gen_length, block_length=args.block_length,
+    decoders = [DecodeParams.parse(s, explicit=dict(gen_length=args.gen_length),
+                                   gen_length=DEFAULT_GEN_LENGTH, block_length=args.block_length,
                                    seed=args.seed) for s in specs]
     lengths = {d.gen_length for d in decoders}
     if len(lengths) > 1:
@@ -112,7 +114,8 @@ def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> st
     argv += ["--task", args.task]
     for s in specs:
         argv += ["--decoder", s]
-    argv += ["--n", str(args.n), "--gen-length", str(args.gen_length),
+    gen_length = _parse_decoders(specs, args)[0].gen_length
+    argv += ["--n", str(args.n), "--gen-length", str(gen_length),
              "--block-length", str(args.block_length), "--batch-size", str(args.batch_size),
              "--seed", str(args.seed)]
     if command == "bench":

@@ -126,12 +126,19 @@ class DecodeParams:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def parse(cls, spec: str, **overrides: Any) -> DecodeParams:
-        """Parse ``NAME[,key=value]*``; keyword overrides (e.g. gen_length from a CLI flag) win
-        over the preset but lose to keys written in the spec."""
+    def parse(cls, spec: str, explicit: dict[str, Any] | None = None,
+              **defaults: Any) -> DecodeParams:
+        """Parse ``NAME[,key=value]*``.
+
+        defaults (e.g. a command's default gen_length) win over the preset and lose to keys
+        written in the spec. explicit (values the user set outside the spec: a typed flag, a
+        request field) win over the preset too, and a key set both there and in the spec to
+        different values is an error: neither silently loses. None values are ignored."""
         if not isinstance(spec, str):
             raise SpecError(f"a decoder spec is a string NAME[,key=value]*, got {type(spec).__name__}")
-        unknown = sorted(set(overrides) - set(SPEC_KEYS))
+        explicit = {k: v for k, v in (explicit or {}).items() if v is not None}
+        defaults = {k: v for k, v in defaults.items() if v is not None}
+        unknown = sorted((set(defaults) | set(explicit)) - set(SPEC_KEYS))
         if unknown:
             raise SpecError(f"unknown decoder key {unknown[0]!r}; valid: {', '.join(SPEC_KEYS)}")
         spec = spec.strip()
@@ -144,7 +151,7 @@ class DecodeParams:
             values = {"method": name}
         else:
             raise SpecError(f"unknown decoder {name!r}; valid: {', '.join(METHODS + tuple(PRESETS))}")
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        values.update(defaults)
         types = {f.name: f.type for f in fields(cls)}
         for pair in pairs:
             key, sep, raw = pair.partition("=")
@@ -153,7 +160,12 @@ class DecodeParams:
                 raise SpecError(f"malformed {pair!r} in decoder spec; expected key=value")
             if key not in SPEC_KEYS:
                 raise SpecError(f"unknown decoder key {key!r}; valid: {', '.join(SPEC_KEYS)}")
-            values[key] = _convert(key, raw.strip(), types[key])
+            value = _convert(key, raw.strip(), types[key])
+            if key in explicit and explicit[key] != value:
+                raise SpecError(f"{key} is set twice: {key}={raw.strip()} in the decoder spec and "
+                                f"{explicit[key]} outside it; drop one")
+            values[key] = value
+        values.update(explicit)
         return cls(**values, name=spec)
 
 

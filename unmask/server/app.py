@@ -274,7 +274,7 @@ def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
             fields["seed"] = body.seed
         if body.decoder is None:
             return base.replace(**fields, name=base.spec) if fields else base
-        return DecodeParams.parse(spec, **fields)
+        return DecodeParams.parse(spec, explicit=fields)
     except UnmaskError as e:
         raise APIError(400, str(e), param="decoder") from None
 
