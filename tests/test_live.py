@@ -210,3 +210,19 @@ def test_html_replay_plays_in_a_browser(tmp_path: Path) -> None:
         texts = [e.text_content() for e in page.query_selector_all(".lane-text")]
         assert texts[0] == texts[1] == trace["events"][-1]["text"]
         browser.close()
+
+
+def test_client_leaving_aborts_the_decode(base_url: str) -> None:
+    body = {"prompt": PROMPT, "decoders": ["static-1"], "max_tokens": 512}
+    with httpx.stream("POST", f"{base_url}/v1/unmask/trace", json=body, timeout=60) as r:
+        seen: list[dict] = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen.append(json.loads(line[6:]))
+            if len(seen) >= 3:
+                break
+    assert seen[0]["event"] == "layout" and seen[-1]["event"] == "step"
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{base_url}/health").json()["running"]:
+        assert time.monotonic() < deadline, "the decode went on after the client left"
+        time.sleep(0.05)
