@@ -144,6 +144,7 @@ def decode_progress(total: int) -> Iterator[Callable | None]:
 def build_parser() -> argparse.ArgumentParser:
     from unmask.bench.cli import add_bench_arguments, add_eval_arguments
     from unmask.server.run import add_serve_arguments
+    from unmask.trace import add_trace_arguments
     from unmask.training.args import add_train_arguments
 
     p = _Parser(prog="unmask", description="Fast, exact inference for diffusion LMs.",
@@ -180,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_arguments(s)
     s.set_defaults(func=_lazy("unmask.server.run", "run_serve"))
+
+    tr = sub.add_parser("trace", help="record a decode step by step: HTML replay, GIF or PNG",
+                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_trace_arguments(tr)
+    tr.set_defaults(func=_lazy("unmask.trace", "run_trace"))
     return p
 
 

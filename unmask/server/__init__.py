@@ -4,5 +4,6 @@
 - async_engine.py  the engine on its own thread, fed by the event loop
 - metrics.py       Prometheus metrics
 - app.py           the FastAPI app: routes, streaming, stop strings, cancellation
+- live.py          the live view: the page at / and its event stream (static/: its JS and CSS)
 - run.py           uvicorn with graceful shutdown, and the CLI's arguments
 """

@@ -224,6 +224,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         ids = [_encode_chat(llm, messages)]
         return await _respond(state, body, ids, request, chat=True)
 
+    from unmask.server.live import add_live_routes  # it imports this module's helpers
+    add_live_routes(app, state)
     return app
 
 

@@ -1,0 +1,228 @@
+"""The live view of `unmask serve`: its event stream, and the page in a real browser.
+
+The browser test drives Debian's chromium (scripts/setup-browser.sh installs it; `.ci/run` runs
+that first) through Playwright against a server started here on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from unmask.api import LLM
+from unmask.server.app import ServerConfig, build_app
+
+CHROMIUM = "/usr/bin/chromium"
+PROMPT = "What is 47 + 38?"
+
+
+@pytest.fixture(scope="module")
+def base_url() -> Iterator[str]:
+    app = build_app(LLM(), ServerConfig(decoder="threshold", max_running=4))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+def chat(base_url: str, prompt: str, decoder: str, max_tokens: int, seed: int = 0) -> dict:
+    r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": prompt}], "decoder": decoder,
+        "max_tokens": max_tokens, "seed": seed})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def trace_events(base_url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{base_url}/v1/unmask/trace", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def trace_error(base_url: str, body: dict) -> str:
+    r = httpx.post(f"{base_url}/v1/unmask/trace", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]["message"]
+
+
+# --- the stream --------------------------------------------------------------------------------
+def test_stream_side_by_side_matches_the_api(base_url: str) -> None:
+    events = trace_events(base_url, {"prompt": PROMPT, "decoders": ["static-1", "fast"],
+                                     "max_tokens": 32, "seed": 0})
+    assert [e["event"] for e in events[:2]] == ["layout", "layout"]
+    assert {e["lane"] for e in events} == {0, 1}
+    for lane, spec in enumerate(["static-1", "fast"]):
+        mine = [e for e in events if e["lane"] == lane]
+        steps = [e for e in mine if e["event"] == "step"]
+        done = mine[-1]
+        assert done["event"] == "done" and done["steps"] == len(steps)
+        assert mine[0]["gen_length"] == 32 and mine[0]["decoder"] == spec
+        api = chat(base_url, PROMPT, spec, 32)
+        assert done["text"] == api["choices"][0]["message"]["content"]
+        assert done["nfe"] == api["unmask"]["nfe"]
+        assert done["token_forwards"] == api["unmask"]["token_forwards"]
+        elapsed = [s["elapsed"] for s in steps]
+        assert elapsed == sorted(elapsed)
+    fast = [e for e in events if e["lane"] == 1 and e["event"] == "step"]
+    assert any(e["suffix_kept"] is not None for e in fast)  # structured suffix: traced
+    assert any(e["refreshed"] for e in fast)
+
+
+@pytest.mark.parametrize(("body", "needle"), [
+    ({"prompt": PROMPT, "decoders": ["static-1", "static,steps=7x"]}, "decoder 2 ('static,steps=7x')"),
+    ({"prompt": PROMPT, "decoders": ["nope"]}, "unknown decoder 'nope'"),
+    ({"prompt": "   ", "decoders": ["static-1"]}, "empty prompt"),
+    ({"prompt": PROMPT, "decoders": ["static-1"], "max_tokens": 100_000}, "max_sequence_length"),
+    ({"prompt": PROMPT, "decoders": []}, "decoders"),
+    ({"prompt": PROMPT, "stop": ["x"]}, "stop"),
+])
+def test_bad_input_is_a_400(base_url: str, body: dict, needle: str) -> None:
+    assert needle in trace_error(base_url, body)
+    assert httpx.get(f"{base_url}/health").json()["running"] == 0
+
+
+def test_page_and_assets_are_served_locally(base_url: str) -> None:
+    page = httpx.get(base_url + "/").text
+    assert "/static/canvas.js" in page and "/static/live.css" in page
+    assert "http://" not in page and "https://" not in page
+    for name in ("canvas.js", "live.js", "live.css"):
+        r = httpx.get(f"{base_url}/static/{name}")
+        assert r.status_code == 200 and "https://" not in r.text
+    info = httpx.get(f"{base_url}/v1/unmask/decoders").json()
+    assert {"exact", "fast"} <= set(info["presets"]) and "static-1" in info["methods"]
+
+
+# --- the page in a browser ---------------------------------------------------------------------
+def _browser_or_skip():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing and scripts/setup-browser.sh could not install it "
+                    "(no apt-get or no root)")
+    from playwright.sync_api import sync_playwright
+
+    return sync_playwright()
+
+
+def _run(page, expect_done: bool = True) -> None:
+    page.click("#run")
+    if expect_done:
+        page.wait_for_selector('#lanes[data-state="done"] .player', timeout=20_000)
+
+
+def _shown_error(page) -> str:
+    page.wait_for_selector("#error:not([hidden])", timeout=10_000)
+    return page.text_content("#error")
+
+
+def test_page_side_by_side_in_a_browser(base_url: str, tmp_path: Path) -> None:
+    specs, max_tokens, seed = ["static-1", "fast"], 64, 3
+    with _browser_or_skip() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(base_url + "/")
+        page.wait_for_selector("#pick-a option[value='fast']", state="attached")
+        page.fill("#prompt", PROMPT)
+        page.fill("#spec-a", specs[0])
+        page.check("#side")
+        page.fill("#spec-b", specs[1])
+        page.fill("#max-tokens", str(max_tokens))
+        page.fill("#seed", str(seed))
+        _run(page)
+        shot = Path(os.environ.get("UNMASK_SCREENSHOT_DIR", tmp_path)) / "live-side-by-side.png"
+        page.screenshot(path=str(shot), full_page=True)
+        lanes = page.query_selector_all(".lane")
+        assert len(lanes) == 2
+        for lane, spec in zip(lanes, specs, strict=True):
+            assert lane.get_attribute("data-state") == "done"
+            assert lane.query_selector(".lane-decoder").text_content() == spec
+            api = chat(base_url, PROMPT, spec, max_tokens, seed)
+            assert lane.query_selector(".lane-text").text_content() == \
+                api["choices"][0]["message"]["content"]
+            assert int(lane.query_selector(".c-nfe").text_content()) == api["unmask"]["nfe"]
+            steps = int(lane.query_selector(".c-steps").text_content())
+            if spec == "static-1":  # a step per forward, plus the last commit (no forward)
+                assert steps == api["unmask"]["nfe"] + 1
+            assert api["unmask"]["nfe"] <= steps <= api["unmask"]["nfe"] + 1
+            cells = lane.query_selector_all(".cell.committed")
+            assert len(cells) == max_tokens
+        # bad input: the server's error text is shown, and the page keeps working
+        page.fill("#spec-b", "static,steps=7x")
+        _run(page, expect_done=False)
+        msg = trace_error(base_url, {"prompt": PROMPT, "decoders": ["static-1", "static,steps=7x"],
+                                     "max_tokens": max_tokens, "seed": seed})
+        assert _shown_error(page) == msg
+        page.fill("#prompt", "  ")
+        page.fill("#spec-b", "fast")
+        _run(page, expect_done=False)
+        page.wait_for_function("document.getElementById('error').textContent.includes('empty prompt')")
+        page.fill("#prompt", PROMPT)
+        page.fill("#max-tokens", "100000")
+        _run(page, expect_done=False)
+        page.wait_for_function("document.getElementById('error').textContent"
+                               ".includes('max_sequence_length')")
+        page.fill("#max-tokens", "32")
+        page.uncheck("#side")
+        page.select_option("#pick-a", "exact")
+        assert page.input_value("#spec-a") == "exact"
+        _run(page)
+        assert page.is_hidden("#error")
+        assert len(page.query_selector_all(".lane")) == 1
+        api = chat(base_url, PROMPT, "exact", 32, seed)
+        assert page.text_content(".lane-text") == api["choices"][0]["message"]["content"]
+        assert errors == []
+        browser.close()
+    assert shot.stat().st_size > 10_000
+
+
+def test_html_replay_plays_in_a_browser(tmp_path: Path) -> None:
+    from unmask.trace import record, write_html
+
+    out = tmp_path / "replay.html"
+    trace = record(LLM(), PROMPT, ["static-1", "exact"], gen_length=32, block_length=16)
+    write_html(trace, out)
+    with _browser_or_skip() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
+        page = browser.new_page()
+        page.route("**/*", lambda route: route.abort() if not route.request.url.startswith("file:")
+                   else route.continue_())  # no network
+        page.goto(out.as_uri())
+        page.wait_for_function("document.querySelectorAll('.lane[data-state=done]').length == 2",
+                               timeout=15_000)
+        assert page.get_attribute("input.frame", "max") == "33"
+        texts = [e.text_content() for e in page.query_selector_all(".lane-text")]
+        assert texts[0] == texts[1] == trace["events"][-1]["text"]
+        browser.close()
+
+
+def test_client_leaving_aborts_the_decode(base_url: str) -> None:
+    body = {"prompt": PROMPT, "decoders": ["static-1"], "max_tokens": 512}
+    with httpx.stream("POST", f"{base_url}/v1/unmask/trace", json=body, timeout=60) as r:
+        seen: list[dict] = []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                seen.append(json.loads(line[6:]))
+            if len(seen) >= 3:
+                break
+    assert seen[0]["event"] == "layout" and seen[-1]["event"] == "step"
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{base_url}/health").json()["running"]:
+        assert time.monotonic() < deadline, "the decode went on after the client left"
+        time.sleep(0.05)

@@ -1,0 +1,117 @@
+"""`unmask trace`: the recorded events, the HTML replay, the GIF and the PNG (embedded model)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from unmask.api import LLM
+from unmask.cli import main
+from unmask.trace import lanes_of, n_frames, record, write_gif, write_html, write_png
+
+PROMPT = "What is 47 + 38?"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def trace(llm: LLM) -> dict:
+    return record(llm, PROMPT, ["exact", "static-1"], gen_length=32, block_length=16)
+
+
+def test_events_follow_the_decode(trace: dict, llm: LLM) -> None:
+    lanes = lanes_of(trace)
+    assert [lane["layout"]["decoder"] for lane in lanes] == ["exact", "static-1"]
+    for lane in lanes:
+        steps, done = lane["steps"], lane["done"]
+        assert [s["step"] for s in steps] == list(range(1, len(steps) + 1))
+        assert done["steps"] == len(steps) and done["finish_reason"] in ("eos", "length")
+        # every position committed exactly once, with the token the decode ended with
+        committed = {p: t for s in steps for p, t in zip(s["positions"], s["ids"], strict=True)}
+        assert sorted(committed) == list(range(32))
+        assert [committed[p] for p in range(32)] == done["token_ids"]
+        assert steps[-1]["text"] == done["text"]
+        assert done["nfe"] == steps[-1]["nfe"]
+    # static-1: a step is a forward, one token each from the previous step's logits; the first
+    # forward has none to commit yet, the last commit needs no forward.
+    static = lanes[1]
+    assert static["done"]["nfe"] == 32 and static["done"]["steps"] == 33
+    assert [len(s["positions"]) for s in static["steps"]] == [0] + [1] * 32
+    # the same request through the API: the same text and NFE
+    g = llm.generate(PROMPT, "static-1", gen_length=32, block_length=16)[0]
+    assert static["done"]["text"] == g.text and static["done"]["nfe"] == g.nfe
+
+
+def test_exact_and_static_1_end_with_the_same_tokens(trace: dict) -> None:
+    exact, static = lanes_of(trace)
+    assert exact["done"]["token_ids"] == static["done"]["token_ids"]
+    assert exact["done"]["nfe"] < static["done"]["nfe"]  # drafts accepted: fewer forwards
+    assert any(s["drafted"] for s in exact["steps"])
+
+
+def test_html_replay_has_a_frame_per_step(trace: dict, tmp_path: Path) -> None:
+    out = tmp_path / "t.html"
+    write_html(trace, out)
+    page = out.read_text()
+    assert "<script src" not in page and "<link" not in page  # self-contained
+    data = re.search(r'<script type="application/json" id="trace-data">(.*?)</script>', page, re.S)
+    shown = json.loads(data.group(1))
+    assert shown == json.loads(json.dumps(trace))
+    assert n_frames(shown) == 33
+    for lane in lanes_of(shown):
+        assert len(lane["steps"]) == lane["done"]["steps"]
+    assert "class Player" in page and "Player(root, lanesOf(trace.events))" in page
+
+
+def test_gif_and_png(trace: dict, tmp_path: Path) -> None:
+    gif, png = tmp_path / "t.gif", tmp_path / "t.png"
+    write_gif(trace, gif)
+    write_png(trace, png)
+    with Image.open(gif) as im:
+        assert im.n_frames == n_frames(trace) == 33
+        size = im.size
+    with Image.open(png) as im:
+        assert im.size == size
+
+
+def test_one_lane_gif_frames_equal_its_steps(llm: LLM, tmp_path: Path) -> None:
+    t = record(llm, PROMPT, ["fast"], gen_length=32, block_length=16)
+    (lane,) = lanes_of(t)
+    write_gif(t, tmp_path / "f.gif")
+    with Image.open(tmp_path / "f.gif") as im:
+        assert im.n_frames == len(lane["steps"]) == lane["done"]["steps"]
+
+
+def test_cli_trace(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "t.html"
+    code = main(["trace", PROMPT, "--decoder", "static-1", "--decoder", "fast", "--gen-length", "32",
+                 "--block-length", "16", "--out", str(out), "--json", str(tmp_path / "t.json")])
+    assert code == 0
+    assert "static-1: 33 steps, NFE 32" in capsys.readouterr().out
+    assert out.is_file() and len(lanes_of(json.loads((tmp_path / "t.json").read_text()))) == 2
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--out", "x.txt"], "unknown format '.txt'"),
+    (["--out", "/nonexistent/x.gif"], "does not exist"),
+    (["--out", "{tmp}/x.gif", "--decoder", "nope"], "unknown decoder 'nope'"),
+    (["--out", "{tmp}/x.gif", "--gen-length", "30"], "gen_length"),
+])
+def test_cli_trace_bad_input(args: list[str], needle: str, tmp_path: Path,
+                             capsys: pytest.CaptureFixture) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main(["trace", PROMPT, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unmask: error:") and needle in err, err
+
+
+def test_cli_trace_empty_prompt(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["trace", " ", "--out", str(tmp_path / "x.gif")]) == 2
+    assert "empty prompt" in capsys.readouterr().err
