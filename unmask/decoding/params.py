@@ -38,6 +38,12 @@ class DecodeParams:
     block_length: int = 32
     steps: int | None = None  # static only; None = gen_length (one token per step)
     temperature: float = 0.0
+    # Dream's sampling knobs: top_p / top_k restrict the sampled token (temperature > 0 only);
+    # alg_temp > 0 draws the positions to commit at random, weighted by confidence / alg_temp
+    # (static rules only), instead of taking the most confident.
+    top_p: float = 1.0
+    top_k: int = 0
+    alg_temp: float = 0.0
     seed: int = 0
     remasking: str = "low_confidence"
     threshold: float = 0.9
@@ -89,6 +95,18 @@ class DecodeParams:
                                 f"multiple of the number of blocks ({self.num_blocks})")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise SpecError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise SpecError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SpecError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if (self.top_p < 1 or self.top_k > 0) and self.temperature == 0:
+            raise SpecError("top_p / top_k restrict sampling, and temperature=0 does not sample: "
+                            "set temperature > 0 or drop them")
+        if not (self.alg_temp >= 0 and math.isfinite(self.alg_temp)):
+            raise SpecError(f"alg_temp must be a finite number >= 0, got {self.alg_temp}")
+        if self.alg_temp > 0 and self.method in ("threshold", "freedave++"):
+            raise SpecError("alg_temp randomises which positions commit, which a confidence "
+                            "threshold cannot use: use it with static, static-1 or freedave")
         if not 0 < self.threshold <= 1:
             raise SpecError(f"threshold must be in (0, 1], got {self.threshold}")
         if self.draft_steps < 1:

@@ -26,12 +26,16 @@ class Scored:
 
 
 def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | None,
-          suppress: list[int]) -> Scored:
+          suppress: list[int], top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0) -> Scored:
     """Score N positions from their logits (N, V).
 
-    noise_u: (N, V) float64 uniforms for temperature > 0 (LLaDA's Gumbel trick, in float64:
-    ``exp(logits) / (-log U) ** temperature``). suppress: token ids that may never be predicted
-    (always the mask token: committing it would commit nothing; EOS when asked).
+    noise_u: (N, V + 1) float64 uniforms when sampling: columns 0..V-1 for the token (LLaDA's
+    Gumbel trick, in float64: ``exp(logits) / (-log U) ** temperature``), column V for the
+    position (random remasking, alg_temp). suppress: token ids that may never be predicted
+    (always the mask token: committing it would commit nothing; EOS when asked). top_p / top_k
+    restrict the sampled token to the smallest set with probability >= top_p / the k likeliest.
+    alg_temp > 0: the ranking score is log(conf) / alg_temp + Gumbel noise, so ranking draws
+    positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp).
     """
     logits = logits.float().clone()
     suppressed = [t for t in suppress if t < logits.shape[-1]]
@@ -43,10 +47,11 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
     entropy = entropy_of(p, logp)
     if temperature > 0:
         assert noise_u is not None
-        noisy = logits.double().exp() / (-torch.log(noise_u)) ** temperature
+        allowed = _nucleus(p, top_p, top_k)
+        noisy = logits.double().exp() / (-torch.log(noise_u[:, : logits.shape[-1]])) ** temperature
         # A huge temperature underflows (-log U) ** T to 0: 0/0 is NaN, which argmax would pick.
-        # NaN and suppressed tokens rank below every real score (all >= 0).
-        noisy = noisy.nan_to_num(nan=-1.0)
+        # NaN, suppressed and filtered tokens rank below every real score (all >= 0).
+        noisy = noisy.nan_to_num(nan=-1.0).masked_fill(~allowed, -1.0)
         noisy[:, suppressed] = -1.0
         token = noisy.argmax(-1)
     else:
@@ -60,10 +65,34 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
         conf = -entropy
     elif remasking == "random":
         # Random remasking ranks by a uniform draw; taken from the (seeded) noise when there is one.
-        conf = (noise_u[:, 0].float() if noise_u is not None else torch.rand(len(token)))
+        conf = (noise_u[:, -1].float() if noise_u is not None else torch.rand(len(token)))
     else:
         raise ValueError(f"unknown remasking rule {remasking!r}")
+    if alg_temp > 0:
+        assert noise_u is not None
+        gumbel = -torch.log(-torch.log(noise_u[:, -1].clamp(1e-300, 1 - 1e-16)))
+        base = conf.clamp_min(1e-30).log() if remasking != "entropy" else conf
+        conf = (base / alg_temp + gumbel.float())
     return Scored(token, conf, entropy)
+
+
+def _nucleus(p: Tensor, top_p: float, top_k: int) -> Tensor:
+    """(N, V) bool: tokens kept by top-k and top-p (nucleus) filtering; the likeliest is always
+    kept. Ties in probability keep the lower token id first."""
+    if top_p >= 1 and top_k <= 0:
+        return torch.ones_like(p, dtype=torch.bool)
+    order = torch.sort(-p, dim=-1, stable=True).indices  # likeliest first
+    sorted_p = p.gather(-1, order)
+    keep_sorted = torch.ones_like(sorted_p, dtype=torch.bool)
+    if top_p < 1:
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked above
+        keep_sorted &= before < top_p
+    if top_k > 0:
+        keep_sorted[:, top_k:] = False
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted)
+    keep.scatter_(-1, order, keep_sorted)
+    return keep
 
 
 def entropy_of(p: Tensor, logp: Tensor) -> Tensor:

@@ -197,14 +197,14 @@ class Decoder:
                                    start)
 
     def _noise(self, b: DecodeBatch, x: Tensor, parent: Tensor) -> Tensor | None:
-        """(D, block_length, V) uniforms keyed by (request noise key, tokens committed so far):
+        """(D, block_length, V + 1) uniforms keyed by (request noise key, tokens committed so far):
         the same canvas state of a request always sees the same noise, whichever decoder
         reached it and whoever shares its batch. Drawn on the model's device."""
         p = self.params
-        if p.temperature == 0 and p.remasking != "random":
+        if p.temperature == 0 and p.remasking != "random" and p.alg_temp == 0:
             return None
         n_committed = (x[:, b.P :] != self.mask_id).sum(-1) - (b.S - b.end[parent])
-        vocab = self.model.config.vocab_size
+        vocab = self.model.config.vocab_size + 1  # one column per token, one for the position
         out = torch.empty(x.shape[0], p.block_length, vocab, dtype=torch.float64, device=self.device)
         gen = torch.Generator(device=self.device)
         for i, (row, n) in enumerate(zip(parent.tolist(), n_committed.tolist(), strict=True)):

@@ -54,7 +54,7 @@ class Runner:
 
         visible: slots that exist in this step (R, S); active: slots recomputed (a subset);
         the rest of `visible` is read from `store` (already gathered to these R rows).
-        predict: slots whose prediction is needed. noise: (R, block_length, V) uniforms or None.
+        predict: slots whose prediction is needed. noise: (R, block_length, V + 1) uniforms or None.
         """
         r, s = x.shape
         if self.shift:
@@ -90,7 +90,8 @@ class Runner:
         if noise is not None:
             u = noise[rows, (tslots - block_start[rows]).clamp(0, noise.shape[1] - 1)]
         sup = [self.mask_id] + ([self.eos_id] if self.params.suppress_eos else [])
-        sc = score(logits, self.params.remasking, self.params.temperature, u, sup)
+        pr = self.params
+        sc = score(logits, pr.remasking, pr.temperature, u, sup, pr.top_p, pr.top_k, pr.alg_temp)
         token = torch.full((r, s), self.mask_id, dtype=torch.long, device=x.device)
         conf = torch.full((r, s), float("-inf"), device=x.device)
         ent = torch.zeros((r, s), device=x.device)

@@ -1,0 +1,58 @@
+"""Dream's sampling knobs in the spec grammar: top_p, top_k, alg_temp; exactness kept."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EOS, MASK, PROMPTS, VOCAB, peaky_model
+
+from unmask.decoding.params import DecodeParams, SpecError
+from unmask.decoding.rules import _nucleus, score
+from unmask.engine import decode
+
+
+def run(spec: str, kind: str = "llada") -> list[list[int]]:
+    model = peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)
+    params = DecodeParams.parse(spec, gen_length=32, block_length=8)
+    return [r.token_ids for r in decode(model, params, PROMPTS, mask_id=MASK, eos_id=EOS)]
+
+
+def test_nucleus_keeps_the_smallest_set_over_top_p() -> None:
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert _nucleus(p, 0.7, 0).tolist() == [[True, True, False, False]]
+    assert _nucleus(p, 0.5, 0).tolist() == [[True, False, False, False]]
+    assert _nucleus(p, 1.0, 3).tolist() == [[True, True, True, False]]
+    assert _nucleus(p, 0.01, 0).tolist() == [[True, False, False, False]]  # the likeliest stays
+
+
+def test_top_k_1_is_greedy() -> None:
+    logits = torch.randn(6, 20, generator=torch.Generator().manual_seed(0))
+    u = torch.rand(6, 21, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    greedy = score(logits, "low_confidence", 0.0, None, [])
+    sampled = score(logits, "low_confidence", 5.0, u, [], top_k=1)
+    assert torch.equal(greedy.token, sampled.token)
+    free = score(logits, "low_confidence", 5.0, u, [])
+    assert not torch.equal(greedy.token, free.token)  # the filter is what made it greedy
+
+
+@pytest.mark.parametrize("kind", ["llada", "Dream"])
+def test_knobs_change_the_output_and_freedave_stays_exact(kind: str) -> None:
+    base = run("static-1,temperature=1.0,seed=3", kind)
+    for knobs in ("top_p=0.5", "top_k=2", "alg_temp=0.5", "top_p=0.9,top_k=5,alg_temp=0.3"):
+        ref = run(f"static-1,temperature=1.0,seed=3,{knobs}", kind)
+        assert ref != base, knobs
+        assert run(f"freedave,draft_steps=4,temperature=1.0,seed=3,{knobs}", kind) == ref, knobs
+    greedy_alg = run("static-1,alg_temp=0.5", kind)
+    assert greedy_alg != run("static-1", kind)
+    assert run("freedave,draft_steps=3,alg_temp=0.5", kind) == greedy_alg
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("static-1,top_p=0.5", "temperature"), ("static-1,top_k=3", "temperature"),
+    ("static-1,temperature=1,top_p=0", "top_p"), ("static-1,temperature=1,top_k=-1", "top_k"),
+    ("threshold,alg_temp=0.5", "alg_temp"), ("freedave++,alg_temp=0.5", "alg_temp"),
+    ("static-1,alg_temp=nan", "alg_temp"), ("static-1,alg_temp=inf", "alg_temp"),
+])
+def test_knobs_are_validated(spec: str, match: str) -> None:
+    with pytest.raises(SpecError, match=match):
+        DecodeParams.parse(spec)
