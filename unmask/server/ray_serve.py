@@ -319,7 +319,7 @@ class Ingress:
 
     @ingress_api.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def forward(self, request: Request, path: str) -> Response:
-        req = HTTPRequest(request.method, request.url.path, request.url.query.encode(),
+        req = HTTPRequest(request.method, f"/{path}", request.url.query.encode(),
                           list(request.headers.raw), await request.body())
         pool, tried = self.pool, set()
         for attempt in itertools.count(1):
@@ -398,12 +398,13 @@ def build_ray_app(opts: RayServeOptions) -> serve.Application:
                            ).bind(engines)
 
 
-def deploy(opts: RayServeOptions, host: str = "127.0.0.1", port: int = 8000) -> str:
-    """Start Serve's HTTP proxy on host:port and deploy the app on the connected Ray cluster;
-    returns its base URL once every replica is up."""
+def deploy(opts: RayServeOptions, host: str = "127.0.0.1", port: int = 8000,
+           name: str = APP_NAME, route_prefix: str = "/") -> str:
+    """Start Serve's HTTP proxy on host:port (if Serve is not running yet) and deploy the app on
+    the connected Ray cluster; returns its base URL once every replica is up."""
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_ray_app(opts), name=APP_NAME, route_prefix="/")
-    return f"http://{host}:{port}"
+    serve.run(build_ray_app(opts), name=name, route_prefix=route_prefix)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
 def free_port(host: str) -> int:
