@@ -3,6 +3,8 @@
 On SIGTERM (or Ctrl-C) the server stops admitting (new requests get 503 and /health says
 "draining"), lets running requests finish for up to --shutdown-timeout seconds, then exits;
 requests still running then are aborted and their clients get an error, never silence.
+
+With --ray the same app runs as --replicas engine replicas on Ray Serve (ray_serve.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM (default: 30)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r = p.add_argument_group("Ray Serve (needs unmask[ray]; see the README's \"Ray Serve\")")
+    r.add_argument("--ray", action="store_true",
+                   help="serve with --replicas engine replicas on Ray Serve")
+    r.add_argument("--replicas", type=positive, default=None,
+                   help="engine replicas, each with its own engine (default: 1)")
+    r.add_argument("--address", default=None,
+                   help="Ray cluster to join: auto (the one `ray start` runs here) or "
+                        "ray://HOST:PORT (default: start a local one)")
+    r.add_argument("--cpus-per-replica", type=float, default=None,
+                   help="CPUs Ray reserves per replica; also its torch threads unless --threads "
+                        "(default: 1)")
+    r.add_argument("--gpus-per-replica", type=float, default=None,
+                   help="GPUs per replica, fractions allowed (0.5: two share a GPU); replicas "
+                        "go to nodes with free GPUs (default: 0)")
+
+
+RAY_ONLY = ("replicas", "address", "cpus_per_replica", "gpus_per_replica")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -48,6 +67,11 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(decoder=args.decoder, max_running=args.max_running,
                           max_queue=args.max_queue, max_slots=args.max_slots,
                           model_name=args.model_name)
+    if getattr(args, "ray", False):
+        return _run_ray(args, config)
+    given = [n for n in RAY_ONLY if getattr(args, n, None) is not None]
+    if given:
+        raise InputError(f"--{given[0].replace('_', '-')} needs --ray")
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     app = build_app(llm, config)
     state = app.state.unmask
@@ -63,3 +87,19 @@ def run_serve(args: argparse.Namespace) -> int:
                                    timeout_graceful_shutdown=args.shutdown_timeout))
     server.run()
     return 0
+
+
+def _run_ray(args: argparse.Namespace, config: object) -> int:
+    try:
+        from unmask.server.ray_serve import run_ray
+    except ImportError as e:
+        raise InputError(f"--ray needs its extra: pip install 'unmask[ray]' ({e})") from None
+    for name in ("cpus_per_replica", "gpus_per_replica"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    args.replicas = args.replicas or 1
+    args.cpus_per_replica = 1.0 if args.cpus_per_replica is None else args.cpus_per_replica
+    args.gpus_per_replica = args.gpus_per_replica or 0.0
+    args.server_config = config
+    return run_ray(args)
