@@ -110,3 +110,32 @@ def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: 
             if p.dim() >= 2:
                 p.mul_(scale)
     return model.eval()
+
+
+def assert_lm_eval_equals_unmask_eval(out: Path, tmp_path: Path, n: int, eval_args: list[str]) -> float:
+    """lm-eval's logged unmask_math samples under `out` (--log_samples --output_path) against
+    `unmask eval --task math --n N *eval_args`: same prompts, outputs, scores and accuracy.
+    Returns the accuracy."""
+    import glob
+    import json
+
+    import pytest
+
+    from unmask.cli import main as unmask_main
+
+    samples = [json.loads(line) for f in glob.glob(str(out / "**/samples_unmask_math_*.jsonl"),
+                                                   recursive=True) for line in open(f)]
+    samples.sort(key=lambda s: s["doc_id"])
+    assert len(samples) == n
+
+    ours = tmp_path / "unmask-eval.jsonl"
+    assert unmask_main(["eval", "--task", "math", "--n", str(n), *eval_args, "--threads", "1",
+                        "--samples", str(ours)]) == 0
+    reference = [json.loads(line) for line in ours.open()]
+    assert [s["doc"]["prompt"] for s in samples] == [r["prompt"] for r in reference]
+    assert [s["resps"][0][0] for s in samples] == [r["text"] for r in reference]
+    assert [s["acc"] for s in samples] == [float(r["correct"]) for r in reference]
+    results = json.loads(open(glob.glob(str(out / "**/results_*.json"), recursive=True)[0]).read())
+    acc = results["results"]["unmask_math"]["acc,none"]
+    assert acc == pytest.approx(sum(r["correct"] for r in reference) / n)
+    return acc

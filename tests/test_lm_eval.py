@@ -6,7 +6,6 @@ is in the default suite (accuracy against `unmask eval`); the other CLI runs are
 
 from __future__ import annotations
 
-import glob
 import importlib.metadata
 import json
 import os
@@ -17,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model, tiny_model_dir
+from helpers import assert_lm_eval_equals_unmask_eval, tiny_model, tiny_model_dir
 
 pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from unmask.checkpoint import CheckpointError  # noqa: E402
-from unmask.cli import main as unmask_main  # noqa: E402
 from unmask.decoding.params import DecodeParams, SpecError, same_decoder  # noqa: E402
 from unmask.errors import InputError  # noqa: E402
 from unmask.evaluation import TASKS_DIR  # noqa: E402
@@ -74,23 +72,8 @@ def test_cli_accuracy_equals_unmask_eval(tmp_path: Path) -> None:
                       "--tasks", "unmask_math", "--apply_chat_template", "--limit", str(n),
                       "--batch_size", "4", "--log_samples", "--output_path", str(tmp_path / "out"))
     assert run.returncode == 0, run.stderr[-3000:]
-    samples = [json.loads(line) for f in glob.glob(str(tmp_path / "out/**/samples_unmask_math_*.jsonl"),
-                                                   recursive=True) for line in open(f)]
-    samples.sort(key=lambda s: s["doc_id"])
-    assert len(samples) == n
-
-    ours = tmp_path / "unmask-eval.jsonl"
-    assert unmask_main(["eval", "--task", "math", "--n", str(n), "--decoder", decoder,
-                        "--gen-length", str(gen), "--block-length", "32", "--threads", "1",
-                        "--samples", str(ours)]) == 0
-    reference = [json.loads(line) for line in ours.open()]
-    assert [s["doc"]["prompt"] for s in samples] == [r["prompt"] for r in reference]
-    assert [s["resps"][0][0] for s in samples] == [r["text"] for r in reference]
-    assert [s["acc"] for s in samples] == [float(r["correct"]) for r in reference]
-    results = json.loads(open(glob.glob(str(tmp_path / "out/**/results_*.json"),
-                                        recursive=True)[0]).read())
-    acc = results["results"]["unmask_math"]["acc,none"]
-    assert acc == pytest.approx(sum(r["correct"] for r in reference) / n)
+    acc = assert_lm_eval_equals_unmask_eval(tmp_path / "out", tmp_path, n, [
+        "--decoder", decoder, "--gen-length", str(gen), "--block-length", "32"])
     assert acc >= 0.5  # the embedded model scores ~84% on these problems
 
 

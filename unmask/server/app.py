@@ -229,7 +229,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     return app
 
 
-def _check(state: ServerState, body: _Common) -> list[str]:
+def _check(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
     if state.draining:
         raise APIError(503, "the server is shutting down", "server_error")
     if body.model is not None and body.model != state.model_name:
@@ -242,7 +242,9 @@ def _check(state: ServerState, body: _Common) -> list[str]:
     return body.prompts() if isinstance(body, CompletionRequest) else []
 
 
-def _encode(llm: LLM, prompt: str, chat: bool) -> list[int]:
+def _encode(llm: LLM, prompt: str | list[int], chat: bool) -> list[int]:
+    if isinstance(prompt, list):  # token ids: the engine checks them (non-empty, in the vocabulary)
+        return prompt
     try:
         return llm.encode_prompt(prompt, chat=chat)
     except UnmaskError as e:

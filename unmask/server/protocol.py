@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from unmask.errors import InputError
 
@@ -68,13 +68,17 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    # OpenAI's four prompt forms: a string, strings, token ids, or lists of token ids. Token ids
+    # go to the engine as they are (no chat template); lm-eval's local-completions sends them.
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str] | list[list[int]]:
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
     def check_supported(self) -> None:
         super().check_supported()
