@@ -40,7 +40,10 @@ def _non_negative(text: str) -> int:
 def _add_common(p: argparse.ArgumentParser, n_default: int, batch_default: int) -> None:
     add_model_arguments(p)
     p.add_argument("--task", default=None,
-                   help="math, code, gsm8k:PATH or humaneval (see --list-tasks)")
+                   help="math, math-strata, code, gsm8k:PATH or humaneval (see --list-tasks)")
+    p.add_argument("--stratify", action="store_true",
+                   help="also report accuracy per difficulty bucket (math; math-strata always "
+                        "does): operand digits 1-2, 3, 4, sum_list, sort")
     p.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
     p.add_argument("--n", type=positive, default=n_default,
                    help=f"number of prompts (default: {n_default})")
@@ -124,6 +127,8 @@ def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> st
         argv += ["--threads", str(args.threads)]
     if args.allow_code_execution:
         argv += ["--allow-code-execution"]
+    if getattr(args, "stratify", False):
+        argv += ["--stratify"]
     return shlex.join(argv)
 
 
@@ -149,7 +154,8 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
         raise InputError("--task is required (see --list-tasks)")
     decoders = _parse_decoders(specs, args)  # before loading anything: a bad spec fails fast
     task = load_task(args.task, args.n, seed=args.seed,
-                     allow_code_execution=args.allow_code_execution)
+                     allow_code_execution=args.allow_code_execution,
+                     stratify=getattr(args, "stratify", False))
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
 
     total = len(task.examples) * len(decoders)
@@ -169,6 +175,14 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     refs = reference_indices(decoders)
     results = [{"decoder": d.spec, **m, "reference": None if r is None else decoders[r].spec}
                for d, m, r in zip(decoders, summarize(samples, references=refs), refs, strict=True)]
+    if task.stratified:
+        from unmask.bench.strata import stratify
+
+        per = stratify([e.stratum for e in task.examples],
+                       [[s.correct for s in runs] for runs in samples],
+                       [[s.tps for s in runs] for runs in samples])
+        for r, st in zip(results, per, strict=True):
+            r["strata"] = st
     doc = {
         "machine": machine_info(llm.device),
         "model": str(args.model) if args.model else "embedded default model",
@@ -229,8 +243,9 @@ def _write_samples(path: str, task: BenchTask, decoders: list[DecodeParams],
         for d, runs in zip(decoders, samples, strict=True):
             for i, (ex, s) in enumerate(zip(task.examples, runs, strict=True)):
                 f.write(json.dumps({"decoder": d.spec, "index": i, "prompt": ex.prompt,
-                                    "text": s.text, "correct": s.correct, "useful_tokens": s.useful,
-                                    "nfe": s.nfe}) + "\n")
+                                    "stratum": ex.stratum, "text": s.text, "correct": s.correct,
+                                    "useful_tokens": s.useful,
+                                    "nfe": s.nfe, "tps": s.tps, "seconds": s.seconds}) + "\n")
 
 
 def _write_json(path: str, doc: dict[str, Any]) -> None:
@@ -252,6 +267,10 @@ def run_bench(args: argparse.Namespace) -> int:
     cmd = command_line(args, "bench", args.decoder)
     doc["command"] = cmd
     print(markdown_table(doc["results"], metric))
+    if doc["results"][0].get("strata"):
+        from unmask.bench.strata import strata_tables
+
+        print("\n" + strata_tables(doc["results"]))
     sys.stdout.flush()
     if args.json:
         _write_json(args.json, doc)
@@ -282,6 +301,10 @@ def run_eval(args: argparse.Namespace) -> int:
           f"({correct}/{r['n']}) | {r['decoder']} | gen_length {doc['gen_length']} | "
           f"{r['useful_tokens']:.1f} tokens per answer | NFE {r['nfe']:.1f} | "
           f"TPF {r['tpf']:.2f} | {doc['wall_seconds']:.1f} s")
+    if r.get("strata"):
+        from unmask.bench.strata import eval_strata_lines
+
+        print("\n".join(eval_strata_lines(r["strata"])))
     if args.json:
         _write_json(args.json, doc)
     return 0

@@ -128,5 +128,9 @@ def markdown_section(doc: dict[str, Any], command: str, metric: str = "accuracy"
             f"{doc['block_length']}, n {n}")
     meta = (f"Model `{doc['model']}`; machine: {machine_line(doc['machine'])}. "
             f"Baseline (speedup 1x, exact-match reference): `{doc['results'][0]['decoder']}`.")
-    return "\n\n".join([head, meta, f"Command: `{command}`",
-                        markdown_table(doc["results"], metric)]) + "\n"
+    parts = [head, meta, f"Command: `{command}`", markdown_table(doc["results"], metric)]
+    if doc["results"] and doc["results"][0].get("strata"):
+        from unmask.bench.strata import strata_tables
+
+        parts.append(strata_tables(doc["results"]))
+    return "\n\n".join(parts) + "\n"

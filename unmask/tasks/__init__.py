@@ -8,6 +8,8 @@ Each task exposes the same two calls:
   special tokens removed) a correct answer for ``example``.
 
 ``math``: worked arithmetic, checked by the final ``#### answer`` line.
+``math-strata``: held-out math problems in difficulty buckets (``unmask.tasks.strata``),
+interleaved round-robin so any ``n`` is balanced; each example's ``stratum`` names its bucket.
 ``code``: stdlib function bodies, checked by parsing the body under the prompt's signature.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from unmask.errors import InputError
 from unmask.tasks import code as _code
 from unmask.tasks import math as _math
+from unmask.tasks import strata as _strata
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Example:
     response: str
     answer: str | None
     family: str
+    stratum: str | None = None  # difficulty bucket, for stratified reports (math tasks)
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,14 @@ class Task:
 
 def _load_math(split: str, n: int | None, seed: int) -> list[Example]:
     ps = _math.make_split(split, 500 if n is None else n, seed=seed)  # type: ignore[arg-type]
-    return [Example(p.prompt, p.response, p.answer, p.family) for p in ps]
+    return [Example(p.prompt, p.response, p.answer, p.family, _strata.bucket_of(p)) for p in ps]
+
+
+def _load_strata(split: str, n: int | None, seed: int) -> list[Example]:
+    if split != "heldout":
+        raise InputError("math-strata is an evaluation set: held-out split only")
+    rows = _strata.make_heldout(5 * 100 if n is None else n, seed=seed)
+    return [Example(p.prompt, p.response, p.answer, p.family, b) for b, p in rows]
 
 
 def _load_code(split: str, n: int | None, seed: int) -> list[Example]:
@@ -58,6 +69,8 @@ def _load_code(split: str, n: int | None, seed: int) -> list[Example]:
 
 TASKS: dict[str, Task] = {
     "math": Task("math", _load_math, lambda ex, text: _math.check(text, ex.answer or "")),
+    "math-strata": Task("math-strata", _load_strata,
+                        lambda ex, text: _math.check(text, ex.answer or "")),
     "code": Task("code", _load_code, lambda ex, text: _code.check(ex.prompt, text)),
 }
 
