@@ -253,8 +253,8 @@ def test_a_step_that_commits_nothing_is_an_error(monkeypatch) -> None:
     want = alone(m, params("threshold,threshold=0.5"), [9, 9])
     real = decoder_mod.Decoder._draft
 
-    def stuck(self, b):  # the static-1 decoder's drafts commit nothing
-        d = real(self, b)
+    def stuck(self, b, *args):  # the static-1 decoder's drafts commit nothing
+        d = real(self, b, *args)
         if self.params.method == "static-1":
             d.x = torch.where(d.added, MASK, d.x)
             d.added[:] = False

@@ -52,6 +52,7 @@ class DecodeBatch:
         self.requests: list[Request] = []
         self.P = 0
         self.S = 0
+        self._slots = torch.arange(0, device=device)
         self.x = torch.empty(0, 0, dtype=torch.long, device=device)
         self.commit_step = torch.empty(0, 0, dtype=torch.long, device=device)
         for name in _ROWS:
@@ -70,8 +71,10 @@ class DecodeBatch:
         return len(self.requests)
 
     @property
-    def slots(self) -> Tensor:  # (S,)
-        return torch.arange(self.S, device=self.device)
+    def slots(self) -> Tensor:  # (S,) slot indices, rebuilt only when the width changes
+        if self._slots.shape[0] != self.S:
+            self._slots = torch.arange(self.S, device=self.device)
+        return self._slots
 
     # --- membership --------------------------------------------------------------------------
     def extend(self, reqs: list[Request]) -> None:

@@ -44,6 +44,7 @@ class StepResult:
     forwarded: Tensor  # (R,) bool a model call ran for the row
     refreshed: Tensor  # (R,) bool that call was a full refresh
     kept: Tensor | None  # (R, S) bool slots in the row's forward (None: not recorded)
+    block_start: Tensor  # (R,) slot of each row's current block before the step
     stalled: Tensor  # (R,) bool a row that had predictions committed nothing
     finished: Tensor  # (R,) bool rows done after this step
 
@@ -74,15 +75,19 @@ class Decoder:
         before = b.x.clone()
         masked_before = self._n_masked(b, b.x)
         had_preds = b.has_preds.clone()
-        drafts = self._draft(b)
+        start = self._block_start(b, b.x)
+        drafts = self._draft(b, start)
+        draft_start = self._block_start(b, drafts.x)
         # Complete drafts need no call, nor (with early exit) drafts committed up to an EOS:
         # the row stops there whatever the forward would predict.
         need = (drafts.x[:, b.P :] == self.mask_id).any(-1)
-        if self.params.early_exit:
-            need &= ~self._exit_ready(b, drafts.x)
-        fw = self._forward(b, drafts, need)
+        exit_ready = self._exit_ready(b, drafts.x) if self.params.early_exit else None
+        if exit_ready is not None:
+            need &= ~exit_ready
+        fw = self._forward(b, drafts, need, draft_start)
         self._count(b, drafts, fw, need)
-        chosen, first = self._verify(b, drafts, fw, need)
+        chosen = self._verify(b, drafts, fw, need, draft_start, exit_ready)
+        first = torch.arange(len(b), device=self.device)  # each row's first draft: the rule's step
         fwd_index = torch.cumsum(need.long(), 0) - 1
         forwarded = need[chosen]
         refreshed = torch.zeros_like(forwarded)
@@ -96,35 +101,34 @@ class Decoder:
         self._accept(b, drafts, fw, chosen, need)
         stalled = had_preds & (self._n_masked(b, b.x) == masked_before) & (masked_before > 0)
         finished = self._finish(b)
-        return StepResult(before, drafted, forwarded, refreshed, kept, stalled, finished)
+        return StepResult(before, drafted, forwarded, refreshed, kept, start, stalled, finished)
 
     # --- pieces ------------------------------------------------------------------------------
     def _n_masked(self, b: DecodeBatch, x: Tensor) -> Tensor:
         return (x[:, b.P :] == self.mask_id).sum(-1)
 
-    def _blocks(self, b: DecodeBatch, x: Tensor) -> tuple[Tensor, Tensor]:
-        """(block_start, block_end) of each row's current block: the first with a mask."""
-        slots = b.slots
-        masked = (x == self.mask_id) & (slots >= b.P)
-        first = torch.where(masked.any(-1), masked.float().argmax(-1), slots[-1])
+    def _block_start(self, b: DecodeBatch, x: Tensor) -> Tensor:
+        """(R,) first slot of each row's current block: the first block with a mask (blocks
+        line up across rows: every generated region starts at slot P)."""
+        gen = x[:, b.P :] == self.mask_id
+        first = torch.where(gen.any(-1), gen.float().argmax(-1), gen.shape[1] - 1)
         bl = self.params.block_length
-        start = b.P + ((first - b.P).clamp_min(0) // bl) * bl
-        return start, start + bl
+        return b.P + (first // bl) * bl
 
-    def _candidates(self, b: DecodeBatch, x: Tensor, fresh: Tensor, scored: Tensor) -> Tensor:
-        start, end = self._blocks(b, x)
+    def _candidates(self, b: DecodeBatch, x: Tensor, start: Tensor, fresh: Tensor,
+                    scored: Tensor) -> Tensor:
         slots = b.slots
-        in_block = (slots >= start[:, None]) & (slots < end[:, None])
+        in_block = (slots >= start[:, None]) & (slots < start[:, None] + self.params.block_length)
         cand = (x == self.mask_id) & in_block
         # Only positions scored from the current canvas may be committed, never stale ones.
         assert bool((fresh | ~cand | ~scored[:, None]).all()), "a commit candidate has no fresh prediction"
         return cand
 
-    def _draft(self, b: DecodeBatch) -> Drafts:
+    def _draft(self, b: DecodeBatch, start: Tensor) -> Drafts:
         x, pr, hp = b.x, b.preds, b.has_preds
         conf = pr.conf
-        cand = self._candidates(b, x, pr.fresh, hp) & hp[:, None]
-        schedule = self._schedule(b, x, cand) if self.method.uses_schedule else None
+        cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
+        schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
         n0 = torch.where(hp, self.method.rule.count(conf, cand, schedule), 0)
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
         # unlikely to pass verification.
@@ -142,10 +146,9 @@ class Decoder:
             xs.append(xk), parents.append(kept_rows), ents.append(ent), added.append(sel)
         return Drafts(torch.cat(xs), torch.cat(parents), torch.cat(ents), torch.cat(added))
 
-    def _schedule(self, b: DecodeBatch, x: Tensor, cand: Tensor) -> BlockSchedule:
+    def _schedule(self, b: DecodeBatch, start: Tensor, cand: Tensor) -> BlockSchedule:
         """LLaDA's per-block schedule, advanced for the rows that draft this step."""
         hp = b.has_preds
-        start, _ = self._blocks(b, x)
         new = (start != b.block_seen) & hp
         b.block_seen = torch.where(hp, start, b.block_seen)
         b.block_step = torch.where(new, 0, b.block_step)
@@ -154,16 +157,17 @@ class Decoder:
         b.block_step = b.block_step + hp.long()
         return schedule
 
-    def _forward(self, b: DecodeBatch, d: Drafts, need: Tensor) -> Forwarded | None:
+    def _forward(self, b: DecodeBatch, d: Drafts, need: Tensor,
+                 start: Tensor) -> Forwarded | None:
         """Forward the drafts with masks left (`need`); returns their rows in order."""
         if not bool(need.all()):
             sub = need.nonzero(as_tuple=True)[0]
             if sub.numel() == 0:
                 return None
-            d = d.take(sub)
+            d, start = d.take(sub), start[sub]
         x, parent = d.x, d.parent
         slots = b.slots
-        start, end = self._blocks(b, x)
+        end = start + self.params.block_length
         commit_step = torch.where(d.added, b.step[parent][:, None], b.commit_step[parent])
         masked = x == self.mask_id
         store = b.store
@@ -217,32 +221,28 @@ class Decoder:
         if fw is None:
             return
         parents = d.parent[need]
-        took_part = torch.zeros_like(b.done)
-        took_part[parents] = True
-        b.nfe += took_part.long()
+        b.nfe += torch.bincount(parents, minlength=len(b)).clamp_max(1)
         b.tok_fw.index_add_(0, parents, fw.n_tokens)
 
-    def _verify(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None,
-                need: Tensor) -> tuple[Tensor, Tensor]:
-        """Index (into d) of the accepted draft of each row, by the chain rule, and of the row's
-        first draft (the rule's own step)."""
+    def _verify(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, need: Tensor,
+                start: Tensor, exit_ready: Tensor | None) -> Tensor:
+        """Index (into d) of the accepted draft of each row, by the chain rule. Drafts 0..R-1
+        are the rows' own rule steps, in row order; further drafts follow."""
+        if d.x.shape[0] == len(b):  # one draft per row: the rule's step, always accepted
+            return torch.arange(len(b), device=self.device)
         rows = d.parent.tolist()
         kids_of: dict[int, list[int]] = {}  # row -> its drafts, in order
         for i, r in enumerate(rows):
             kids_of.setdefault(r, []).append(i)
-        first = torch.tensor([v[0] for v in kids_of.values()], device=self.device)
-        if not self.method.drafts:
-            return first, first
         # target_j = draft_j plus one reference step from draft_j's own predictions.
         target = d.x.clone()
         if fw is not None:
             fx = d.x[need]
-            cand = self._candidates(b, fx, fw.fresh, torch.ones_like(need[need]))
+            cand = self._candidates(b, fx, start[need], fw.fresh, torch.ones_like(need[need]))
             sel = select_top(fw.conf, cand, self.method.rule.count(fw.conf, cand, None))
             target[need] = torch.where(sel, fw.token, fx)
         # A draft at which early exit stops the reference ends the chain there too.
-        stops = (self._exit_ready(b, d.x).tolist() if self.params.early_exit
-                 else [False] * len(rows))
+        stops = exit_ready.tolist() if exit_ready is not None else [False] * len(rows)
         chosen = []
         for kids in kids_of.values():
             best = 0
@@ -253,7 +253,7 @@ class Decoder:
                     break
                 best = nxt[-1]
             chosen.append(kids[best])
-        return torch.tensor(chosen, device=self.device), first
+        return torch.tensor(chosen, device=self.device)
 
     def _accept(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, chosen: Tensor,
                 need: Tensor) -> None:
@@ -282,7 +282,7 @@ class Decoder:
             b.store.invalidate(rows[refreshed])
             b.store.write(rows, fw.idx[fi], [(k[fi], v[fi]) for k, v in fw.kv], fw.ok[fi],
                           fw.ids[fi])
-            start, _ = self._blocks(b, b.x[rows])
+            start = self._block_start(b, b.x[rows])
             b.store_block[rows] = torch.where(refreshed, start, b.store_block[rows])
 
     def _finish(self, b: DecodeBatch) -> Tensor:

@@ -139,19 +139,23 @@ class Engine:
 
     def _events(self, dec: Decoder, b: DecodeBatch, res: StepResult) -> list[StepEvent]:
         gen = slice(b.P, b.S)
-        changed = (b.x[:, gen] != res.before[:, gen])
-        pos = changed.nonzero().tolist()
+        x = b.x[:, gen]
+        changed = x != res.before[:, gen]
+        # One host transfer for all rows' commits: (row, position, token) triples.
+        where = changed.nonzero()
+        pos = torch.cat([where, x[changed][:, None]], 1).tolist()
         drafted = res.drafted[:, gen].nonzero().tolist()
         masked = b.x[:, gen] == self.mask_id
         prefix = torch.where(masked.any(-1), masked.float().argmax(-1), b.end - b.P).tolist()
-        start = (dec._blocks(b, res.before)[0] - b.P).tolist()
+        start = (res.block_start - b.P).tolist()
         per_row: list[list[int]] = [[] for _ in b.requests]
-        for r, c in pos:
+        tok_row: list[list[int]] = [[] for _ in b.requests]
+        for r, c, t in pos:
             per_row[r].append(c)
+            tok_row[r].append(t)
         drafted_rows: list[list[int]] = [[] for _ in b.requests]
         for r, c in drafted:
             drafted_rows[r].append(c)
-        tokens = b.x[:, gen].tolist()
         counters = torch.stack([b.nfe, b.tok_fw, b.decided, b.step]).tolist()
         flags = torch.stack([res.forwarded, res.refreshed, res.finished, res.stalled]).tolist()
         now = time.perf_counter()
@@ -162,7 +166,7 @@ class Engine:
             block_len = req.params.block_length
             ev = StepEvent(
                 request_id=req.request_id, step=req.steps, positions=per_row[i],
-                tokens=[tokens[i][c] for c in per_row[i]], drafted=drafted_rows[i],
+                tokens=tok_row[i], drafted=drafted_rows[i],
                 forwarded=bool(forwarded), refreshed=bool(refreshed),
                 block=(start[i], start[i] + block_len), prefix=prefix[i], nfe=req.nfe,
                 token_forwards=req.token_forwards, decided=req.decided)
@@ -170,7 +174,7 @@ class Engine:
                 ev.suffix_kept = [c for c in res.kept[i, b.P + start[i] + block_len : b.S].nonzero()
                                   .flatten().add(start[i] + block_len).tolist()]
             if finished or stalled:
-                req.token_ids = tokens[i][: req.gen_length]
+                req.token_ids = x[i, : req.gen_length].tolist()
                 req.finished_at = now
                 if stalled:
                     req.error = ("no progress: a step committed nothing (the scores are not "
