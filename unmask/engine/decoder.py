@@ -30,9 +30,11 @@ class Drafts:
     parent: Tensor  # (D,) row each draft belongs to
     new_entropy: Tensor  # (D,) max entropy of the tokens the draft committed (-inf: none)
     added: Tensor  # (D, S) bool slots the draft committed
+    k: Tensor  # (D,) the draft's number within its row (0: the rule's own step)
 
     def take(self, index: Tensor) -> Drafts:
-        return Drafts(self.x[index], self.parent[index], self.new_entropy[index], self.added[index])
+        return Drafts(self.x[index], self.parent[index], self.new_entropy[index],
+                      self.added[index], self.k[index])
 
 
 @dataclass
@@ -134,7 +136,7 @@ class Decoder:
         # unlikely to pass verification.
         n_max = ((conf >= self.method.draft_conf) & cand).sum(-1)
         rows = torch.arange(len(b), device=x.device)
-        xs, parents, ents, added = [], [], [], []
+        xs, parents, ents, added, ks = [], [], [], [], []
         for k in range(self.method.n_drafts):
             sel = select_top(conf, cand, n0 + k)
             keep = (n0 + k <= n_max) & hp if k else torch.ones_like(hp)
@@ -144,7 +146,9 @@ class Decoder:
             xk = torch.where(sel, pr.token[kept_rows], x[keep])
             ent = pr.entropy[kept_rows].masked_fill(~sel, float("-inf")).amax(-1)
             xs.append(xk), parents.append(kept_rows), ents.append(ent), added.append(sel)
-        return Drafts(torch.cat(xs), torch.cat(parents), torch.cat(ents), torch.cat(added))
+            ks.append(torch.full_like(kept_rows, k))
+        return Drafts(torch.cat(xs), torch.cat(parents), torch.cat(ents), torch.cat(added),
+                      torch.cat(ks))
 
     def _schedule(self, b: DecodeBatch, start: Tensor, cand: Tensor) -> BlockSchedule:
         """LLaDA's per-block schedule, advanced for the rows that draft this step."""
@@ -228,12 +232,10 @@ class Decoder:
                 start: Tensor, exit_ready: Tensor | None) -> Tensor:
         """Index (into d) of the accepted draft of each row, by the chain rule. Drafts 0..R-1
         are the rows' own rule steps, in row order; further drafts follow."""
-        if d.x.shape[0] == len(b):  # one draft per row: the rule's step, always accepted
-            return torch.arange(len(b), device=self.device)
-        rows = d.parent.tolist()
-        kids_of: dict[int, list[int]] = {}  # row -> its drafts, in order
-        for i, r in enumerate(rows):
-            kids_of.setdefault(r, []).append(i)
+        r, n = len(b), self.method.n_drafts
+        rows = torch.arange(r, device=self.device)
+        if d.x.shape[0] == r:  # one draft per row: the rule's step, always accepted
+            return rows
         # target_j = draft_j plus one reference step from draft_j's own predictions.
         target = d.x.clone()
         if fw is not None:
@@ -241,19 +243,22 @@ class Decoder:
             cand = self._candidates(b, fx, start[need], fw.fresh, torch.ones_like(need[need]))
             sel = select_top(fw.conf, cand, self.method.rule.count(fw.conf, cand, None))
             target[need] = torch.where(sel, fw.token, fx)
+        # The chain on tensors (no per-row host loop): kid[r, k] = draft k of row r (-1: none);
+        # eq[r, i, j] = draft j of row r equals the target of its draft i.
+        kid = torch.full((r, n), -1, dtype=torch.long, device=self.device)
+        kid[d.parent, d.k] = torch.arange(d.x.shape[0], device=self.device)
+        valid = kid >= 0
+        safe = kid.clamp_min(0)
+        eq = (target[safe][:, :, None, :] == d.x[safe][:, None, :, :]).all(-1)  # (R, n, n)
         # A draft at which early exit stops the reference ends the chain there too.
-        stops = exit_ready.tolist() if exit_ready is not None else [False] * len(rows)
-        chosen = []
-        for kids in kids_of.values():
-            best = 0
-            while not stops[kids[best]]:
-                tgt = target[kids[best]]
-                nxt = [j for j in range(best + 1, len(kids)) if torch.equal(d.x[kids[j]], tgt)]
-                if not nxt:
-                    break
-                best = nxt[-1]
-            chosen.append(kids[best])
-        return torch.tensor(chosen, device=self.device)
+        stop = (exit_ready[safe] & valid) if exit_ready is not None else torch.zeros_like(valid)
+        j = torch.arange(n, device=self.device)
+        best = torch.zeros(r, dtype=torch.long, device=self.device)
+        for _ in range(n - 1):  # the chain moves strictly forward: at most n - 1 moves
+            moves = eq[rows, best] & valid & (j[None, :] > best[:, None])
+            nxt = torch.where(moves, j[None, :], -1).amax(-1)  # the largest such draft
+            best = torch.where((nxt >= 0) & ~stop[rows, best], nxt, best)
+        return kid[rows, best]
 
     def _accept(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, chosen: Tensor,
                 need: Tensor) -> None:
