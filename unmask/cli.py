@@ -1,4 +1,4 @@
-"""The `unmask` command line: generate, eval, bench, train.
+"""The `unmask` command line: generate, eval, bench, train, serve, bench-serve.
 
 Exit codes: 0 success; 2 the caller's input is wrong (an `UnmaskError`: bad spec, bad model
 folder, bad lengths, empty or undecodable prompt, unusable device or output path, or an argparse
@@ -143,6 +143,7 @@ def decode_progress(total: int) -> Iterator[Callable | None]:
 
 def build_parser() -> argparse.ArgumentParser:
     from unmask.bench.cli import add_bench_arguments, add_eval_arguments
+    from unmask.bench.serve import add_bench_serve_arguments
     from unmask.server.run import add_serve_arguments
     from unmask.trace import add_trace_arguments
     from unmask.training.args import add_train_arguments
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_trace_arguments(tr)
     tr.set_defaults(func=_lazy("unmask.trace", "run_trace"))
+
+    bs = sub.add_parser("bench-serve", help="load a running server: throughput, TTFT, latency "
+                                             "percentiles (needs httpx)",
+                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_serve_arguments(bs)
+    bs.set_defaults(func=_lazy("unmask.bench.serve", "run_bench_serve"))
     return p
 
 

@@ -1,0 +1,149 @@
+"""`unmask bench-serve` against a live server (uvicorn on a background thread, embedded model)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from unmask.api import LLM
+from unmask.bench.serve import arrival_offsets, max_tokens_order, percentile
+from unmask.cli import main
+from unmask.server.app import ServerConfig, build_app
+
+
+@pytest.fixture(scope="module")
+def url():
+    app = build_app(LLM(), ServerConfig(decoder="threshold", max_running=4))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the test server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def _run(tmp_path, *argv: str) -> dict:
+    out = tmp_path / "report.json"
+    assert main(["bench-serve", *argv, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _check_cell(cell: dict) -> None:
+    reqs = cell["requests"]
+    assert cell["completed"] == cell["n"] == len(reqs) and cell["errors"] == 0
+    for name in ("latency", "ttft"):
+        assert 0 < cell[f"{name}_p50"] <= cell[f"{name}_p95"] <= cell[f"{name}_p99"]
+    assert cell["ttft_p99"] <= max(r["latency"] for r in reqs)
+    assert all(0 < r["ttft"] <= r["latency"] for r in reqs)
+    assert cell["useful_tokens"] == sum(r["completion_tokens"] for r in reqs) > 0
+    assert cell["tokens_per_s"] == pytest.approx(cell["useful_tokens"] / cell["wall_s"])
+    assert cell["req_per_s"] == pytest.approx(cell["n"] / cell["wall_s"])
+    # A run's wall time ends with its last response (one run per round here).
+    last = sum(max(r["sent"] + r["latency"] for r in reqs if r["round"] == k)
+               for k in {r["round"] for r in reqs})
+    assert last <= cell["wall_s"] <= last + 0.05
+
+
+def test_small_run_is_consistent(url, tmp_path, capsys):
+    doc = _run(tmp_path, "--url", url, "--n", "8", "--concurrency", "4", "--max-tokens", "32",
+               "--decoder", "threshold", "--warmup", "1")
+    (cell,) = doc["cells"]
+    _check_cell(cell)
+    assert cell["concurrency"] == 4 and cell["x_baseline"] == pytest.approx(1.0)
+    assert "| `threshold` | 4 | 8 | 0 |" in capsys.readouterr().out
+    # Useful tokens are what the server reports: the same prompts, not streamed, decode to the
+    # same tokens (greedy, and batch invariant), so their usage sums to the same count.
+    from unmask.bench.serve import load_prompts
+
+    total = 0
+    for prompt in load_prompts("math", 8, seed=0):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": prompt}], "max_tokens": 32,
+            "decoder": "threshold"})
+        total += r.json()["usage"]["completion_tokens"]
+    assert cell["useful_tokens"] == total
+
+
+def test_mixed_lengths_and_decoders_report_each_group(url, tmp_path):
+    doc = _run(tmp_path, "--url", f"a={url}", "--url", f"b={url}", "--n", "6",
+               "--concurrency", "1,3", "--max-tokens", "32,64", "--decoder", "threshold",
+               "--decoder", "fast", "--mix", "--warmup", "0", "--rounds", "2",
+               "--endpoint", "completions")
+    assert [(c["server"], c["concurrency"]) for c in doc["cells"]] == [
+        ("a", 1), ("a", 3), ("b", 1), ("b", 3)]
+    for cell in doc["cells"]:
+        assert cell["n"] == 12  # 6 requests x 2 rounds, pooled
+        assert sorted(r["round"] for r in cell["requests"]) == [0] * 6 + [1] * 6
+        assert cell["completed"] == 12 and cell["errors"] == 0
+        assert {k: g["completed"] for k, g in cell["by_max_tokens"].items()} == {"32": 6, "64": 6}
+        assert {k: g["completed"] for k, g in cell["by_decoder"].items()} == {"fast": 6,
+                                                                                "threshold": 6}
+        assert sum(g["useful_tokens"] for g in cell["by_max_tokens"].values()) == \
+            cell["useful_tokens"]
+        assert cell["decoder"] == "threshold + fast" and cell["x_baseline"] is not None
+
+
+def test_poisson_arrivals_are_seeded(url, tmp_path):
+    a = arrival_offsets(50, 4.0, seed=7)
+    assert a == arrival_offsets(50, 4.0, seed=7) != arrival_offsets(50, 4.0, seed=8)
+    assert a[0] == 0 and a == sorted(a)
+    gaps = np.diff(arrival_offsets(4000, 4.0, seed=1))
+    assert gaps.mean() == pytest.approx(1 / 4.0, rel=0.06)  # exponential gaps of mean 1/rate
+    assert arrival_offsets(3, None, seed=0) == [0.0, 0.0, 0.0]
+
+    doc = _run(tmp_path, "--url", url, "--n", "6", "--rate", "20", "--max-tokens", "32",
+               "--seed", "7", "--warmup", "0")
+    (cell,) = doc["cells"]
+    _check_cell(cell)
+    assert cell["concurrency"] is None
+    reqs = sorted(cell["requests"], key=lambda r: r["index"])
+    assert [r["offset"] for r in reqs] == arrival_offsets(6, 20.0, seed=7)
+    assert all(r["sent"] >= r["offset"] for r in reqs)
+
+
+def test_helpers():
+    xs = list(np.random.default_rng(0).random(37))
+    for q in (0, 50, 95, 99, 100):
+        assert percentile(xs, q) == pytest.approx(np.percentile(xs, q))
+    assert percentile([], 50) is None
+    order = max_tokens_order(9, [32, 512], seed=0)
+    assert sorted(order) == [32] * 5 + [512] * 4 and order == max_tokens_order(9, [32, 512], 0)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--concurrency", "0"],
+    ["--concurrency", "4,x"],
+    ["--rate", "-1"],
+    ["--n", "0"],
+    ["--url", "ftp://127.0.0.1:8000"],
+    ["--url", "a=http://x:1", "--url", "a=http://y:1"],
+    ["--decoder", "nope"],
+    ["--decoder", "fast", "--mix"],
+    ["--json", "/nonexistent-folder/report.json"],
+    ["--plot", "report.nosuchformat"],
+    ["--warmup", "-1"],
+    ["--url", "http://127.0.0.1:9"],  # nothing listens there
+])
+def test_bad_arguments_are_one_line_and_exit_2(argv, capsys):
+    try:
+        code = main(["bench-serve", "--n", "2", *argv])
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unmask: error: ") and err.count("\n") == 1, err
