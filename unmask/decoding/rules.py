@@ -26,7 +26,8 @@ class Scored:
 
 
 def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | None,
-          suppress: list[int], top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0) -> Scored:
+          suppress: list[int], top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0,
+          with_entropy: bool = True) -> Scored:
     """Score N positions from their logits (N, V).
 
     noise_u: (N, V + 1) float64 uniforms when sampling: columns 0..V-1 for the token (LLaDA's
@@ -35,7 +36,8 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
     (always the mask token: committing it would commit nothing; EOS when asked). top_p / top_k
     restrict the sampled token to the smallest set with probability >= top_p / the k likeliest.
     alg_temp > 0: the ranking score is log(conf) / alg_temp + Gumbel noise, so ranking draws
-    positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp).
+    positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp). with_entropy=False
+    skips the entropy (zeros) when nothing reads it: an O(V) pass per position saved.
     """
     logits = logits.float().clone()
     suppressed = [t for t in suppress if t < logits.shape[-1]]
@@ -43,8 +45,10 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
     # Confidence from softmax, as LLaDA's reference computes it (exp(log_softmax) differs by an
     # ulp near p = 1, which makes or breaks near-ties in the commit order).
     p = torch.softmax(logits, dim=-1)
-    logp = torch.log_softmax(logits, dim=-1)
-    entropy = entropy_of(p, logp)
+    if with_entropy or remasking == "entropy":
+        entropy = entropy_of(p, torch.log_softmax(logits, dim=-1))
+    else:
+        entropy = torch.zeros(p.shape[0], device=p.device)
     if temperature > 0:
         assert noise_u is not None
         allowed = _nucleus(p, top_p, top_k)

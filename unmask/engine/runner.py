@@ -42,6 +42,8 @@ class Runner:
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
         self.model, self.params, self.suffix = model, params, suffix
+        # Entropies feed EntropyCache's refresh decision (and entropy remasking) only.
+        self.with_entropy = params.cache == "entropy" or params.remasking == "entropy"
         self.mask_id, self.eos_id = mask_id, eos_id
         self.shift = int(getattr(model, "logit_shift", 0))
         self.device = next(model.parameters()).device
@@ -91,7 +93,8 @@ class Runner:
             u = noise[rows, (tslots - block_start[rows]).clamp(0, noise.shape[1] - 1)]
         sup = [self.mask_id] + ([self.eos_id] if self.params.suppress_eos else [])
         pr = self.params
-        sc = score(logits, pr.remasking, pr.temperature, u, sup, pr.top_p, pr.top_k, pr.alg_temp)
+        sc = score(logits, pr.remasking, pr.temperature, u, sup, pr.top_p, pr.top_k, pr.alg_temp,
+                   with_entropy=self.with_entropy)
         token = torch.full((r, s), self.mask_id, dtype=torch.long, device=x.device)
         conf = torch.full((r, s), float("-inf"), device=x.device)
         ent = torch.zeros((r, s), device=x.device)
