@@ -29,19 +29,20 @@ PYTHON=${PYTHON:-python}
 # vanilla static-1, no cache.
 MAIN=(  # FreeDave (issue 5) and caches (issue 6) side by side; FreeDave's K = 2/4/8 side by
   # side is the `drafts` sweep (scripts/sweeps.sh)
-  "static-1" "threshold" "freedave" "freedave++"
+  "static-1" "static-1,early_exit=true" "threshold" "freedave" "freedave++"
   "static-1,cache=dual" "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy"
-  "threshold,suffix=structured" "exact" "fast"
+  "threshold,suffix=structured" "exact" "balanced" "fast"
 )
 LONG=(  # the same at 512
-  "static-1" "threshold" "freedave" "freedave++"
-  "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy" "exact" "fast"
+  "static-1" "static-1,early_exit=true" "threshold" "freedave" "freedave++"
+  "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy" "exact" "balanced"
+  "fast"
 )
 ABLATION=(  # issue 7: each method alone, each pair, all three, the fast preset and exact
-  "static-1"
+  "static-1" "static-1,early_exit=true"
   "freedave++" "threshold,cache=entropy" "threshold,suffix=structured"
   "freedave++,cache=entropy" "freedave++,suffix=structured" "threshold,cache=entropy,suffix=structured"
-  "freedave++,cache=entropy,suffix=structured" "fast" "exact"
+  "freedave++,cache=entropy,suffix=structured" "balanced" "fast" "exact"
 )
 # Tables: NAME:TASK:GEN_LENGTH:N:DECODER_SET[:WARMUP], run in two lanes (one per core) side by
 # side. Long canvases skip the warm-up: a static-1 decode there takes minutes, so allocator

@@ -319,7 +319,10 @@ def test_fuzz_openapi_schema_no_5xx(llm: LLM, tmp_path) -> None:
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
         # every operation was exercised (completions, chat, models, health, metrics); the output
         # names operations only in its warnings, so count them
-        assert re.search(r"Selected:\s*5/5\s+Tested:\s*5\b", out.stdout), out.stdout[-3000:]
+        ops = re.search(r"Selected:\s*(\d+)/(\d+)\s+Tested:\s*(\d+)\b", out.stdout)
+        assert ops, out.stdout[-3000:]
+        selected, total, tested = map(int, ops.groups())
+        assert selected == total == tested >= 5, out.stdout[-3000:]  # every operation was fuzzed
         assert httpx.get(f"{s.url}/health").json()["status"] == "ok"
 
 

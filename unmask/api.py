@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from unmask.checkpoint import CheckpointError, load_model
-from unmask.decoding.params import DecodeParams, SpecError
+from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Engine, Request, SchedulerConfig, StepEvent
 from unmask.errors import InputError  # noqa: F401  (re-exported)
 
@@ -168,10 +168,10 @@ class LLM:
 
 
 def resolve_params(params: DecodeParams | str | None, overrides: dict) -> DecodeParams:
-    """A DecodeParams from a spec string (default static-1) or a DecodeParams, with keyword
+    """A DecodeParams from a spec string (default DEFAULT_DECODER) or a DecodeParams, with keyword
     overrides on top; unknown keys and bad types are SpecErrors naming the key."""
     if params is None or isinstance(params, str):
-        return DecodeParams.parse(params or "static-1", **overrides)
+        return DecodeParams.parse(params or DEFAULT_DECODER, **overrides)
     if not isinstance(params, DecodeParams):
         raise SpecError(f"params must be a decoder spec string or a DecodeParams, got "
                         f"{type(params).__name__}")

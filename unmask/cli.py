@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import fields
 
-from unmask.decoding.params import METHODS, PRESETS, DecodeParams
+from unmask.decoding.params import DEFAULT_DECODER, METHODS, PRESETS, DecodeParams
 from unmask.errors import InputError, UnmaskError
 
 EXIT_CODES = """\
@@ -63,7 +63,7 @@ def decoder_names() -> str:
     return f"methods {', '.join(METHODS)}; presets {', '.join(PRESETS)}"
 
 
-def add_decode_arguments(p: argparse.ArgumentParser, default: str = "static-1") -> None:
+def add_decode_arguments(p: argparse.ArgumentParser, default: str = DEFAULT_DECODER) -> None:
     defaults = {f.name: f.default for f in fields(DecodeParams)}
     p.add_argument("--decoder", default=default,
                    help=f"decoder spec NAME[,key=value]* (default: {default}); NAME is one of the "

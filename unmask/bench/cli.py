@@ -147,7 +147,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
 
     from unmask.api import LLM
     from unmask.bench.report import machine_info
-    from unmask.bench.runner import reference_indices, run_side_by_side, summarize
+    from unmask.bench.runner import early_exit_baseline, reference_indices, run_side_by_side, summarize
     from unmask.bench.tasks import load_task
 
     if not args.task:
@@ -174,7 +174,9 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
         _write_samples(args.samples, task, decoders, samples)
     refs = reference_indices(decoders)
     results = [{"decoder": d.spec, **m, "reference": None if r is None else decoders[r].spec}
-               for d, m, r in zip(decoders, summarize(samples, references=refs), refs, strict=True)]
+               for d, m, r in zip(decoders, summarize(samples, references=refs,
+                                                      early_exit=early_exit_baseline(decoders)),
+                                  refs, strict=True)]
     if task.stratified:
         from unmask.bench.strata import stratify
 

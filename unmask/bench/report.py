@@ -25,6 +25,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("latency_p50", "p50 s", "{:.3f}"),
     ("latency_p95", "p95 s", "{:.3f}"),
     ("speedup", "speedup", "{:.2f}x"),
+    ("speedup_ee", "vs static-1+EE", "{:.2f}x"),
 ]
 
 METRIC_LABELS = {"accuracy": "accuracy", "parse_rate": "parse rate", "pass@1": "pass@1"}
@@ -88,7 +89,7 @@ def markdown_table(results: Sequence[dict[str, Any]], metric: str = "accuracy") 
     """Aligned GitHub markdown table, one row per decoder (the first is the baseline)."""
     headers = ["decoder", "n"] + [METRIC_LABELS.get(metric, metric) if key == "accuracy" else head
                                   for key, head, _ in COLUMNS]
-    rows = [[f"`{r['decoder']}`", str(r["n"])] + [_cell(r[key], fmt) for key, _, fmt in COLUMNS]
+    rows = [[f"`{r['decoder']}`", str(r["n"])] + [_cell(r.get(key), fmt) for key, _, fmt in COLUMNS]
             for r in results]
     return _aligned(headers, rows, left={0})
 

@@ -116,12 +116,31 @@ def _exact(runs: Sequence[Sample], ref: Sequence[Sample]) -> float:
     return sum(s.token_ids == r.token_ids for s, r in zip(runs, ref, strict=True)) / len(runs)
 
 
+def early_exit_baseline(decoders: Sequence[DecodeParams]) -> int | None:
+    """Index of vanilla with early exit (`static-1,early_exit=true`) among the decoders, if one
+    is there: the baseline a fair reader asks for, since plain static-1 forwards the whole
+    canvas long after the answer's EOS."""
+    d0 = decoders[0] if decoders else DecodeParams()
+    want = DecodeParams.parse("static-1,early_exit=true", gen_length=d0.gen_length,
+                              block_length=d0.block_length, seed=d0.seed)
+    return next((i for i, d in enumerate(decoders) if same_decoder(d, want)), None)
+
+
+def _speedup(runs: Sequence[Sample], base: Sequence[Sample]) -> float | None:
+    """Median over prompts of the TPS ratio against `base` on the same prompt (prompts where
+    the base produced no useful token have no ratio)."""
+    ratios = [s.tps / b.tps for s, b in zip(runs, base, strict=True) if b.tps > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 def summarize(samples: list[list[Sample]], baseline: int = 0,
-              references: Sequence[int | None] | None = None) -> list[dict[str, Any]]:
+              references: Sequence[int | None] | None = None,
+              early_exit: int | None = None) -> list[dict[str, Any]]:
     """One dict per decoder with the docs/design.md § Metrics metrics, measured against decoder
     ``baseline`` (exact_match, speedup); ``exact_ref`` is the exact-match rate against the
-    decoder's own reference (``references[d]``), None without one. Undefined values (e.g. cost
-    per token when no decoder produced a useful token) are None."""
+    decoder's own reference (``references[d]``), None without one; ``speedup_ee`` is the
+    speedup against decoder ``early_exit`` (vanilla with early exit) when given. Undefined
+    values (e.g. cost per token when no decoder produced a useful token) are None."""
     base = samples[baseline]
     references = references or [None] * len(samples)
     out = []
@@ -145,6 +164,7 @@ def summarize(samples: list[list[Sample]], baseline: int = 0,
             "latency_p50": percentile(seconds, 50),
             "latency_p95": percentile(seconds, 95),
             "speedup": statistics.median(ratios) if ratios else None,
+            "speedup_ee": None if early_exit is None else _speedup(runs, samples[early_exit]),
             # extras, not in the required set
             "useful_tokens": useful / n,
             "seconds_total": sum(seconds),

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from unmask.api import LLM, useful_length
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
 from unmask.engine import Engine, SchedulerConfig, StepEvent
 from unmask.engine.scheduler import QueueFull
 from unmask.errors import InputError, UnmaskError
@@ -48,7 +48,7 @@ log = logging.getLogger("unmask.server")
 
 @dataclass
 class ServerConfig:
-    decoder: str = "threshold"  # default decoder spec of requests that name none
+    decoder: str = DEFAULT_DECODER  # default decoder spec of requests that name none
     max_running: int = 16
     max_queue: int = 256
     max_slots: int | None = None
@@ -363,13 +363,20 @@ async def _events(state: ServerState, run: _Run, request: Request) -> AsyncItera
     """Yield the text deltas of one run until it finishes; aborts it if the client leaves."""
     q = run.handle.events
     done = False
+    checked = time.monotonic()
     try:
         while True:
             try:
                 ev = await asyncio.wait_for(q.get(), timeout=0.25)
             except asyncio.TimeoutError:
+                ev = None
+            # Events may arrive every few milliseconds: look for a client that left on a clock,
+            # not only when the queue is quiet.
+            if ev is None or time.monotonic() - checked > 0.25:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     return
+            if ev is None:
                 continue
             if ev.finished:
                 done = True

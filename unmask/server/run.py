@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from unmask.decoding.params import DEFAULT_DECODER
 from unmask.errors import InputError
 
 
@@ -18,8 +19,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from unmask.cli import add_model_arguments, positive
 
     add_model_arguments(p)
-    p.add_argument("--decoder", default="threshold",
-                   help="default decoder spec of requests that send none (default: threshold)")
+    p.add_argument("--decoder", default=DEFAULT_DECODER,
+                   help=f"default decoder spec of requests that send none (default: "
+                        f"{DEFAULT_DECODER})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free)")
     p.add_argument("--max-running", type=positive, default=16,
