@@ -159,7 +159,7 @@ def test_store_holds_full_forward_kv(kind: str) -> None:
         pad, last = row["pad"], row["P"] + GEN - BLOCK - model.logit_shift
         ids = torch.tensor([prompt + res.token_ids[: GEN - BLOCK] + [MASK] * BLOCK])
         frame = Frame()
-        model(ids, torch.arange(ids.shape[1])[None], cache=frame)
+        model(ids, torch.arange(ids.shape[1])[None], frame=frame)
         n = last - pad  # slots pad..last-1 of the row = positions 0..n-1
         assert bool(row["valid"][pad:last].all())
         for layer, (k, v) in enumerate(frame.fresh):
@@ -190,7 +190,7 @@ def fastdllm_dual(model: torch.nn.Module, prompt: list[int], threshold: float | 
     for b in range(GEN // BLOCK):
         start, end = p + b * BLOCK, p + (b + 1) * BLOCK
         frame = Frame()
-        logits = model(x, pos, cache=frame)[:, start:end]  # full forward at the block start
+        logits = model(x, pos, frame=frame)[:, start:end]  # full forward at the block start
         nfe, tok_fw = nfe + 1, tok_fw + s
         cache = KVStore([k for k, _ in frame.fresh], [v for _, v in frame.fresh], x.clone())
         outside = torch.ones(1, s, dtype=torch.bool)
@@ -208,7 +208,7 @@ def fastdllm_dual(model: torch.nn.Module, prompt: list[int], threshold: float | 
             if not bool((x[0, start:end] == MASK).any()):
                 break
             logits = model(x[:, start:end], pos[:, start:end],
-                           cache=Frame(past=cache, past_mask=outside))
+                           frame=Frame(past=cache, past_mask=outside))
             nfe, tok_fw = nfe + 1, tok_fw + BLOCK
     return x[0, p:].tolist(), nfe, tok_fw
 

@@ -62,9 +62,9 @@ class FakeModel(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         return torch.zeros(*input_ids.shape, self.config.d_model)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, cache=None, embeds=None,
+    def forward(self, input_ids: Tensor, position_ids: Tensor, frame=None, embeds=None,
                 logits_at: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        ok = cache.key_mask if cache is not None and cache.key_mask is not None else \
+        ok = frame.key_mask if frame is not None and frame.key_mask is not None else \
             torch.ones_like(input_ids, dtype=torch.bool)
         self.calls.append((input_ids.clone(), position_ids.clone(), ok.clone()))
         out = torch.zeros(*input_ids.shape, V)
@@ -232,7 +232,7 @@ def test_tiny_model_matches_reference(model_type: str, spec: str, method: str,
     def fn(ids: Tensor, pos: Tensor) -> Tensor:
         with torch.no_grad():
             logits = model(ids[None], pos[None],
-                           cache=Frame(key_mask=torch.ones(1, len(ids), dtype=torch.bool)))[0]
+                           frame=Frame(key_mask=torch.ones(1, len(ids), dtype=torch.bool)))[0]
         return torch.cat([logits[:1], logits[:-1]]) if model_type == "Dream" else logits
 
     gen, block = 16, 8

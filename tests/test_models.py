@@ -4,8 +4,11 @@ float32 on the reference side too), and are bidirectional without a mask."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
+from helpers import tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama import modeling_llama
 
@@ -108,7 +111,7 @@ def _ref_logits(ref, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def _our_logits(ours, ids, pos, mask: torch.Tensor | None) -> torch.Tensor:
     with torch.no_grad():
-        return ours(ids, pos, cache=Frame(attn_mask=mask) if mask is not None else None)
+        return ours(ids, pos, frame=Frame(attn_mask=mask) if mask is not None else None)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -185,7 +188,7 @@ def test_key_mask_hides_keys(model_type: str) -> None:
 
 def _our_logits_frame(ours, ids, pos, frame: Frame) -> torch.Tensor:
     with torch.no_grad():
-        return ours(ids, pos, cache=frame)
+        return ours(ids, pos, frame=frame)
 
 
 @pytest.mark.parametrize("model_type", ["llada", "Dream"])
@@ -319,3 +322,16 @@ def test_dream_linear_rope_scaling_matches_qwen2() -> None:
     torch.testing.assert_close(_our_logits(ours, ids, pos, _causal(2, 12)), expected, atol=ATOL, rtol=0)
     plain, _ = _pair("Dream", kv_heads=2)
     assert not torch.allclose(_our_logits(plain, ids, pos, _causal(2, 12)), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["llada", "Dream"])
+def test_models_follow_the_contract(kind: str) -> None:
+    """Every registered model satisfies the one written-down model contract."""
+    from unmask.models import DiffusionLM
+    from unmask.models.protocol import DiffusionLM as Contract
+
+    assert DiffusionLM is Contract
+    model = tiny_model(kind)
+    assert isinstance(model, DiffusionLM)
+    params = inspect.signature(model.forward).parameters
+    assert list(params)[:5] == ["input_ids", "position_ids", "frame", "embeds", "logits_at"]

@@ -270,7 +270,7 @@ class _Writer(torch.nn.Module):
             eos_token_id=enc.eos_id, max_sequence_length=4096)
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 
-    def forward(self, ids, pos, cache=None, embeds=None, logits_at=None):
+    def forward(self, ids, pos, frame=None, embeds=None, logits_at=None):
         rows, cols = logits_at
         out = torch.full((rows.numel(), self.enc.vocab_size), -10.0)
         for n, (r, c) in enumerate(zip(rows.tolist(), cols.tolist(), strict=True)):

@@ -86,7 +86,7 @@ class Runner:
         rows, cols = want.nonzero(as_tuple=True)
         tslots = target[rows, cols]
         # Only the scored positions get the LM head (~10% of a forward on the embedded model).
-        logits = self.model(ids, pos, cache=frame, embeds=embeds, logits_at=(rows, cols))  # (N, V)
+        logits = self.model(ids, pos, frame=frame, embeds=embeds, logits_at=(rows, cols))  # (N, V)
 
         u = None
         if noise is not None:

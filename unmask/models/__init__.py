@@ -7,6 +7,7 @@ from torch import nn
 from unmask.config import ModelConfig
 from unmask.models.dream import DreamModel
 from unmask.models.llada import LLaDAModel
+from unmask.models.protocol import DiffusionLM
 
 REGISTRY: dict[str, type[nn.Module]] = {"llada": LLaDAModel, "Dream": DreamModel}
 
@@ -16,4 +17,4 @@ def build_model(config: ModelConfig) -> nn.Module:
     return REGISTRY[config.model_type](config)
 
 
-__all__ = ["REGISTRY", "build_model", "DreamModel", "LLaDAModel"]
+__all__ = ["REGISTRY", "build_model", "DiffusionLM", "DreamModel", "LLaDAModel"]

@@ -70,7 +70,7 @@ class DreamModel(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.model.embed_tokens(input_ids)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, cache: Frame | None = None,
+    def forward(self, input_ids: Tensor, position_ids: Tensor, frame: Frame | None = None,
                 embeds: Tensor | None = None, logits_at: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """input_ids, position_ids: (B, T) -> unshifted logits (B, T, vocab_size).
 
@@ -81,7 +81,7 @@ class DreamModel(nn.Module):
         # Qwen2 rounds cos/sin to the model dtype and rotates there.
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, x.dtype, c.rope_factor())
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache)
+            x = layer(x, cos, sin, frame)
         x = self.model.norm(x if logits_at is None else x[logits_at])
         head = self.model.embed_tokens.weight if self.config.weight_tying else self.lm_head.weight
         return x @ head.T

@@ -61,7 +61,7 @@ class LLaDAModel(nn.Module):
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.model.transformer.wte(input_ids)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, cache: Frame | None = None,
+    def forward(self, input_ids: Tensor, position_ids: Tensor, frame: Frame | None = None,
                 embeds: Tensor | None = None, logits_at: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """input_ids, position_ids: (B, T) -> logits (B, T, vocab_size).
 
@@ -75,7 +75,7 @@ class LLaDAModel(nn.Module):
         rope_dtype = torch.float32 if c.rope_full_precision else x.dtype
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, rope_dtype)
         for block in t.blocks:
-            x = block(x, cos, sin, cache)
+            x = block(x, cos, sin, frame)
         x = t.ln_f(x if logits_at is None else x[logits_at])
         head = t.wte.weight if self.config.weight_tying else t.ff_out.weight
         return (x @ head.T)[..., : self.config.vocab_size]
