@@ -314,3 +314,35 @@ def test_noise_is_per_request() -> None:
     a, b, a2 = decode(m, p, [[5, 6, 7], [5, 6, 8], [5, 6, 7]], mask_id=MASK, eos_id=EOS)
     assert a.token_ids == a2.token_ids
     assert a.noise_key != b.noise_key
+
+
+@pytest.mark.parametrize("spec", ["threshold,cache=entropy,entropy_tau=0.5", "fast",
+                                  "freedave,cache=dual", "threshold,suffix=structured,inject=0.5"])
+def test_split_model_calls_change_nothing(spec: str, monkeypatch) -> None:
+    """Rows split over two model calls (to save padding) give what one call gives: tokens, NFE,
+    token-forwards and the stored K/V they attend to."""
+    from unmask.engine import runner as runner_mod
+
+    m = model("Dream" if "inject" in spec else "llada")
+    prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14], [3], [4, 4, 4, 4, 4, 4]]
+    p = params(spec, 32)
+    one = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
+    calls = []
+
+    def halves(n_tokens):
+        r = n_tokens.shape[0]
+        calls.append(r)
+        idx = torch.arange(r)
+        return [idx[: r // 2], idx[r // 2 :]] if r >= 2 else None
+
+    monkeypatch.setattr(runner_mod.Runner, "_split", staticmethod(halves))
+    two = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
+    assert calls and two == one
+
+
+def test_split_only_when_padding_dominates() -> None:
+    from unmask.engine.runner import Runner
+
+    assert Runner._split(torch.tensor([300, 40, 40, 40, 40, 40])) is not None  # a refresh row
+    assert Runner._split(torch.tensor([300, 40, 40])) is None  # too few rows to pay
+    assert Runner._split(torch.tensor([60, 50, 45, 40, 55])) is None  # little padding

@@ -76,17 +76,15 @@ class Runner:
         pos = idx - pad[:, None]
         block_end = block_start + self.params.block_length
         embeds = self.suffix.embeds(self.model, ids, idx, ok, prev_token, block_end)
-        frame = Frame(key_mask=ok)
         cached = visible & ~active
-        if store is not None and bool(cached.any()):
-            frame.past, frame.past_mask = store, cached & store.valid
+        past = store if store is not None and bool(cached.any()) else None
+        past_mask = cached & store.valid if past is not None else None
         target = idx + self.shift  # slot each output predicts
         want = ok & (target < s)
         want &= predict.gather(1, target.clamp_max(s - 1))
         rows, cols = want.nonzero(as_tuple=True)
         tslots = target[rows, cols]
-        # Only the scored positions get the LM head (~10% of a forward on the embedded model).
-        logits = self.model(ids, pos, frame=frame, embeds=embeds, logits_at=(rows, cols))  # (N, V)
+        logits, kv = self._call(ids, pos, ok, embeds, past, past_mask, rows, cols)
 
         u = None
         if noise is not None:
@@ -101,4 +99,60 @@ class Runner:
         fresh = torch.zeros((r, s), dtype=torch.bool, device=x.device)
         token[rows, tslots], conf[rows, tslots], ent[rows, tslots] = sc.token, sc.conf, sc.entropy
         fresh[rows, tslots] = True
-        return Forwarded(token, conf, ent, fresh, frame.fresh, idx, ids, ok, refresh, visible)
+        return Forwarded(token, conf, ent, fresh, kv, idx, ids, ok, refresh, visible)
+
+    def _call(self, ids: Tensor, pos: Tensor, ok: Tensor, embeds: Tensor | None,
+              past: KVStore | None, past_mask: Tensor | None, rows: Tensor,
+              cols: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The model call(s): logits (N, V) at (rows, cols) and each layer's fresh (k, v)
+        (R, H_kv, T, D). Only the scored positions get the LM head (~10% of a forward on the
+        embedded model).
+
+        Rows are padded to the longest row's T. When a few rows forward far more tokens than
+        the rest (a cache refresh next to cached steps), the padding would cost more than a
+        second call: then the short rows get a call of their own."""
+        groups = self._split(ok.sum(-1))
+        if groups is None:
+            frame = Frame(key_mask=ok, past=past, past_mask=past_mask)
+            logits = self.model(ids, pos, frame=frame, embeds=embeds, logits_at=(rows, cols))
+            return logits, frame.fresh
+        r, t = ids.shape
+        logits = None
+        kv: list[tuple[Tensor, Tensor]] = []
+        for g in groups:
+            t_g = int(ok[g].sum(-1).max())
+            local = torch.full((r,), -1, dtype=torch.long, device=ids.device)
+            local[g] = torch.arange(g.numel(), device=ids.device)
+            mine = local[rows] >= 0  # the scored positions of this group's rows
+            frame = Frame(key_mask=ok[g, :t_g], past=None if past is None else past.rows(g),
+                          past_mask=None if past is None else past_mask[g])
+            out = self.model(ids[g, :t_g], pos[g, :t_g], frame=frame,
+                             embeds=None if embeds is None else embeds[g, :t_g],
+                             logits_at=(local[rows[mine]], cols[mine]))
+            if logits is None:
+                logits = out.new_empty(rows.numel(), out.shape[-1])
+                kv = [(k.new_zeros(r, k.shape[1], t, k.shape[3]),
+                       v.new_zeros(r, v.shape[1], t, v.shape[3])) for k, v in frame.fresh]
+            logits[mine] = out
+            for (k_all, v_all), (k, v) in zip(kv, frame.fresh, strict=True):
+                k_all[g, :, :t_g], v_all[g, :, :t_g] = k, v
+        return logits, kv
+
+    @staticmethod
+    def _split(n_tokens: Tensor) -> list[Tensor] | None:
+        """Row groups for separate calls (None: one call). Two groups, long rows (more than half
+        the longest) and short ones, when that forwards under 60% of the padded tokens of one
+        call; only with 4+ rows, where the saving outweighs a second call's fixed cost."""
+        r = n_tokens.shape[0]
+        if r < 4:
+            return None
+        longest = n_tokens.max()
+        long_rows = n_tokens * 2 > longest
+        n_long = int(long_rows.sum())
+        if n_long == r:
+            return None
+        short_max = n_tokens[~long_rows].max()
+        split_cost = n_long * longest + (r - n_long) * short_max
+        if bool(split_cost >= 0.6 * r * longest):
+            return None
+        return [long_rows.nonzero(as_tuple=True)[0], (~long_rows).nonzero(as_tuple=True)[0]]
