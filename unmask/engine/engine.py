@@ -109,13 +109,16 @@ class Engine:
     def step(self) -> list[StepEvent]:
         events, self._pending = self._pending, []
         now = time.perf_counter()
+        joining: dict[Hashable, list[Request]] = {}
         for req in self.scheduler.schedule():
             req.status, req.started = "running", now
             key = decoder_key(req.params)
             if key not in self.decoders:
                 self.decoders[key] = Decoder(self.model, req.params, self.mask_id, self.eos_id)
                 self.batches[key] = self.decoders[key].new_batch()
-            self.batches[key].extend([req])
+            joining.setdefault(key, []).append(req)
+        for key, reqs in joining.items():  # one resize of each batch, whoever joins
+            self.batches[key].extend(reqs)
         for key, b in list(self.batches.items()):
             if len(b):
                 events += self._run(self.decoders[key], b)
