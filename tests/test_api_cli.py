@@ -345,3 +345,43 @@ def test_generate_shows_progress_on_a_terminal(monkeypatch) -> None:
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal: no bar, no callback
     with decode_progress(64) as on_event:
         assert on_event is None
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda llm: llm.generate(["hi"], "static-1", batch_size=-1), "batch_size"),
+    (lambda llm: llm.generate(["hi"], "static-1", batch_size=0), "batch_size"),
+    (lambda llm: llm.generate(3, "static-1"), "prompts"),
+    (lambda llm: llm.generate(b"hi", "static-1"), "prompts"),
+    (lambda llm: llm.generate(None, "static-1"), "prompts"),
+    (lambda llm: llm.generate(["ok", 7], "static-1"), "prompt 1"),
+    (lambda llm: llm.generate(["ok", "  "], "static-1"), "prompt 1"),
+    (lambda llm: llm.generate(["hi"], "static-1", gen_length=64.0), "gen_length"),
+    (lambda llm: llm.generate(["hi"], "static-1", warp=3), "warp"),
+    (lambda llm: llm.generate(["hi"], DecodeParams(), warp=3), "warp"),
+    (lambda llm: llm.generate(["hi"], 42), "params"),
+])
+def test_python_api_bad_arguments_name_the_argument(call, match) -> None:
+    """Each used to return [] silently or raise an unrelated TypeError/AttributeError."""
+    from unmask.errors import UnmaskError
+
+    with pytest.raises(UnmaskError, match=match):
+        call(LLM())
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(entropy_tau=float("nan")), "entropy_tau"), (dict(threshold=True), "threshold"),
+    (dict(gen_length=True), "gen_length"), (dict(suffix_local="4"), "suffix_local"),
+])
+def test_params_refuse_values_that_cannot_decode(kw, match) -> None:
+    with pytest.raises(SpecError, match=match):
+        DecodeParams(**kw)
+
+
+def test_replace_rebuilds_the_spec() -> None:
+    """`parse("threshold").replace(threshold=0.5).spec` used to stay "threshold"."""
+    p = DecodeParams.parse("threshold").replace(threshold=0.5)
+    assert p.spec == "threshold,threshold=0.5"
+    assert DecodeParams.parse(p.spec) == DecodeParams.parse("threshold,threshold=0.5")
+    with pytest.raises(SpecError, match="decoder spec is a string"):
+        DecodeParams.parse(None)  # type: ignore[arg-type]
