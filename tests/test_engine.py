@@ -346,3 +346,34 @@ def test_split_only_when_padding_dominates() -> None:
     assert Runner._split(torch.tensor([300, 40, 40, 40, 40, 40])) is not None  # a refresh row
     assert Runner._split(torch.tensor([300, 40, 40])) is None  # too few rows to pay
     assert Runner._split(torch.tensor([60, 50, 45, 40, 55])) is None  # little padding
+
+
+@pytest.mark.parametrize("spec", ["static-1", "freedave,draft_steps=4", "fast"])
+def test_host_syncs_per_step_do_not_grow_with_the_batch(spec: str, monkeypatch) -> None:
+    """On a GPU every tensor -> Python read is a round trip: a step makes a fixed handful
+    (README, "GPU"), never one per row or per draft."""
+    import collections
+
+    counts: collections.Counter[str] = collections.Counter()
+    per_step = {}
+    for bs in (1, 8):
+        eng = engine(model("llada"), max_running=bs)
+        for i in range(bs):
+            eng.add_request([5 + i, 6, 7], params(spec, 32))
+        eng.step()
+        with monkeypatch.context() as mp:
+            def counted(name, real):
+                def read(*a, **k):
+                    counts.update([name])
+                    return real(*a, **k)
+                return read
+
+            for name in ("__bool__", "tolist", "item", "__int__", "__float__", "__index__"):
+                mp.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+            mp.setattr(torch, "equal", counted("equal", torch.equal))
+            counts.clear()
+            for _ in range(4):
+                eng.step()
+        per_step[bs] = sum(counts.values()) / 4
+    assert per_step[8] <= per_step[1] + 2  # the runner's split check reads a few more scalars
+    assert per_step[8] <= 25
