@@ -8,46 +8,62 @@ rounds, medians; asserts the tokens are identical in every cell (BENCHMARKS.md, 
 batching").
 """
 
+from __future__ import annotations
+
 import statistics
 import time
 
 import torch
 
-torch.set_num_threads(1)
 from unmask import LLM
+from unmask.api import useful_length
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
 from unmask.engine.runner import Runner
 from unmask.tasks import TASKS
 
-llm = LLM(); m = llm.model
-prompts = [llm.encode_prompt(e.prompt) for e in TASKS["math"].load("heldout", 32)]
-real_split = Runner._split
-def run(spec, conc, split):
-    Runner._split = staticmethod(real_split) if split else staticmethod(lambda n: None)
-    p = DecodeParams.parse(spec, gen_length=256)
-    eng = Engine(m, SchedulerConfig(max_running=conc))
-    reqs = [eng.add_request(q, p) for q in prompts]
-    t = time.perf_counter()
+SPECS = ("fast", "threshold,cache=entropy")
+REAL_SPLIT = Runner._split
+
+
+def run(llm: LLM, prompts: list[list[int]], spec: str, concurrency: int,
+        split: bool) -> tuple[float, list[list[int]]]:
+    Runner._split = staticmethod(REAL_SPLIT if split else (lambda n_tokens: None))
+    params = DecodeParams.parse(spec, gen_length=256)
+    engine = Engine(llm.model, SchedulerConfig(max_running=concurrency))
+    reqs = [engine.add_request(q, params) for q in prompts]
+    start = time.perf_counter()
     with torch.no_grad():
-        while eng.has_unfinished: eng.step()
-    wall = time.perf_counter() - t
-    eos = m.config.eos_token_id
-    useful = sum((r.token_ids.index(eos) if eos in r.token_ids else len(r.token_ids)) for r in reqs)
-    return useful / wall, [r.token_ids for r in reqs]
-res = {}
-cells = [(s, c, sp) for s in ("fast", "threshold,cache=entropy") for c in (1, 16) for sp in (False, True)]
-for rnd in range(2):
-    for i in range(len(cells)):
-        cell = cells[(i + rnd) % len(cells)]
-        tps, toks = run(*cell)
-        res.setdefault(cell, []).append(tps)
-        res.setdefault(("toks",) + cell, toks)
-for s in ("fast", "threshold,cache=entropy"):
-    base = statistics.median(res[(s, 1, False)])
-    for c in (1, 16):
-        for sp in (False, True):
-            v = statistics.median(res[(s, c, sp)])
-            print(f"{s:26s} conc={c:2d} split={sp!s:5s} useful tok/s={v:8.1f}  x vs conc1={v/base:.2f}")
-    assert res[("toks", s, 16, True)] == res[("toks", s, 1, False)]
-print("tokens identical across cells")
+        while engine.has_unfinished:
+            engine.step()
+    wall = time.perf_counter() - start
+    eos = llm.config.eos_token_id
+    return sum(useful_length(r.token_ids, eos) for r in reqs) / wall, [r.token_ids for r in reqs]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    llm = LLM()
+    prompts = [llm.encode_prompt(e.prompt) for e in TASKS["math"].load("heldout", 32)]
+    cells = [(s, c, sp) for s in SPECS for c in (1, 16) for sp in (False, True)]
+    tps: dict[tuple, list[float]] = {}
+    tokens: dict[tuple, list[list[int]]] = {}
+    for rnd in range(2):
+        for i in range(len(cells)):
+            cell = cells[(i + rnd) % len(cells)]
+            value, tokens[cell] = run(llm, prompts, *cell)
+            tps.setdefault(cell, []).append(value)
+    print("| decoder | concurrency | split | useful tokens/s | x vs concurrency 1 (no split) |")
+    print("|---|---|---|---|---|")
+    for s in SPECS:
+        base = statistics.median(tps[(s, 1, False)])
+        for c in (1, 16):
+            for sp in (False, True):
+                v = statistics.median(tps[(s, c, sp)])
+                print(f"| `{s}` | {c} | {'on' if sp else 'off'} | {v:.1f} | {v / base:.2f} |")
+        assert all(tokens[(s, c, sp)] == tokens[(s, 1, False)] for c in (1, 16) for sp in (0, 1))
+    print("\ntokens identical in every cell")
+
+
+if __name__ == "__main__":
+    main()
