@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, peaky_model  # noqa: E402
+from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, OneModelCall, peaky_model  # noqa: E402
 
 from unmask.caching import POLICIES, StepView
 from unmask.decoding.params import DecodeParams, SpecError
@@ -72,6 +72,7 @@ class Recorder:
         self.inner = model.forward
 
     def __enter__(self) -> Recorder:
+        self.one_call = OneModelCall().__enter__()
         def forward(*args, **kwargs):
             out = self.inner(*args, **kwargs)
             self.logits.append(out.detach().clone())
@@ -81,6 +82,7 @@ class Recorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.one_call.__exit__()
         del self.model.forward
 
 
@@ -92,6 +94,7 @@ class RunnerSpy:
         self.calls: list[dict] = []
 
     def __enter__(self) -> RunnerSpy:
+        self.one_call = OneModelCall().__enter__()
         self.inner = runner_mod.Runner.forward
         spy = self
 
@@ -106,6 +109,7 @@ class RunnerSpy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.one_call.__exit__()
         runner_mod.Runner.forward = self.inner
 
 
@@ -396,6 +400,7 @@ class StaleSpy:
         self.reads = self.stale_reads = 0
 
     def __enter__(self) -> StaleSpy:
+        self.one_call = OneModelCall().__enter__()
         self.inner = runner_mod.Runner.forward
         spy = self
 
@@ -411,6 +416,7 @@ class StaleSpy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.one_call.__exit__()
         runner_mod.Runner.forward = self.inner
 
 

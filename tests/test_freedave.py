@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import peaky_model  # noqa: E402
+from helpers import OneModelCall, peaky_model  # noqa: E402
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -218,6 +218,7 @@ class CallCounter:
         self.inner = model.forward
 
     def __enter__(self) -> CallCounter:
+        self.one_call = OneModelCall().__enter__()
         def forward(input_ids, *args, **kwargs):
             self.batches.append(input_ids.shape[0])
             return self.inner(input_ids, *args, **kwargs)
@@ -226,6 +227,7 @@ class CallCounter:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.one_call.__exit__()
         del self.model.forward
 
 

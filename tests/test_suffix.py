@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, peaky_model  # noqa: E402
+from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, OneModelCall, peaky_model  # noqa: E402
 
 from unmask.caching import POLICIES
 from unmask.decoding.params import DecodeParams
@@ -40,6 +40,7 @@ class Spy:
         self.model, self.calls, self.model_calls = model, [], []
 
     def __enter__(self) -> Spy:
+        self.one_call = OneModelCall().__enter__()
         self.inner_runner = runner_mod.Runner.forward
         self.inner_model = self.model.forward
         spy = self
@@ -66,6 +67,7 @@ class Spy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.one_call.__exit__()
         runner_mod.Runner.forward = self.inner_runner
         del self.model.forward
 
