@@ -268,7 +268,10 @@ def test_queue_full_is_429(llm: LLM) -> None:
         with ThreadPoolExecutor(4) as pool:
             rs = list(pool.map(post, range(4)))
         codes = sorted(r.status_code for r in rs)
-        assert codes.count(429) >= 1 and codes.count(200) >= 2
+        # Adds that reach the engine between two steps all see the queue: one waits, the rest
+        # (at least one of four) are turned away at once.
+        assert codes.count(429) >= 1 and codes.count(200) >= 1
+        assert set(codes) <= {200, 429}
         limited = next(r for r in rs if r.status_code == 429)
         assert limited.headers["Retry-After"] == "1"
         assert limited.json()["error"]["type"] == "rate_limit_error"
