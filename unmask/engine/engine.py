@@ -15,6 +15,7 @@ canvas, prompt and seed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Hashable
 
@@ -27,6 +28,8 @@ from unmask.engine.decoder import Decoder, StepResult
 from unmask.engine.request import Request, StepEvent
 from unmask.engine.scheduler import Scheduler, SchedulerConfig
 from unmask.errors import InputError
+
+log = logging.getLogger("unmask.engine")
 
 
 def decoder_key(params: DecodeParams) -> Hashable:
@@ -122,6 +125,8 @@ class Engine:
         for key, b in list(self.batches.items()):
             if len(b):
                 events += self._run(self.decoders[key], b)
+            if not len(b):  # a server sees many specs: keep decoders only while they have rows
+                del self.batches[key], self.decoders[key]
         return events
 
     def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
@@ -129,6 +134,7 @@ class Engine:
         try:
             res = dec.step(b, trace=trace)
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
+            log.exception("a decoder step failed; its %d requests fail with it", len(b))
             return self._fail(b, f"{type(e).__name__}: {e}")
         if bool(res.forwarded.any()):
             self.model_calls += 1
