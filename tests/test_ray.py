@@ -334,7 +334,10 @@ def test_a_replica_killed_under_load_loses_no_request(cluster: RayCluster,
           f"lost={lost} (garbled={counts['garbled']} hung={counts['hung']}); "
           f"ingress: replica failures={failures:.0f} retried={retries:.0f}")
     assert lost == 0, counts
-    assert failures >= 1  # the ingress saw the replica die
+    assert counts["garbled"] == 0 and counts["hung"] == 0, counts
+    # Whether a request was on the victim when it died depends on timing (0 ingress-seen
+    # failures happens when the kill lands between its requests); that the kill took effect is
+    # checked below: the replica comes back with a new pid.
 
     # Serve restarts it; it says ok with a new pid, and serves again
     deadline = time.monotonic() + 90
