@@ -6,6 +6,8 @@ Import from a test file as ``from helpers import tiny_model_dir`` (pytest puts t
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +159,49 @@ class OneModelCall:
         from unmask.engine.runner import Runner
 
         Runner._split = self.real
+
+
+class LiveServer:
+    """An ASGI app under uvicorn on a background thread, bound to 127.0.0.1 on a free port.
+
+    A context manager: whatever happens (the server fails to start, the test fails), leaving
+    it stops the server and joins its thread."""
+
+    def __init__(self, app) -> None:
+        import socket
+
+        import uvicorn
+
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.__exit__()
+                raise AssertionError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    @property
+    def engine(self):
+        """The unmask server's engine (apps built by unmask.server.app.build_app)."""
+        return self.app.state.unmask.engine.engine
+
+    def client(self, timeout: float = 120):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=timeout, max_retries=0)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
+from helpers import LiveServer
 
 from unmask.api import LLM
 from unmask.bench.serve import arrival_offsets, max_tokens_order, percentile
@@ -20,21 +17,8 @@ from unmask.server.app import ServerConfig, build_app
 
 @pytest.fixture(scope="module")
 def url():
-    app = build_app(LLM(), ServerConfig(decoder="threshold", max_running=4))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the test server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with LiveServer(build_app(LLM(), ServerConfig(decoder="threshold", max_running=4))) as s:
+        yield s.url
 
 
 def _run(tmp_path, *argv: str) -> dict:

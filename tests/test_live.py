@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
+from helpers import LiveServer
 
 from unmask.api import LLM
 from unmask.server.app import ServerConfig, build_app
@@ -26,18 +25,8 @@ PROMPT = "What is 47 + 38?"
 
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    app = build_app(LLM(), ServerConfig(decoder="threshold", max_running=4))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with LiveServer(build_app(LLM(), ServerConfig(decoder="threshold", max_running=4))) as s:
+        yield s.url
 
 
 def chat(base_url: str, prompt: str, decoder: str, max_tokens: int, seed: int = 0) -> dict:

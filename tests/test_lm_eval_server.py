@@ -17,8 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import test_server
-from helpers import assert_lm_eval_equals_unmask_eval
-from test_server import LiveServer
+from helpers import LiveServer, assert_lm_eval_equals_unmask_eval
 
 from unmask import LLM
 from unmask.evaluation import TASKS_DIR

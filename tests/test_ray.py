@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import LiveServer
 
 from unmask.api import LLM
 from unmask.server.app import ServerConfig, build_app
@@ -122,20 +123,8 @@ def test_cli_ray_flags_are_checked_before_starting(argv: list[str], needle: str,
 @pytest.fixture(scope="module")
 def plain_url(llm: LLM):
     """The single-process server (uvicorn on a thread): the reference."""
-    import uvicorn
-
-    port = free_port("127.0.0.1")
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, ServerConfig()), host="127.0.0.1",
-                                           port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the plain server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
+    with LiveServer(build_app(llm, ServerConfig())) as s:
+        yield s.url
 
 
 def _descendants(pid: int) -> dict[int, str]:

@@ -20,8 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
-from openai import OpenAI
+from helpers import LiveServer
 
 from unmask import LLM
 from unmask.engine import decoder as decoder_mod
@@ -39,37 +38,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class LiveServer:
-    """`build_app` under uvicorn on a background thread."""
-
-    def __init__(self, llm: LLM, **config) -> None:
-        self.app = build_app(llm, ServerConfig(**config))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-    @property
-    def engine(self):
-        return self.app.state.unmask.engine.engine
-
-    def client(self, timeout: float = 120) -> OpenAI:
-        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=timeout, max_retries=0)
-
-
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM()
@@ -77,7 +45,7 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def server(llm: LLM):
-    with LiveServer(llm, decoder="threshold", max_running=16) as s:
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold", max_running=16))) as s:
         yield s
 
 
@@ -259,7 +227,8 @@ def test_bad_chat_requests(server: LiveServer) -> None:
 
 
 def test_queue_full_is_429(llm: LLM) -> None:
-    with LiveServer(llm, decoder="static-1", max_running=1, max_queue=1) as s:
+    with LiveServer(build_app(llm, ServerConfig(decoder="static-1", max_running=1,
+                                                max_queue=1))) as s:
         body = {"prompt": "hi", "max_tokens": 128}
 
         def post(_):
@@ -312,7 +281,7 @@ def test_models_health_metrics(server: LiveServer) -> None:
 def test_fuzz_openapi_schema_no_5xx(llm: LLM, tmp_path) -> None:
     """schemathesis generates requests from the server's own OpenAPI schema (boundary values,
     then random ones; a bounded number per operation): none may get a 5xx."""
-    with LiveServer(llm, decoder="fast") as s:
+    with LiveServer(build_app(llm, ServerConfig(decoder="fast"))) as s:
         out = subprocess.run(
             [os.path.join(os.path.dirname(sys.executable), "schemathesis"), "run",
              f"{s.url}/openapi.json", "--checks", "not_a_server_error", "--max-examples", "25",

@@ -15,7 +15,7 @@ import torch
 
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
-from unmask.engine import Engine, Request, SchedulerConfig, StepEvent
+from unmask.engine import Request, StepEvent, decode
 from unmask.errors import InputError  # noqa: F401  (re-exported)
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
@@ -145,13 +145,7 @@ class LLM:
             raise SpecError("params must be a DecodeParams")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        engine = Engine(self.model, SchedulerConfig(max_running=batch_size))
-        reqs = [engine.add_request(p, params) for p in prompt_ids]
-        with torch.no_grad():
-            while engine.has_unfinished:
-                for ev in engine.step():
-                    if on_event is not None:
-                        on_event(ev)
+        reqs = decode(self.model, params, prompt_ids, max_running=batch_size, on_event=on_event)
         return [self.generation(r) for r in reqs]
 
     def generation(self, r: Request) -> Generation:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
@@ -219,19 +219,22 @@ class Engine:
                          error=req.error)
 
     # --- a whole decode ----------------------------------------------------------------------
-    def run(self) -> None:
-        """Step until every request in the engine has finished."""
+    def run(self, on_event: Callable[[StepEvent], None] | None = None) -> None:
+        """Step until every request in the engine has finished; on_event sees every event."""
         while self.has_unfinished:
-            self.step()
+            for ev in self.step():
+                if on_event is not None:
+                    on_event(ev)
 
 
 @torch.no_grad()
 def decode(model: nn.Module, params: DecodeParams, prompts: list[list[int]],
            max_running: int | None = None, mask_id: int | None = None,
-           eos_id: int | None = None) -> list[Request]:
+           eos_id: int | None = None,
+           on_event: Callable[[StepEvent], None] | None = None) -> list[Request]:
     """Decode token-id prompts to completion (all admitted at once unless max_running)."""
     engine = Engine(model, SchedulerConfig(max_running=max_running or max(len(prompts), 1)),
                     mask_id, eos_id)
     reqs = [engine.add_request(p, params) for p in prompts]
-    engine.run()
+    engine.run(on_event)
     return reqs
