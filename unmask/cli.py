@@ -164,35 +164,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.set_defaults(func=cmd_generate)
 
-    e = sub.add_parser("eval", help="accuracy of a decoder on a task's held-out set", epilog=EXIT_CODES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_eval_arguments(e)
-    e.set_defaults(func=_lazy("unmask.bench.cli", "run_eval"))
-    b = sub.add_parser("bench", help="decoders side by side: accuracy, speed, cost, plot",
-                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_arguments(b)
-    b.set_defaults(func=_lazy("unmask.bench.cli", "run_bench"))
-
-    t = sub.add_parser("train", help="train a small LLaDA-format model (the embedded model)",
-                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_train_arguments(t)
-    t.set_defaults(func=_lazy("unmask.training.train", "run_train", returns_code=False))
-
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs unmask[serve])",
-                       epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_serve_arguments(s)
-    s.set_defaults(func=_lazy("unmask.server.run", "run_serve"))
-
-    tr = sub.add_parser("trace", help="record a decode step by step: HTML replay, GIF or PNG",
-                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_trace_arguments(tr)
-    tr.set_defaults(func=_lazy("unmask.trace", "run_trace"))
-
-    bs = sub.add_parser("bench-serve", help="load a running server: throughput, TTFT, latency "
-                                             "percentiles (needs httpx)",
-                        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_serve_arguments(bs)
-    bs.set_defaults(func=_lazy("unmask.bench.serve", "run_bench_serve"))
+    # (name, help, adds the arguments, module and function that run it, returns an exit code)
+    lazy_commands = [
+        ("eval", "accuracy of a decoder on a task's held-out set", add_eval_arguments,
+         "unmask.bench.cli", "run_eval", True),
+        ("bench", "decoders side by side: accuracy, speed, cost, plot", add_bench_arguments,
+         "unmask.bench.cli", "run_bench", True),
+        ("train", "train a small LLaDA-format model (the embedded model)", add_train_arguments,
+         "unmask.training.train", "run_train", False),
+        ("serve", "OpenAI-compatible HTTP server (needs unmask[serve])", add_serve_arguments,
+         "unmask.server.run", "run_serve", True),
+        ("trace", "record a decode step by step: HTML replay, GIF or PNG", add_trace_arguments,
+         "unmask.trace", "run_trace", True),
+        ("bench-serve", "load a running server: throughput, TTFT, latency percentiles (needs "
+         "httpx)", add_bench_serve_arguments, "unmask.bench.serve", "run_bench_serve", True),
+    ]
+    for name, help_, add_arguments, module, function, returns_code in lazy_commands:
+        c = sub.add_parser(name, help=help_, epilog=EXIT_CODES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        add_arguments(c)
+        c.set_defaults(func=_lazy(module, function, returns_code=returns_code))
     return p
 
 
