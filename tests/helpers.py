@@ -205,3 +205,13 @@ class LiveServer:
         from openai import OpenAI
 
         return OpenAI(base_url=f"{self.url}/v1", api_key="unused", timeout=timeout, max_retries=0)
+
+
+def unpacked_call(ids: torch.Tensor, pos: torch.Tensor, frame, logits_at):
+    """A model call's inputs as (B, T) rows, whether or not the runner packed them: for test
+    models that compute per row. Returns ids, pos and logits_at as (row, column) pairs."""
+    if frame is None or not frame.packed:
+        return ids, pos, logits_at
+    where = frame.key_mask.nonzero()  # (N, 2): packed token -> (row, column)
+    at = None if logits_at is None else (where[logits_at[1], 0], where[logits_at[1], 1])
+    return frame.rows(ids), frame.rows(pos), at

@@ -167,8 +167,11 @@ def test_store_holds_full_forward_kv(kind: str) -> None:
         n = last - pad  # slots pad..last-1 of the row = positions 0..n-1
         assert bool(row["valid"][pad:last].all())
         for layer, (k, v) in enumerate(frame.fresh):
-            torch.testing.assert_close(row["k"][layer][:, pad:last], k[0, :, :n], atol=1e-5, rtol=0)
-            torch.testing.assert_close(row["v"][layer][:, pad:last], v[0, :, :n], atol=1e-5, rtol=0)
+            # the store is slot-major: (S, H_kv, D) a row
+            torch.testing.assert_close(row["k"][layer][pad:last], k[0, :, :n].transpose(0, 1),
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(row["v"][layer][pad:last], v[0, :, :n].transpose(0, 1),
+                                       atol=1e-5, rtol=0)
 
 
 # --- (b) dual == an independent Fast-dLLM dual-cache loop ----------------------------------------
@@ -196,7 +199,8 @@ def fastdllm_dual(model: torch.nn.Module, prompt: list[int], threshold: float | 
         frame = Frame()
         logits = model(x, pos, frame=frame)[:, start:end]  # full forward at the block start
         nfe, tok_fw = nfe + 1, tok_fw + s
-        cache = KVStore([k for k, _ in frame.fresh], [v for _, v in frame.fresh], x.clone())
+        cache = KVStore([k.transpose(1, 2) for k, _ in frame.fresh],  # slot-major (B, S, H, D)
+                        [v.transpose(1, 2) for _, v in frame.fresh], x.clone())
         outside = torch.ones(1, s, dtype=torch.bool)
         outside[0, start:end] = False
         while True:
@@ -404,13 +408,14 @@ class StaleSpy:
         self.inner = runner_mod.Runner.forward
         spy = self
 
-        def forward(self, x, pad, visible, active, predict, refresh, store, *args, **kwargs):
+        def forward(self, x, pad, visible, active, predict, refresh, store, parent, *args,
+                    **kwargs):
             if store is not None:
-                read = visible & ~active & store.valid & ~refresh[:, None]
+                read = visible & ~active & store.valid[parent] & ~refresh[:, None]
                 spy.reads += int(read.sum())
-                spy.stale_reads += int((read & (store.token != x)).sum())
-            return spy.inner(self, x, pad, visible, active, predict, refresh, store, *args,
-                             **kwargs)
+                spy.stale_reads += int((read & (store.token[parent] != x)).sum())
+            return spy.inner(self, x, pad, visible, active, predict, refresh, store, parent,
+                             *args, **kwargs)
 
         runner_mod.Runner.forward = forward
         return self

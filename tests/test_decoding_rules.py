@@ -64,6 +64,10 @@ class FakeModel(nn.Module):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, frame=None, embeds=None,
                 logits_at: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        if frame is not None and frame.packed:  # (1, N) real tokens: back to padded rows
+            ok = frame.key_mask
+            out = self.forward(frame.rows(input_ids), frame.rows(position_ids), Frame(key_mask=ok))
+            return out[ok][None] if logits_at is None else out[ok][None][logits_at]
         ok = frame.key_mask if frame is not None and frame.key_mask is not None else \
             torch.ones_like(input_ids, dtype=torch.bool)
         self.calls.append((input_ids.clone(), position_ids.clone(), ok.clone()))

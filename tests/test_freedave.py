@@ -220,7 +220,9 @@ class CallCounter:
     def __enter__(self) -> CallCounter:
         self.one_call = OneModelCall().__enter__()
         def forward(input_ids, *args, **kwargs):
-            self.batches.append(input_ids.shape[0])
+            frame = kwargs.get("frame")  # packed calls: rows are the frame's, not the input's
+            self.batches.append(frame.key_mask.shape[0] if frame is not None and frame.packed
+                                else input_ids.shape[0])
             return self.inner(input_ids, *args, **kwargs)
 
         self.model.forward = forward

@@ -59,7 +59,8 @@ class Spy:
             return out
 
         def model_forward(input_ids, position_ids, *args, **kwargs):
-            spy.model_calls.append(dict(ids=input_ids.clone(), pos=position_ids.clone()))
+            frame = kwargs["frame"]
+            spy.model_calls.append(dict(ids=frame.rows(input_ids), pos=frame.rows(position_ids)))
             return self.inner_model(input_ids, position_ids, *args, **kwargs)
 
         runner_mod.Runner.forward = runner_forward

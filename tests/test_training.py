@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import unpacked_call
 
 from unmask.errors import CheckpointError, InputError
 from unmask.tasks import TASKS
@@ -271,7 +272,7 @@ class _Writer(torch.nn.Module):
         self.dummy = torch.nn.Parameter(torch.zeros(1))
 
     def forward(self, ids, pos, frame=None, embeds=None, logits_at=None):
-        rows, cols = logits_at
+        ids, pos, (rows, cols) = unpacked_call(ids, pos, frame, logits_at)
         out = torch.full((rows.numel(), self.enc.vocab_size), -10.0)
         for n, (r, c) in enumerate(zip(rows.tolist(), cols.tolist(), strict=True)):
             prompt = next(q for q in self.answers if ids[r, : len(q)].tolist() == list(q))

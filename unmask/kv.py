@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -17,12 +18,14 @@ from torch import Tensor
 class KVStore:
     """Per-layer K/V of every canvas slot from the last time it was forwarded.
 
-    k[layer], v[layer]: (B, H_kv, S, D). token: (B, S) the token each slot's K/V was computed
-    from, -1 where the slot holds none (never forwarded, or dropped by `invalidate`). A slot
-    committed since its forward holds K/V of its old [MASK], which a policy may recompute.
+    k[layer], v[layer]: (B, S, H_kv, D), slot-major so that reading or writing a set of slots
+    moves whole (H_kv, D) rows (one index_select / index_copy_ a layer). token: (B, S) the
+    token each slot's K/V was computed from, -1 where the slot holds none (never forwarded, or
+    dropped by `invalidate`). A slot committed since its forward holds K/V of its old [MASK],
+    which a policy may recompute.
     """
 
-    k: list[Tensor]  # or a per-layer row view (`rows`)
+    k: list[Tensor]  # or a per-layer gathered view (`gather`)
     v: list[Tensor]
     token: Tensor
 
@@ -34,18 +37,21 @@ class KVStore:
     @classmethod
     def empty(cls, n_layers: int, batch: int, n_kv_heads: int, slots: int, head_dim: int,
               dtype: torch.dtype, device: torch.device) -> KVStore:
-        shape = (batch, n_kv_heads, slots, head_dim)
+        shape = (batch, slots, n_kv_heads, head_dim)
         return cls(
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
             v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
             token=torch.full((batch, slots), -1, dtype=torch.long, device=device),
         )
 
-    def rows(self, index: Tensor) -> KVStore:
-        """The store as seen by a gathered set of rows (e.g. FreeDave's drafts, several per
-        row). K/V are gathered one layer at a time when attention reads them, so no copy of the
-        whole store is ever made; the per-layer gather lives as long as that layer's attention."""
-        return KVStore(_Gathered(self.k, index), _Gathered(self.v, index), self.token[index])
+    def gather(self, rows: Tensor, slots: Tensor) -> KVStore:
+        """The store as seen by a call: for each of its R rows (`rows` (R,): store row, several
+        calls rows may read one store row, e.g. FreeDave's drafts), the K slots `slots` (R, K)
+        only. K/V are gathered one layer at a time when attention reads them, so no copy of the
+        whole store is ever made, and attention runs over the slots a row can see, not over the
+        store's width."""
+        return KVStore(_Gathered(self.k, rows, slots), _Gathered(self.v, rows, slots),
+                       self.token[rows[:, None], slots])
 
     # --- membership (batch rows join and leave; not per step) ---------------------------------
     def cat_rows(self, n: int) -> KVStore:
@@ -71,38 +77,45 @@ class KVStore:
                     part = torch.full(shape, fill, dtype=t.dtype, device=t.device)
                     parts.insert(len(parts) * at, part)
             return torch.cat(parts, dim=dim) if len(parts) > 1 else t.contiguous()
-        return KVStore([pad(k, 2, 0) for k in self.k], [pad(v, 2, 0) for v in self.v],
+        return KVStore([pad(k, 1, 0) for k in self.k], [pad(v, 1, 0) for v in self.v],
                        pad(self.token, 1, -1))
 
     def invalidate(self, rows: Tensor) -> None:
         """Forget every slot of ``rows`` (a refresh rebuilds them)."""
         self.token[rows] = -1
 
-    def write(self, rows: Tensor, slots: Tensor, fresh: list[tuple[Tensor, Tensor]],
+    def write(self, rows: Tensor, src: Tensor, slots: Tensor, fresh: list[tuple[Tensor, Tensor]],
               ok: Tensor, tokens: Tensor) -> None:
-        """Store fresh K/V (one (k, v) per layer, each (R, H_kv, T, D)) at `slots` (R, T) of
-        `rows` (R,), computed from `tokens` (R, T); entries with ok=False (padding queries) are
-        skipped."""
-        r_idx, t_idx = ok.nonzero(as_tuple=True)
+        """Store a call's fresh K/V (one (k, v) per layer, each (C, H_kv, T, D) for its C rows)
+        computed from `tokens` (C, T) at `slots` (C, T): call row src[i] goes to store row
+        rows[i]; entries with ok=False (padding queries) are skipped."""
+        r_idx, t_idx = ok[src].nonzero(as_tuple=True)
         if r_idx.numel() == 0:
             return
-        b = rows[r_idx]
-        s = slots[r_idx, t_idx]
+        c = src[r_idx]  # the call row of each written entry
+        b, s = rows[r_idx], slots[c, t_idx]
+        n_slots, t = self.token.shape[1], ok.shape[1]
+        dst, from_ = b * n_slots + s, c * t + t_idx
         for layer, (k, v) in enumerate(fresh):
-            # k[r_idx, :, t_idx] is (N, H_kv, D): advanced indices go first.
-            self.k[layer][b, :, s] = k[r_idx, :, t_idx]
-            self.v[layer][b, :, s] = v[r_idx, :, t_idx]
-        self.token[b, s] = tokens[r_idx, t_idx]
+            for store, new in ((self.k[layer], k), (self.v[layer], v)):
+                h, d = new.shape[1], new.shape[3]
+                rows_of = new.transpose(1, 2).reshape(-1, h, d)  # (C*T, H_kv, D), a view when T-major
+                store.view(-1, h, d).index_copy_(0, dst, rows_of.index_select(0, from_))
+        self.token[b, s] = tokens[c, t_idx]
 
 
 class _Gathered:
-    """Per-layer tensors (B, ...) read through a row index: layer i is gathered on access."""
+    """Per-layer tensors (B, S, H, D) read at (rows, slots): layer i is gathered on access,
+    (R, K, H, D)."""
 
-    def __init__(self, layers: list[Tensor], index: Tensor) -> None:
-        self.layers, self.index = layers, index
+    def __init__(self, layers: list[Tensor], rows: Tensor, slots: Tensor) -> None:
+        self.layers, self.shape = layers, slots.shape
+        n_slots = layers[0].shape[1] if layers else 0
+        self.flat = (rows[:, None] * n_slots + slots).flatten()  # (R*K,) into (B*S, H, D)
 
     def __getitem__(self, layer: int) -> Tensor:
-        return self.layers[layer][self.index]
+        t = self.layers[layer]
+        return t.view(-1, *t.shape[2:]).index_select(0, self.flat).view(*self.shape, *t.shape[2:])
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -113,26 +126,71 @@ class Frame:
     """What the T forwarded tokens of one call attend to.
 
     key_mask: (B, T) bool, which forwarded tokens are keys (False: batch padding).
-    past / past_mask: optional store and (B, S) bool of its slots to attend to in addition.
+    packed: the model's inputs are the key_mask's True tokens only, packed row after row as one
+        (1, N) sequence, so projections and MLPs skip the padding; attention unpacks them to
+        (B, T) rows (padding zeroed, masked out as keys) and packs its output back.
+    past / past_mask: optional store (or a gathered view of one) and (B, S) bool of its slots to
+        attend to in addition.
     attn_mask: optional (B, 1, T, K) bool overriding everything (tests use it for causal masks).
-    After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens.
+    After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens, (B, H_kv, T, D)
+    (unpacked).
     """
 
     key_mask: Tensor | None = None
     past: KVStore | None = None
     past_mask: Tensor | None = None
     attn_mask: Tensor | None = None
+    packed: bool = False
     fresh: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    _flat: Tensor | None = field(default=None, repr=False)
 
-    def keys(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def __post_init__(self) -> None:
+        if self.packed and (self.key_mask is None or self.attn_mask is not None):
+            raise ValueError("a packed frame needs key_mask (where each token goes), no attn_mask")
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention of the forwarded tokens: q (B, H, T, D), k/v (B, H_kv, T, D) -> (B, H, T, D);
+        packed, B = 1 and T = N."""
+        if self.packed:
+            q, k, v = self._unpack(q), self._unpack(k), self._unpack(v)
+        k, v, mask = self._keys(layer, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self._pack(out) if self.packed else out
+
+    def rows(self, t: Tensor) -> Tensor:
+        """A packed call's input (1, N, ...) as (B, T, ...) rows, zeros at padding (for code
+        that looks at a call's inputs per row: spies, test models); unpacked input as is."""
+        if not self.packed:
+            return t
+        out = t.new_zeros(*self.key_mask.shape, *t.shape[2:])
+        out[self.key_mask] = t[0]
+        return out
+
+    def _unpack(self, t: Tensor) -> Tensor:
+        """(1, H, N, D) packed -> (B, H, T, D) with zeros at padding."""
+        b, n = self.key_mask.shape
+        if self._flat is None:
+            self._flat = self.key_mask.flatten().nonzero(as_tuple=True)[0]  # (N,) packed -> b*T+t
+        h, d = t.shape[1], t.shape[3]
+        out = t.new_zeros(b * n, h, d)
+        out.index_copy_(0, self._flat, t[0].transpose(0, 1))
+        return out.view(b, n, h, d).transpose(1, 2)
+
+    def _pack(self, t: Tensor) -> Tensor:
+        """(B, H, T, D) -> (1, H, N, D): the key_mask's tokens only."""
+        b, h, n, d = t.shape
+        return t.transpose(1, 2).reshape(b * n, h, d).index_select(0, self._flat).transpose(0, 1)[None]
+
+    def _keys(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Record the layer's fresh K/V; return keys, values and the (B,1,T|1,K) mask."""
         self.fresh.append((k, v))
         if self.attn_mask is not None:
             return k, v, self.attn_mask
         mask = self.key_mask
-        if self.past is not None:
-            k = torch.cat([self.past.k[layer], k], dim=2)
-            v = torch.cat([self.past.v[layer], v], dim=2)
+        if self.past is not None:  # the store is slot-major: (R, K, H_kv, D)
+            k = torch.cat([self.past.k[layer], k.transpose(1, 2)], dim=1).transpose(1, 2)
+            v = torch.cat([self.past.v[layer], v.transpose(1, 2)], dim=1).transpose(1, 2)
             new = mask if mask is not None else torch.ones(
                 k.shape[0], k.shape[2] - self.past_mask.shape[1], dtype=torch.bool, device=k.device)
             mask = torch.cat([self.past_mask, new], dim=1)

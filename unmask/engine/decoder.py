@@ -183,26 +183,19 @@ class Decoder:
         pad = b.pad[parent]
         visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, b.end[parent])
         refresh, recompute = self.cache.plan(view)
-        read = None
         if store is None:
             active = visible
         else:
             valid = store.valid[parent]
             active = torch.where(refresh[:, None], visible, (recompute | ~valid) & visible)
-            if not bool(refresh.all()):
-                in_place = parent.numel() == len(b) and bool(
-                    (parent == torch.arange(parent.numel(), device=parent.device)).all())
-                # One draft per row reads the store in place; several drafts per row read it
-                # through their parents' row index, one layer at a time (no copy of the store).
-                read = store if in_place else store.rows(parent)
         masked = masked & visible
         predict = masked & view.in_block
         if self.params.inject > 0:
             predict |= masked & active & (slots >= end[:, None])
         prev = b.preds.token[parent]
         noise = self._noise(b, x, parent)
-        return self.runner.forward(x, pad, visible, active, predict, refresh, read, prev, noise,
-                                   start)
+        return self.runner.forward(x, pad, visible, active, predict, refresh, store, parent, prev,
+                                   noise, start)
 
     def _noise(self, b: DecodeBatch, x: Tensor, parent: Tensor) -> Tensor | None:
         """(D, block_length, V + 1) uniforms keyed by (request noise key, tokens committed so far):
@@ -285,8 +278,7 @@ class Decoder:
         if b.store is not None:
             refreshed = fw.refresh[fi]
             b.store.invalidate(rows[refreshed])
-            b.store.write(rows, fw.idx[fi], [(k[fi], v[fi]) for k, v in fw.kv], fw.ok[fi],
-                          fw.ids[fi])
+            b.store.write(rows, fi, fw.idx, fw.kv, fw.ok, fw.ids)
             start = self._block_start(b, b.x[rows])
             b.store_block[rows] = torch.where(refreshed, start, b.store_block[rows])
 

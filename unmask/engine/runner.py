@@ -19,6 +19,27 @@ from unmask.suffix import SuffixPolicy
 
 
 @dataclass
+class Past:
+    """What a call reads from the store: row `rows[i]` at slots `slots[i]` (R, K) for each of
+    its rows; mask (R, K) False where a row has fewer slots than K."""
+
+    store: KVStore
+    rows: Tensor
+    slots: Tensor
+    mask: Tensor
+
+    def take(self, index: Tensor) -> Past:
+        """The rows `index`, their slots trimmed to their own longest count."""
+        mask = self.mask[index]
+        k = int(mask.sum(-1).max())
+        return Past(self.store, self.rows[index], self.slots[index, :k], mask[:, :k])
+
+    def frame(self, key_mask: Tensor, packed: bool) -> Frame:
+        return Frame(key_mask=key_mask, past=self.store.gather(self.rows, self.slots),
+                     past_mask=self.mask, packed=packed)
+
+
+@dataclass
 class Forwarded:
     """Result of one forward of R rows, scattered back to canvas slots."""
 
@@ -39,6 +60,9 @@ class Forwarded:
 
 
 class Runner:
+    # Calls with padded rows go packed; off only to measure it (scripts/engine_padding.py).
+    pack = True
+
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
         self.model, self.params, self.suffix = model, params, suffix
@@ -50,12 +74,12 @@ class Runner:
 
     @torch.no_grad()
     def forward(self, x: Tensor, pad: Tensor, visible: Tensor, active: Tensor, predict: Tensor,
-                refresh: Tensor, store: KVStore | None, prev_token: Tensor,
+                refresh: Tensor, store: KVStore | None, parent: Tensor, prev_token: Tensor,
                 noise: Tensor | None, block_start: Tensor) -> Forwarded:
         """Forward rows x (R, S).
 
         visible: slots that exist in this step (R, S); active: slots recomputed (a subset);
-        the rest of `visible` is read from `store` (already gathered to these R rows).
+        the rest of `visible` is read from `store`, row `parent` (R,) of it for each row.
         predict: slots whose prediction is needed. noise: (R, block_length, V + 1) uniforms or None.
         """
         r, s = x.shape
@@ -76,15 +100,13 @@ class Runner:
         pos = idx - pad[:, None]
         block_end = block_start + self.params.block_length
         embeds = self.suffix.embeds(self.model, ids, idx, ok, prev_token, block_end)
-        cached = visible & ~active
-        past = store if store is not None and bool(cached.any()) else None
-        past_mask = cached & store.valid if past is not None else None
+        past = self._past(visible & ~active, store, parent)
         target = idx + self.shift  # slot each output predicts
         want = ok & (target < s)
         want &= predict.gather(1, target.clamp_max(s - 1))
         rows, cols = want.nonzero(as_tuple=True)
         tslots = target[rows, cols]
-        logits, kv = self._call(ids, pos, ok, embeds, past, past_mask, rows, cols)
+        logits, kv = self._call(ids, pos, ok, embeds, past, rows, cols)
 
         u = None
         if noise is not None:
@@ -101,21 +123,33 @@ class Runner:
         fresh[rows, tslots] = True
         return Forwarded(token, conf, ent, fresh, kv, idx, ids, ok, refresh, visible)
 
+    @staticmethod
+    def _past(cached: Tensor, store: KVStore | None, parent: Tensor) -> Past | None:
+        """The stored slots each row attends to besides its forwarded tokens: its visible slots
+        not recomputed that hold K/V, in slot order, padded to the longest row's count K.
+        Attention then costs what a row sees, not the store's width."""
+        if store is None:
+            return None
+        keep = cached & store.valid[parent]  # (R, S)
+        k = int(keep.sum(-1).max())
+        if k == 0:
+            return None
+        slots = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[:, :k]  # (R, K)
+        return Past(store, parent, slots, keep.gather(1, slots))
+
     def _call(self, ids: Tensor, pos: Tensor, ok: Tensor, embeds: Tensor | None,
-              past: KVStore | None, past_mask: Tensor | None, rows: Tensor,
+              past: Past | None, rows: Tensor,
               cols: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The model call(s): logits (N, V) at (rows, cols) and each layer's fresh (k, v)
         (R, H_kv, T, D). Only the scored positions get the LM head (~10% of a forward on the
         embedded model).
 
-        Rows are padded to the longest row's T. When a few rows forward far more tokens than
-        the rest (a cache refresh next to cached steps), the padding would cost more than a
-        second call: then the short rows get a call of their own."""
+        Attention pads rows to the longest row's T (and K). When a few rows forward far more
+        tokens than the rest (a cache refresh next to cached steps), that padding would cost
+        more than a second call: then the short rows get a call of their own."""
         groups = self._split(ok.sum(-1))
         if groups is None:
-            frame = Frame(key_mask=ok, past=past, past_mask=past_mask)
-            logits = self.model(ids, pos, frame=frame, embeds=embeds, logits_at=(rows, cols))
-            return logits, frame.fresh
+            return self._model(ids, pos, ok, embeds, past, rows, cols)
         r, t = ids.shape
         logits = None
         kv: list[tuple[Tensor, Tensor]] = []
@@ -124,19 +158,35 @@ class Runner:
             local = torch.full((r,), -1, dtype=torch.long, device=ids.device)
             local[g] = torch.arange(g.numel(), device=ids.device)
             mine = local[rows] >= 0  # the scored positions of this group's rows
-            frame = Frame(key_mask=ok[g, :t_g], past=None if past is None else past.rows(g),
-                          past_mask=None if past is None else past_mask[g])
-            out = self.model(ids[g, :t_g], pos[g, :t_g], frame=frame,
-                             embeds=None if embeds is None else embeds[g, :t_g],
-                             logits_at=(local[rows[mine]], cols[mine]))
+            out, fresh = self._model(
+                ids[g, :t_g], pos[g, :t_g], ok[g, :t_g], None if embeds is None else embeds[g, :t_g],
+                None if past is None else past.take(g),
+                local[rows[mine]], cols[mine])
             if logits is None:
                 logits = out.new_empty(rows.numel(), out.shape[-1])
                 kv = [(k.new_zeros(r, k.shape[1], t, k.shape[3]),
-                       v.new_zeros(r, v.shape[1], t, v.shape[3])) for k, v in frame.fresh]
+                       v.new_zeros(r, v.shape[1], t, v.shape[3])) for k, v in fresh]
             logits[mine] = out
-            for (k_all, v_all), (k, v) in zip(kv, frame.fresh, strict=True):
+            for (k_all, v_all), (k, v) in zip(kv, fresh, strict=True):
                 k_all[g, :, :t_g], v_all[g, :, :t_g] = k, v
         return logits, kv
+
+    def _model(self, ids: Tensor, pos: Tensor, ok: Tensor, embeds: Tensor | None,
+               past: Past | None, rows: Tensor,
+               cols: Tensor) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """One model call; rows with padding go packed (the model's projections and MLPs, most
+        of a forward, then skip the padded tokens)."""
+        r, t = ids.shape
+        packed = self.pack and r > 1 and not bool(ok.all())
+        frame = Frame(key_mask=ok, packed=packed) if past is None else past.frame(ok, packed)
+        if packed:
+            at = (ok.flatten().cumsum(0) - 1).view(r, t)  # (R, T) packed index of each token
+            logits = self.model(ids[ok][None], pos[ok][None], frame=frame,
+                                embeds=None if embeds is None else embeds[ok][None],
+                                logits_at=(torch.zeros_like(rows), at[rows, cols]))
+        else:
+            logits = self.model(ids, pos, frame=frame, embeds=embeds, logits_at=(rows, cols))
+        return logits, frame.fresh
 
     @staticmethod
     def _split(n_tokens: Tensor) -> list[Tensor] | None:

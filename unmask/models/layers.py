@@ -59,11 +59,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads
     k = k.view(b, t, n_kv_heads, -1).transpose(1, 2)  # (B, H_kv, T, D)
     v = v.view(b, t, n_kv_heads, -1).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    mask = None
-    if frame is not None:
-        k, v, mask = frame.keys(layer, k, v)  # k/v now (B, H_kv, K, D) with K >= T
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                         enable_gqa=n_heads != n_kv_heads)
+    if frame is None:
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=n_heads != n_kv_heads)
+    else:
+        out = frame.attend(layer, q, k, v)  # padding, stored keys, packing: the frame's business
     return out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
 
 

@@ -1,6 +1,8 @@
-"""Side by side: the runner's padding split on and off, at engine concurrency 1 and 16.
+"""Side by side: the runner's two answers to padding, packing and the split, each on and off,
+at engine concurrency 1 and 16.
 
-    .venv/bin/python scripts/engine_split.py
+    .venv/bin/python scripts/engine_padding.py [--rounds 2]
+
 
 32 held-out math prompts at gen_length 256, all submitted to one Engine with max_running = the
 concurrency; useful tokens/s (up to the first EOS) over the wall time; cells interleaved over 2
@@ -10,6 +12,7 @@ batching").
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -27,8 +30,9 @@ REAL_SPLIT = Runner._split
 
 
 def run(llm: LLM, prompts: list[list[int]], spec: str, concurrency: int,
-        split: bool) -> tuple[float, list[list[int]]]:
+        split: bool, pack: bool) -> tuple[float, list[list[int]]]:
     Runner._split = staticmethod(REAL_SPLIT if split else (lambda n_tokens: None))
+    Runner.pack = pack
     params = DecodeParams.parse(spec, gen_length=256)
     engine = Engine(llm.model, SchedulerConfig(max_running=concurrency))
     reqs = [engine.add_request(q, params) for q in prompts]
@@ -42,27 +46,31 @@ def run(llm: LLM, prompts: list[list[int]], spec: str, concurrency: int,
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
     torch.set_num_threads(1)
     llm = LLM()
     prompts = [llm.encode_prompt(e.prompt) for e in TASKS["math"].load("heldout", 32)]
-    cells = [(s, c, sp) for s in SPECS for c in (1, 16) for sp in (False, True)]
+    variants = [(False, False), (True, False), (False, True), (True, True)]  # (split, pack)
+    cells = [(s, c, *v) for s in SPECS for c in (1, 16) for v in (variants if c > 1 else variants[:1])]
     tps: dict[tuple, list[float]] = {}
     tokens: dict[tuple, list[list[int]]] = {}
-    for rnd in range(2):
+    for rnd in range(args.rounds):
         for i in range(len(cells)):
             cell = cells[(i + rnd) % len(cells)]
             value, tokens[cell] = run(llm, prompts, *cell)
             tps.setdefault(cell, []).append(value)
-    print("| decoder | concurrency | split | useful tokens/s | x vs concurrency 1 (no split) |")
-    print("|---|---|---|---|---|")
-    for s in SPECS:
-        base = statistics.median(tps[(s, 1, False)])
-        for c in (1, 16):
-            for sp in (False, True):
-                v = statistics.median(tps[(s, c, sp)])
-                print(f"| `{s}` | {c} | {'on' if sp else 'off'} | {v:.1f} | {v / base:.2f} |")
-        assert all(tokens[(s, c, sp)] == tokens[(s, 1, False)] for c in (1, 16) for sp in (0, 1))
-    print("\ntokens identical in every cell")
+    print("| decoder | concurrency | split | packed | useful tokens/s | x vs concurrency 1 |")
+    print("|---|---|---|---|---|---|")
+    onoff = {False: "off", True: "on"}
+    for cell in cells:
+        s, c, sp, pk = cell
+        v = statistics.median(tps[cell])
+        base = statistics.median(tps[(s, 1, False, False)])
+        print(f"| `{s}` | {c} | {onoff[sp]} | {onoff[pk]} | {v:.1f} | {v / base:.2f} |")
+    assert all(tokens[cell] == tokens[(cell[0], 1, False, False)] for cell in cells)
+    print(f"\n{args.rounds} rounds, medians; tokens identical in every cell")
 
 
 if __name__ == "__main__":
