@@ -47,10 +47,11 @@ class StoreAtFinish:
         def filter(self, keep):  # noqa: A001 - the method being wrapped
             for i, (req, k) in enumerate(zip(self.requests, keep, strict=True)):
                 if not k and self.store is not None:
-                    st = self.store
+                    st, row = self.store, int(self.store_row[i])  # position-indexed
                     spy.rows[req.request_id] = dict(
-                        k=[t[i].clone() for t in st.k], v=[t[i].clone() for t in st.v],
-                        valid=st.valid[i].clone(), pad=int(self.pad[i]), P=self.P)
+                        k=[t[row].clone() for t in st.k], v=[t[row].clone() for t in st.v],
+                        valid=self.stored_tokens(torch.tensor([i]))[0] >= 0,  # by slot
+                        pad=int(self.pad[i]), P=self.P)
             return spy.inner(self, keep)
 
         batch_mod.DecodeBatch.filter = filter
@@ -167,10 +168,10 @@ def test_store_holds_full_forward_kv(kind: str) -> None:
         n = last - pad  # slots pad..last-1 of the row = positions 0..n-1
         assert bool(row["valid"][pad:last].all())
         for layer, (k, v) in enumerate(frame.fresh):
-            # the store is slot-major: (S, H_kv, D) a row
-            torch.testing.assert_close(row["k"][layer][pad:last], k[0, :, :n].transpose(0, 1),
+            # the store is position-major: (W, H_kv, D) a row
+            torch.testing.assert_close(row["k"][layer][:n], k[0, :, :n].transpose(0, 1),
                                        atol=1e-5, rtol=0)
-            torch.testing.assert_close(row["v"][layer][pad:last], v[0, :, :n].transpose(0, 1),
+            torch.testing.assert_close(row["v"][layer][:n], v[0, :, :n].transpose(0, 1),
                                        atol=1e-5, rtol=0)
 
 
@@ -408,14 +409,15 @@ class StaleSpy:
         self.inner = runner_mod.Runner.forward
         spy = self
 
-        def forward(self, x, pad, visible, active, predict, refresh, store, parent, *args,
-                    **kwargs):
+        def forward(self, x, pad, visible, active, predict, refresh, store, *args, **kwargs):
             if store is not None:
-                read = visible & ~active & store.valid[parent] & ~refresh[:, None]
+                read = visible & ~active & store.valid & ~refresh[:, None]
+                slots = torch.arange(x.shape[1])[None]
+                stored = store.store.tokens_at(store.rows, slots - store.pad[:, None])
                 spy.reads += int(read.sum())
-                spy.stale_reads += int((read & (store.token[parent] != x)).sum())
-            return spy.inner(self, x, pad, visible, active, predict, refresh, store, parent,
-                             *args, **kwargs)
+                spy.stale_reads += int((read & (stored != x)).sum())
+            return spy.inner(self, x, pad, visible, active, predict, refresh, store, *args,
+                             **kwargs)
 
         runner_mod.Runner.forward = forward
         return self

@@ -340,6 +340,56 @@ def test_split_model_calls_change_nothing(spec: str, monkeypatch) -> None:
     assert calls and two == one
 
 
+@pytest.mark.parametrize("spec", ["threshold,cache=entropy,entropy_tau=0.5", "fast",
+                                  "freedave,cache=dual", "threshold,suffix=structured,inject=0.5"])
+def test_packed_model_calls_change_nothing(spec: str, monkeypatch) -> None:
+    """Padded rows forwarded packed (their real tokens only) give what padded rows give."""
+    from unmask.engine import runner as runner_mod
+
+    m = model("Dream" if "inject" in spec else "llada")
+    prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14], [3], [4, 4, 4, 4, 4, 4]]
+    p = params(spec, 32)
+    packed = []
+    inner = runner_mod.Runner._model
+
+    def spy(self, ids, *args):
+        packed.append(self.pack and ids.shape[0] > 1)
+        return inner(self, ids, *args)
+
+    monkeypatch.setattr(runner_mod.Runner, "_model", spy)
+    on = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
+    monkeypatch.setattr(runner_mod.Runner, "pack", False)
+    off = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
+    assert any(packed) and on == off
+
+
+def test_store_rows_are_reused_not_copied(monkeypatch) -> None:
+    """Leaving rows free their K/V store rows for joining ones: the pool never holds more rows
+    than run at once, nor more than twice the area the rows use; tokens are as if alone."""
+    from unmask.engine import batch as batch_mod
+
+    m = model("llada")
+    p = params("fast", 16)
+    prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14], [3], [4, 4, 4, 4, 4, 4], [7] * 12]
+    seen = []
+    inner = batch_mod.DecodeBatch.extend
+
+    def extend(self, reqs):
+        inner(self, reqs)
+        rows, width = self.store.shape
+        used = max(r.prompt_len + r.gen_length for r in self.requests)
+        seen.append((rows, width, len(self.requests), used))
+        assert len(set(self.store_row.tolist())) == len(self.requests)  # one store row each
+
+    monkeypatch.setattr(batch_mod.DecodeBatch, "extend", extend)
+    eng = engine(m, max_running=2)
+    reqs = [eng.add_request(q, p) for q in prompts]
+    eng.run()
+    assert len(seen) > 2  # rows joined while others ran
+    assert all(rows <= 2 and rows * width <= 2 * n * used for rows, width, n, used in seen)
+    assert [outcome(r) for r in reqs] == [alone(m, p, q) for q in prompts]
+
+
 def test_split_only_when_padding_dominates() -> None:
     from unmask.engine.runner import Runner
 

@@ -16,102 +16,105 @@ from torch import Tensor
 
 @dataclass
 class KVStore:
-    """Per-layer K/V of every canvas slot from the last time it was forwarded.
+    """Per-layer K/V of canvas positions from the last time they were forwarded, for a pool of
+    rows: a batch row holds one store row while it is in the batch (`DecodeBatch.store_row`),
+    and its slot pad + p keeps position p's K/V. Rows joining, leaving or widening the batch's
+    canvas move nothing here.
 
-    k[layer], v[layer]: (B, S, H_kv, D), slot-major so that reading or writing a set of slots
-    moves whole (H_kv, D) rows (one index_select / index_copy_ a layer). token: (B, S) the
-    token each slot's K/V was computed from, -1 where the slot holds none (never forwarded, or
-    dropped by `invalidate`). A slot committed since its forward holds K/V of its old [MASK],
-    which a policy may recompute.
+    k[layer], v[layer]: (N, W, H_kv, D), position-major so that reading or writing a set of
+    positions moves whole (H_kv, D) rows (one index_select / index_copy_ a layer). token: (N, W)
+    the token each position's K/V was computed from, -1 where it holds none (never forwarded,
+    dropped by `invalidate`, or a free row). A position committed since its forward holds K/V of
+    its old [MASK], which a policy may recompute.
     """
 
     k: list[Tensor]  # or a per-layer gathered view (`gather`)
     v: list[Tensor]
     token: Tensor
 
-    @property
-    def valid(self) -> Tensor:
-        """(B, S) bool: the slot holds K/V."""
-        return self.token >= 0
-
     @classmethod
-    def empty(cls, n_layers: int, batch: int, n_kv_heads: int, slots: int, head_dim: int,
+    def empty(cls, n_layers: int, rows: int, n_kv_heads: int, width: int, head_dim: int,
               dtype: torch.dtype, device: torch.device) -> KVStore:
-        shape = (batch, slots, n_kv_heads, head_dim)
+        shape = (rows, width, n_kv_heads, head_dim)
         return cls(
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
             v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
-            token=torch.full((batch, slots), -1, dtype=torch.long, device=device),
+            token=torch.full((rows, width), -1, dtype=torch.long, device=device),
         )
 
-    def gather(self, rows: Tensor, slots: Tensor) -> KVStore:
-        """The store as seen by a call: for each of its R rows (`rows` (R,): store row, several
-        calls rows may read one store row, e.g. FreeDave's drafts), the K slots `slots` (R, K)
-        only. K/V are gathered one layer at a time when attention reads them, so no copy of the
-        whole store is ever made, and attention runs over the slots a row can see, not over the
-        store's width."""
-        return KVStore(_Gathered(self.k, rows, slots), _Gathered(self.v, rows, slots),
-                       self.token[rows[:, None], slots])
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(rows, width) of the pool."""
+        return self.token.shape[0], self.token.shape[1]
 
-    # --- membership (batch rows join and leave; not per step) ---------------------------------
-    def cat_rows(self, n: int) -> KVStore:
-        """This store with `n` empty rows appended."""
+    def gather(self, rows: Tensor, pos: Tensor) -> KVStore:
+        """The store as seen by a call: for each of its R rows (`rows` (R,): store row; several
+        call rows may read one store row, e.g. FreeDave's drafts), the K positions `pos` (R, K)
+        only. K/V are gathered one layer at a time when attention reads them, so no copy of the
+        whole store is ever made, and attention runs over what a row can see, not over the
+        store's width."""
+        return KVStore(_Gathered(self.k, rows, pos), _Gathered(self.v, rows, pos),
+                       self.token[rows[:, None], pos])
+
+    def tokens_at(self, rows: Tensor, pos: Tensor) -> Tensor:
+        """(R, S) token of store row rows[i] at positions pos[i] (any ints: -1 outside 0..W-1)."""
+        inside = (pos >= 0) & (pos < self.token.shape[1])
+        tok = self.token[rows[:, None], pos.clamp(0, max(self.token.shape[1] - 1, 0))]
+        return torch.where(inside, tok, -1)
+
+    # --- the pool (rows join and leave; not per step) ------------------------------------------
+    def grown(self, rows: int, width: int) -> KVStore:
+        """This pool with at least `rows` rows and `width` positions (new ones empty)."""
+        n, w = self.shape
+        if rows <= n and width <= w:
+            return self
+        rows, width = max(rows, n), max(width, w)
+
         def grow(t: Tensor, fill: float) -> Tensor:
-            return torch.cat([t, torch.full((n, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)])
+            out = torch.full((rows, width, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+            out[:n, :w] = t
+            return out
         return KVStore([grow(k, 0) for k in self.k], [grow(v, 0) for v in self.v],
                        grow(self.token, -1))
 
-    def select_rows(self, index: Tensor) -> KVStore:
-        """A compacted store of `index`'s rows (finished rows leave)."""
-        return KVStore([k[index] for k in self.k], [v[index] for v in self.v], self.token[index])
-
-    def resize_slots(self, front: int, back: int) -> KVStore:
-        """Add (negative: drop) `front` empty slots before and `back` after every row."""
-        def pad(t: Tensor, dim: int, fill: float) -> Tensor:
-            t = t.narrow(dim, max(-front, 0), t.shape[dim] - max(-front, 0) - max(-back, 0))
-            parts = [t]
-            for n, at in ((front, 0), (back, 1)):
-                if n > 0:
-                    shape = list(t.shape)
-                    shape[dim] = n
-                    part = torch.full(shape, fill, dtype=t.dtype, device=t.device)
-                    parts.insert(len(parts) * at, part)
-            return torch.cat(parts, dim=dim) if len(parts) > 1 else t.contiguous()
-        return KVStore([pad(k, 1, 0) for k in self.k], [pad(v, 1, 0) for v in self.v],
-                       pad(self.token, 1, -1))
+    def compacted(self, rows: Tensor, width: int) -> KVStore:
+        """A pool of just `rows` (in that order), `width` positions wide."""
+        return KVStore([k[rows, :width] for k in self.k], [v[rows, :width] for v in self.v],
+                       self.token[rows, :width])
 
     def invalidate(self, rows: Tensor) -> None:
-        """Forget every slot of ``rows`` (a refresh rebuilds them)."""
+        """Forget every position of store rows `rows` (a refresh rebuilds them)."""
         self.token[rows] = -1
 
-    def write(self, rows: Tensor, src: Tensor, slots: Tensor, fresh: list[tuple[Tensor, Tensor]],
-              ok: Tensor, tokens: Tensor) -> None:
+    def write(self, rows: Tensor, pad: Tensor, src: Tensor, slots: Tensor,
+              fresh: list[tuple[Tensor, Tensor]], ok: Tensor, tokens: Tensor) -> None:
         """Store a call's fresh K/V (one (k, v) per layer, each (C, H_kv, T, D) for its C rows)
-        computed from `tokens` (C, T) at `slots` (C, T): call row src[i] goes to store row
-        rows[i]; entries with ok=False (padding queries) are skipped."""
+        computed from `tokens` (C, T) at canvas `slots` (C, T): call row src[i] goes to store
+        row rows[i], whose canvas row has left padding pad[i]; entries with ok=False (padding
+        queries) are skipped."""
         r_idx, t_idx = ok[src].nonzero(as_tuple=True)
         if r_idx.numel() == 0:
             return
         c = src[r_idx]  # the call row of each written entry
-        b, s = rows[r_idx], slots[c, t_idx]
-        n_slots, t = self.token.shape[1], ok.shape[1]
-        dst, from_ = b * n_slots + s, c * t + t_idx
+        b, p = rows[r_idx], slots[c, t_idx] - pad[r_idx]
+        width, t = self.token.shape[1], ok.shape[1]
+        dst, from_ = b * width + p, c * t + t_idx
         for layer, (k, v) in enumerate(fresh):
             for store, new in ((self.k[layer], k), (self.v[layer], v)):
                 h, d = new.shape[1], new.shape[3]
                 rows_of = new.transpose(1, 2).reshape(-1, h, d)  # (C*T, H_kv, D), a view when T-major
                 store.view(-1, h, d).index_copy_(0, dst, rows_of.index_select(0, from_))
-        self.token[b, s] = tokens[c, t_idx]
+        self.token[b, p] = tokens[c, t_idx]
 
 
 class _Gathered:
-    """Per-layer tensors (B, S, H, D) read at (rows, slots): layer i is gathered on access,
+    """Per-layer tensors (N, W, H, D) read at (rows, pos): layer i is gathered on access,
     (R, K, H, D)."""
 
-    def __init__(self, layers: list[Tensor], rows: Tensor, slots: Tensor) -> None:
-        self.layers, self.shape = layers, slots.shape
-        n_slots = layers[0].shape[1] if layers else 0
-        self.flat = (rows[:, None] * n_slots + slots).flatten()  # (R*K,) into (B*S, H, D)
+    def __init__(self, layers: list[Tensor], rows: Tensor, pos: Tensor) -> None:
+        self.layers, self.shape = layers, pos.shape
+        width = layers[0].shape[1] if layers else 0
+        self.flat = (rows[:, None] * width + pos).flatten()  # (R*K,) into (N*W, H, D)
 
     def __getitem__(self, layer: int) -> Tensor:
         t = self.layers[layer]
@@ -129,8 +132,8 @@ class Frame:
     packed: the model's inputs are the key_mask's True tokens only, packed row after row as one
         (1, N) sequence, so projections and MLPs skip the padding; attention unpacks them to
         (B, T) rows (padding zeroed, masked out as keys) and packs its output back.
-    past / past_mask: optional store (or a gathered view of one) and (B, S) bool of its slots to
-        attend to in addition.
+    past / past_mask: optional store view (B rows, K positions each; `KVStore.gather`) and its
+        (B, K) bool mask of positions to attend to in addition.
     attn_mask: optional (B, 1, T, K) bool overriding everything (tests use it for causal masks).
     After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens, (B, H_kv, T, D)
     (unpacked).

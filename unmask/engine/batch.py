@@ -10,6 +10,8 @@ Every generated region starts at slot P, so blocks line up across rows. A row's 
 (RoPE ids) are slot - pad, so neither padding changes what a row computes. Joining rows with a
 longer prompt or generation widen every tensor (a copy when membership changes, never per
 step); leaving rows are dropped and the width shrinks back to what the remaining rows need.
+The K/V store is a pool indexed by (store row, position), so none of this copies it: a joining
+row takes a free store row, a leaving row frees its own (KVStore).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ class DecodeBatch:
             torch.empty(0, 0, device=device), torch.empty(0, 0, device=device),
             torch.empty(0, 0, dtype=torch.bool, device=device))
         self.store: KVStore | None = None
+        self.store_row = torch.empty(0, dtype=torch.long, device=device)  # (R,) the row's store row
+        self._free: list[int] = []  # store rows no batch row holds
         if store_shape is not None:
             n_layers, n_kv, head_dim, dtype = store_shape
             self.store = KVStore.empty(n_layers, 0, n_kv, 0, head_dim, dtype, device)
@@ -110,7 +114,12 @@ class DecodeBatch:
             torch.cat([pr.entropy, torch.zeros(b, self.S, device=dev)]),
             torch.cat([pr.fresh, torch.zeros(b, self.S, dtype=torch.bool, device=dev)]))
         if self.store is not None:
-            self.store = self.store.cat_rows(b)
+            n = self.store.shape[0]
+            self.store = self.store.grown(n + max(b - len(self._free), 0),
+                                          max(r.prompt_len + r.gen_length for r in reqs))
+            self._free += range(n, self.store.shape[0])
+            taken, self._free = self._free[:b], self._free[b:]
+            self.store_row = torch.cat([self.store_row, torch.tensor(taken, device=dev)])
         self.requests.extend(reqs)
 
     def filter(self, keep: list[bool]) -> None:
@@ -125,13 +134,33 @@ class DecodeBatch:
         pr = self.preds
         self.preds = Predictions(pr.token[idx], pr.conf[idx], pr.entropy[idx], pr.fresh[idx])
         if self.store is not None:
-            self.store = self.store.select_rows(idx)
+            gone = self.store_row[[not k for k in keep]]
+            self.store.invalidate(gone)
+            self._free += gone.tolist()
+            self.store_row = self.store_row[idx]
+            self._compact_store()
         if not self.requests:
             self._resize(-self.P, -(self.S - self.P))
             return
         P = max(r.prompt_len for r in self.requests)
         gen = max(r.gen_length for r in self.requests)
         self._resize(P - self.P, (P + gen) - (self.S + P - self.P))
+
+    def _compact_store(self) -> None:
+        """Give the pool's memory back once it holds more than twice what the rows use (one copy;
+        so the store never holds more than twice the canvas area the scheduler budgets)."""
+        n, width = self.store.shape
+        used = max((r.prompt_len + r.gen_length for r in self.requests), default=0)
+        if n * width <= 2 * len(self.requests) * used:
+            return
+        self.store = self.store.compacted(self.store_row, used)
+        self.store_row = torch.arange(len(self.requests), device=self.device)
+        self._free = []
+
+    def stored_tokens(self, rows: Tensor) -> Tensor:
+        """(R', S) the token each slot of batch rows `rows` has K/V from in the store (-1: none)."""
+        pos = self.slots[None, :] - self.pad[rows][:, None]
+        return self.store.tokens_at(self.store_row[rows], pos)
 
     def _resize(self, front: int, back: int) -> None:
         """Add (or, when negative, drop) `front` slots before and `back` slots after every row."""
@@ -157,7 +186,5 @@ class DecodeBatch:
             t = getattr(self, name)
             setattr(self, name, torch.where(t >= 0, t + front, t) if name not in ("pad", "end")
                     else t + front)
-        if self.store is not None:
-            self.store = self.store.resize_slots(front, back)
         self.P += front
         self.S += front + back

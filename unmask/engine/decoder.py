@@ -20,7 +20,7 @@ from unmask.decoding.methods import BlockSchedule, make_method
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.rules import select_top
 from unmask.engine.batch import DecodeBatch
-from unmask.engine.runner import Forwarded, Runner
+from unmask.engine.runner import Forwarded, Runner, StoreRead
 from unmask.suffix import make_suffix_policy
 
 
@@ -174,28 +174,31 @@ class Decoder:
         end = start + self.params.block_length
         commit_step = torch.where(d.added, b.step[parent][:, None], b.commit_step[parent])
         masked = x == self.mask_id
-        store = b.store
-        # Slots whose stored K/V was computed from another token (committed since): [MASK] K/V.
-        # Only policies that read it pay for the (D, S) comparison.
-        stale = (store.token[parent] != x) if self.cache.reads_stale else torch.zeros_like(masked)
+        # The token each slot's stored K/V was computed from (-1: none); a slot whose K/V comes
+        # from another token (committed since) holds [MASK] K/V.
+        stored = b.stored_tokens(parent) if b.store is not None else None
+        # Only policies that read staleness pay for the (D, S) comparison.
+        stale = (stored != x) if self.cache.reads_stale else torch.zeros_like(masked)
         view = StepView(slots, start, end, d.new_entropy, commit_step, b.store_block[parent],
                         masked, stale)
         pad = b.pad[parent]
         visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, b.end[parent])
         refresh, recompute = self.cache.plan(view)
-        if store is None:
+        read = None
+        if stored is None:
             active = visible
         else:
-            valid = store.valid[parent]
+            valid = stored >= 0
             active = torch.where(refresh[:, None], visible, (recompute | ~valid) & visible)
+            read = StoreRead(b.store, b.store_row[parent], pad, valid)
         masked = masked & visible
         predict = masked & view.in_block
         if self.params.inject > 0:
             predict |= masked & active & (slots >= end[:, None])
         prev = b.preds.token[parent]
         noise = self._noise(b, x, parent)
-        return self.runner.forward(x, pad, visible, active, predict, refresh, store, parent, prev,
-                                   noise, start)
+        return self.runner.forward(x, pad, visible, active, predict, refresh, read, prev, noise,
+                                   start)
 
     def _noise(self, b: DecodeBatch, x: Tensor, parent: Tensor) -> Tensor | None:
         """(D, block_length, V + 1) uniforms keyed by (request noise key, tokens committed so far):
@@ -277,8 +280,9 @@ class Decoder:
         b.has_preds[rows] = True
         if b.store is not None:
             refreshed = fw.refresh[fi]
-            b.store.invalidate(rows[refreshed])
-            b.store.write(rows, fi, fw.idx, fw.kv, fw.ok, fw.ids)
+            store_rows = b.store_row[rows]
+            b.store.invalidate(store_rows[refreshed])
+            b.store.write(store_rows, b.pad[rows], fi, fw.idx, fw.kv, fw.ok, fw.ids)
             start = self._block_start(b, b.x[rows])
             b.store_block[rows] = torch.where(refreshed, start, b.store_block[rows])
 

@@ -19,23 +19,33 @@ from unmask.suffix import SuffixPolicy
 
 
 @dataclass
+class StoreRead:
+    """The K/V store as the R rows of one call see it."""
+
+    store: KVStore
+    rows: Tensor  # (R,) each call row's store row
+    pad: Tensor  # (R,) each call row's left padding: slot pad + p holds position p
+    valid: Tensor  # (R, S) bool slots whose K/V the store holds
+
+
+@dataclass
 class Past:
-    """What a call reads from the store: row `rows[i]` at slots `slots[i]` (R, K) for each of
-    its rows; mask (R, K) False where a row has fewer slots than K."""
+    """What a call reads from the store: store row `rows[i]` at positions `pos[i]` (R, K) for
+    each of its rows; mask (R, K) False where a row has fewer positions than K."""
 
     store: KVStore
     rows: Tensor
-    slots: Tensor
+    pos: Tensor
     mask: Tensor
 
     def take(self, index: Tensor) -> Past:
         """The rows `index`, their slots trimmed to their own longest count."""
         mask = self.mask[index]
         k = int(mask.sum(-1).max())
-        return Past(self.store, self.rows[index], self.slots[index, :k], mask[:, :k])
+        return Past(self.store, self.rows[index], self.pos[index, :k], mask[:, :k])
 
     def frame(self, key_mask: Tensor, packed: bool) -> Frame:
-        return Frame(key_mask=key_mask, past=self.store.gather(self.rows, self.slots),
+        return Frame(key_mask=key_mask, past=self.store.gather(self.rows, self.pos),
                      past_mask=self.mask, packed=packed)
 
 
@@ -74,12 +84,12 @@ class Runner:
 
     @torch.no_grad()
     def forward(self, x: Tensor, pad: Tensor, visible: Tensor, active: Tensor, predict: Tensor,
-                refresh: Tensor, store: KVStore | None, parent: Tensor, prev_token: Tensor,
+                refresh: Tensor, store: StoreRead | None, prev_token: Tensor,
                 noise: Tensor | None, block_start: Tensor) -> Forwarded:
         """Forward rows x (R, S).
 
         visible: slots that exist in this step (R, S); active: slots recomputed (a subset);
-        the rest of `visible` is read from `store`, row `parent` (R,) of it for each row.
+        the rest of `visible` is read from `store` (None: no cache, or nothing stored).
         predict: slots whose prediction is needed. noise: (R, block_length, V + 1) uniforms or None.
         """
         r, s = x.shape
@@ -100,7 +110,7 @@ class Runner:
         pos = idx - pad[:, None]
         block_end = block_start + self.params.block_length
         embeds = self.suffix.embeds(self.model, ids, idx, ok, prev_token, block_end)
-        past = self._past(visible & ~active, store, parent)
+        past = self._past(visible & ~active, store)
         target = idx + self.shift  # slot each output predicts
         want = ok & (target < s)
         want &= predict.gather(1, target.clamp_max(s - 1))
@@ -124,18 +134,20 @@ class Runner:
         return Forwarded(token, conf, ent, fresh, kv, idx, ids, ok, refresh, visible)
 
     @staticmethod
-    def _past(cached: Tensor, store: KVStore | None, parent: Tensor) -> Past | None:
-        """The stored slots each row attends to besides its forwarded tokens: its visible slots
-        not recomputed that hold K/V, in slot order, padded to the longest row's count K.
-        Attention then costs what a row sees, not the store's width."""
-        if store is None:
+    def _past(cached: Tensor, read: StoreRead | None) -> Past | None:
+        """The stored positions each row attends to besides its forwarded tokens: its visible
+        slots not recomputed that hold K/V, in slot order, padded to the longest row's count K.
+        Attention then costs what a row sees, not the canvas width."""
+        if read is None:
             return None
-        keep = cached & store.valid[parent]  # (R, S)
+        keep = cached & read.valid  # (R, S)
         k = int(keep.sum(-1).max())
         if k == 0:
             return None
         slots = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[:, :k]  # (R, K)
-        return Past(store, parent, slots, keep.gather(1, slots))
+        # Padding entries (mask False) may point anywhere: clamp them into the store.
+        pos = (slots - read.pad[:, None]).clamp(0, read.store.shape[1] - 1)
+        return Past(read.store, read.rows, pos, keep.gather(1, slots))
 
     def _call(self, ids: Tensor, pos: Tensor, ok: Tensor, embeds: Tensor | None,
               past: Past | None, rows: Tensor,
