@@ -3,10 +3,9 @@ at engine concurrency 1 and 16.
 
     .venv/bin/python scripts/engine_padding.py [--rounds 2]
 
-
 32 held-out math prompts at gen_length 256, all submitted to one Engine with max_running = the
-concurrency; useful tokens/s (up to the first EOS) over the wall time; cells interleaved over 2
-rounds, medians; asserts the tokens are identical in every cell (BENCHMARKS.md, "Engine
+concurrency; useful tokens/s (up to the first EOS) over the wall time; cells interleaved over
+--rounds rounds, medians; asserts the tokens are identical in every cell (BENCHMARKS.md, "Engine
 batching").
 """
 
@@ -27,12 +26,13 @@ from unmask.tasks import TASKS
 
 SPECS = ("fast", "threshold,cache=entropy")
 REAL_SPLIT = Runner._split
+PACK_MIN_PADDING = Runner.pack_min_padding
 
 
 def run(llm: LLM, prompts: list[list[int]], spec: str, concurrency: int,
-        split: bool, pack: bool) -> tuple[float, list[list[int]]]:
+        split: bool, pack: float) -> tuple[float, list[list[int]]]:
     Runner._split = staticmethod(REAL_SPLIT if split else (lambda n_tokens: None))
-    Runner.pack = pack
+    Runner.pack_min_padding = pack
     params = DecodeParams.parse(spec, gen_length=256)
     engine = Engine(llm.model, SchedulerConfig(max_running=concurrency))
     reqs = [engine.add_request(q, params) for q in prompts]
@@ -52,7 +52,9 @@ def main() -> None:
     torch.set_num_threads(1)
     llm = LLM()
     prompts = [llm.encode_prompt(e.prompt) for e in TASKS["math"].load("heldout", 32)]
-    variants = [(False, False), (True, False), (False, True), (True, True)]  # (split, pack)
+    # (split, pack calls with at least this share of padding; 1.0: never, 0.0: any padding)
+    packs = (1.0, 0.0, PACK_MIN_PADDING)
+    variants = [(sp, pk) for sp in (False, True) for pk in packs]
     cells = [(s, c, *v) for s in SPECS for c in (1, 16) for v in (variants if c > 1 else variants[:1])]
     tps: dict[tuple, list[float]] = {}
     tokens: dict[tuple, list[list[int]]] = {}
@@ -63,13 +65,16 @@ def main() -> None:
             tps.setdefault(cell, []).append(value)
     print("| decoder | concurrency | split | packed | useful tokens/s | x vs concurrency 1 |")
     print("|---|---|---|---|---|---|")
-    onoff = {False: "off", True: "on"}
+    # (two dicts: False == 0.0 and True == 1.0 as dict keys)
+    split_label = {False: "off", True: "on"}
+    pack_label = {1.0: "never", 0.0: "any padding",
+                  PACK_MIN_PADDING: f"padding >= {PACK_MIN_PADDING:.0%} (default)"}
     for cell in cells:
         s, c, sp, pk = cell
         v = statistics.median(tps[cell])
-        base = statistics.median(tps[(s, 1, False, False)])
-        print(f"| `{s}` | {c} | {onoff[sp]} | {onoff[pk]} | {v:.1f} | {v / base:.2f} |")
-    assert all(tokens[cell] == tokens[(cell[0], 1, False, False)] for cell in cells)
+        base = statistics.median(tps[(s, 1, False, 1.0)])
+        print(f"| `{s}` | {c} | {split_label[sp]} | {pack_label[pk]} | {v:.1f} | {v / base:.2f} |")
+    assert all(tokens[cell] == tokens[(cell[0], 1, False, 1.0)] for cell in cells)
     print(f"\n{args.rounds} rounds, medians; tokens identical in every cell")
 
 

@@ -350,17 +350,19 @@ def test_packed_model_calls_change_nothing(spec: str, monkeypatch) -> None:
     prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14], [3], [4, 4, 4, 4, 4, 4]]
     p = params(spec, 32)
     packed = []
-    inner = runner_mod.Runner._model
+    inner = m.forward
 
-    def spy(self, ids, *args):
-        packed.append(self.pack and ids.shape[0] > 1)
-        return inner(self, ids, *args)
+    def spy(*args, frame=None, **kwargs):
+        packed.append(frame.packed)
+        return inner(*args, frame=frame, **kwargs)
 
-    monkeypatch.setattr(runner_mod.Runner, "_model", spy)
+    monkeypatch.setattr(m, "forward", spy)
     on = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
-    monkeypatch.setattr(runner_mod.Runner, "pack", False)
+    monkeypatch.setattr(runner_mod.Runner, "pack_min_padding", 1.0)  # never
+    n_packed = sum(packed)
     off = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
-    assert any(packed) and on == off
+    assert n_packed and sum(packed) == n_packed  # packed calls with it on, none with it off
+    assert on == off
 
 
 def test_store_rows_are_reused_not_copied(monkeypatch) -> None:

@@ -70,8 +70,10 @@ class Forwarded:
 
 
 class Runner:
-    # Calls with padded rows go packed; off only to measure it (scripts/engine_padding.py).
-    pack = True
+    # Calls whose padding is at least this share of their padded tokens go packed. Packing
+    # copies q/k/v in and out of rows in every layer, which costs more than little padding
+    # saves (BENCHMARKS.md, "Engine batching"; scripts/engine_padding.py sets 1.0: never).
+    pack_min_padding = 0.1
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
@@ -189,7 +191,8 @@ class Runner:
         """One model call; rows with padding go packed (the model's projections and MLPs, most
         of a forward, then skip the padded tokens)."""
         r, t = ids.shape
-        packed = self.pack and r > 1 and not bool(ok.all())
+        padding = r * t - int(ok.sum())
+        packed = padding > 0 and padding >= self.pack_min_padding * r * t
         frame = Frame(key_mask=ok, packed=packed) if past is None else past.frame(ok, packed)
         if packed:
             at = (ok.flatten().cumsum(0) - 1).view(r, t)  # (R, T) packed index of each token
