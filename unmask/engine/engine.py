@@ -51,7 +51,9 @@ class Engine:
         self.batches: dict[Hashable, DecodeBatch] = {}
         self.requests: dict[str, Request] = {}  # waiting or running
         self._pending: list[StepEvent] = []  # events of aborts between steps
-        self.model_calls = 0  # engine-wide NFE: model calls made, all batches together
+        # Engine-wide NFE: forward passes, one per decoder batch per step that forwarded; a
+        # batch the runner splits over two model calls to save padding still counts once.
+        self.model_calls = 0
         self.token_forwards = 0  # token positions those calls processed
 
     # --- requests ----------------------------------------------------------------------------

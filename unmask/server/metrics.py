@@ -23,7 +23,9 @@ class ServerMetrics:
         self.running = Gauge("unmask_running_requests", "Requests being decoded", registry=r)
         self.requests = Counter("unmask_requests", "Finished requests by outcome "
                                 "(stop, length, abort, error, rejected)", ["outcome"], registry=r)
-        self.model_calls = Counter("unmask_model_calls", "Model calls (engine-wide NFE)", registry=r)
+        self.model_calls = Counter(
+            "unmask_model_calls", "Forward passes, one per decoder batch per step (engine-wide NFE)",
+            registry=r)
         self.token_forwards = Counter("unmask_token_forwards", "Token positions forwarded",
                                       registry=r)
         self.decided = Counter("unmask_decided_positions", "Generated positions committed by a "
