@@ -31,6 +31,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: see below)
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
@@ -57,6 +58,8 @@ SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")
 GREEDY_KWARGS = {"do_sample": False, "temperature": 0}  # values that ask for greedy decoding
 
 
+# lm-eval's get_model imports lm_eval.models (its built-in models) only while the registry is
+# empty, so registering `unmask` into an empty registry would hide them: hence the import above.
 @register_model("unmask")
 class UnmaskLM(LM):
     def __init__(self, pretrained: str | None = None, decoder: str = "static-1",
