@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "unmask"
-SOURCES = sorted(PACKAGE.rglob("*.py"))
+# The package's modules, plus the two that run outside it: setup.py (the build) and the hook
+# unmask_lm_eval.pth imports at every interpreter start.
+SOURCES = [*sorted(PACKAGE.rglob("*.py")), PACKAGE.parent / "_unmask_lm_eval.py", PACKAGE.parent / "setup.py"]
 
 
 def _modules_after(code: str) -> set[str]:

@@ -1,7 +1,9 @@
-"""unmask inside lm-evaluation-harness: the `unmask` model, its likelihood bound, the shipped tasks.
+"""unmask inside lm-evaluation-harness: the `unmask` model, its likelihood bound, the shipped tasks,
+and how lm-eval finds the model (unmask_lm_eval.pth's hook, _unmask_lm_eval.py).
 
-lm-eval's CLI indexes its thousands of built-in tasks at every start (~20 s here), so one CLI run
-is in the default suite (accuracy against `unmask eval`); the other CLI runs are marked slow.
+lm-eval's CLI indexes its thousands of built-in tasks at every start (~15 s here), so the default
+suite has one full CLI run (plain `lm_eval`, accuracy against `unmask eval`) and two runs that
+stop at the model's arguments (`lm-eval run`, `unmask-lm-eval`); the other CLI runs are slow.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 import statistics
 import subprocess
 import sys
+import warnings
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -36,10 +40,18 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS":
            "TOKENIZERS_PARALLELISM": "false"}
 
 
-def lm_eval_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run `unmask-lm-eval` (lm-eval's CLI with `unmask` registered) offline, one thread."""
-    script = Path(sys.executable).parent / "unmask-lm-eval"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "unmask.evaluation"]
+def lm_eval_cli(tmp_path: Path, *args: str, command: str = "unmask-lm-eval") -> subprocess.CompletedProcess:
+    """Run an lm-eval command line offline, one thread: `unmask-lm-eval` (lm-eval's CLI with
+    `unmask` registered and the task folder added) or lm-eval's own console script, `lm_eval` or
+    `lm-eval run`, which find `--model unmask` through the installed .pth (given the task folder)."""
+    bin_dir = Path(sys.executable).parent
+    if command == "unmask-lm-eval":
+        script = bin_dir / command
+        cmd = [str(script)] if script.exists() else [sys.executable, "-m", "unmask.evaluation"]
+    else:
+        name, *sub = command.split()
+        cmd = [str(bin_dir / name), *sub]
+        args = (*args, "--include_path", str(TASKS_DIR))
     env = {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
     return subprocess.run([*cmd, *args, "--device", "cpu"], capture_output=True, text=True,
                           env=env, cwd=tmp_path, timeout=600)
@@ -64,23 +76,40 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_cli_accuracy_equals_unmask_eval(tmp_path: Path) -> None:
-    """`lm_eval --model unmask --tasks unmask_math` scores the problems `unmask eval --task math`
-    scores, with the same outputs, so the same accuracy."""
+    """Plain `lm_eval --model unmask --tasks unmask_math` (lm-eval's own console script; nothing
+    imports unmask first) scores the problems `unmask eval --task math` scores, with the same
+    outputs, so the same accuracy."""
     n, decoder, gen = 12, "threshold", 128
     run = lm_eval_cli(tmp_path, "--model", "unmask", "--model_args",
                       f"decoder={decoder},gen_length={gen},block_length=32",
                       "--tasks", "unmask_math", "--apply_chat_template", "--limit", str(n),
-                      "--batch_size", "4", "--log_samples", "--output_path", str(tmp_path / "out"))
+                      "--batch_size", "4", "--log_samples", "--output_path", str(tmp_path / "out"),
+                      command="lm_eval")
     assert run.returncode == 0, run.stderr[-3000:]
     acc = assert_lm_eval_equals_unmask_eval(tmp_path / "out", tmp_path, n, [
         "--decoder", decoder, "--gen-length", str(gen), "--block-length", "32"])
     assert acc >= 0.5  # the embedded model scores ~84% on these problems
 
 
+@pytest.mark.parametrize("command", ["lm-eval run", "unmask-lm-eval"])
+def test_cli_finds_the_model_and_names_a_bad_decoder(tmp_path: Path, command: str) -> None:
+    """The other two commands, up to the model: `--model unmask` resolves (UnmaskLM rejects
+    decoder=warp), and the error names the decoder: lm-eval's own CLI in its traceback's last
+    line, `unmask-lm-eval` in one line (exit code 2)."""
+    run = lm_eval_cli(tmp_path, "--model", "unmask", "--model_args", "decoder=warp",
+                      "--tasks", "unmask_math", "--limit", "1", command=command)
+    last = run.stderr.strip().splitlines()[-1]
+    assert "unknown decoder 'warp'" in last, run.stderr[-3000:]
+    if command == "unmask-lm-eval":
+        assert run.returncode == 2 and "Traceback" not in run.stderr
+        assert last.startswith("unmask-lm-eval: error: ")
+    else:
+        assert run.returncode != 0 and "no model for this name" not in run.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_args, names", [
     ("decoder=threshold,colour=red", "unknown --model_args key 'colour'"),
-    ("decoder=warp", "unknown decoder 'warp'"),
     ("pretrained=/no/such/folder", "/no/such/folder"),
 ])
 def test_cli_bad_model_args_fail_in_one_line(tmp_path: Path, model_args: str, names: str) -> None:
@@ -106,19 +135,82 @@ def test_cli_gsm8k_from_a_local_file(tmp_path: Path) -> None:
     assert "unmask_gsm8k" in run.stdout and "exact_match" in run.stdout
 
 
-@pytest.mark.slow
-def test_plain_lm_eval_finds_the_entry_point(tmp_path: Path) -> None:
-    """`lm_eval --model unmask` itself, where lm-eval discovers `lm_eval.models` entry points."""
+# --------------------------------------------------------------------------- the .pth hook
+
+
+# Run in a fresh interpreter of this environment: what unmask_lm_eval.pth did at its start.
+FRESH_PROCESS = """
+import sys
+assert "_unmask_lm_eval" in sys.modules, "unmask_lm_eval.pth did not run"
+loaded = [m for m in ("lm_eval", "torch", "unmask") if m in sys.modules]
+assert not loaded, f"imported at startup: {loaded}"
+
+from lm_eval.api.registry import get_model, model_registry
+assert "unmask" not in model_registry  # not before lm-eval's own models: that would hide them
+assert get_model("dummy").__name__ == "DummyLM"  # imports lm_eval.models (registry empty)
+assert "unmask" in model_registry and "unmask" not in sys.modules, "unmask is not lazy"
+assert get_model("unmask").__module__ == "unmask.evaluation.harness"
+assert get_model("local-completions").__name__ == "LocalCompletionsAPI"
+try:
+    assert get_model("hf").__name__ == "HFLM"
+except ModuleNotFoundError as e:  # found; lm-eval[hf] (accelerate) is not installed
+    print("hf:", e)
+print("ok")
+"""
+
+
+def test_pth_hook_is_lazy_and_keeps_builtin_models(tmp_path: Path) -> None:
+    """A fresh interpreter (this environment's install, editable or not) has the hook and nothing
+    else: no lm_eval, torch or unmask. lm-eval then finds `unmask` without anything importing
+    unmask first, and its built-in models are all still there."""
+    run = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True,
+                         cwd=tmp_path, env={**os.environ, **OFFLINE}, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+def test_hook_registers_once_and_steps_aside(monkeypatch: pytest.MonkeyPatch) -> None:
     import lm_eval.api.registry as registry
 
-    if not hasattr(registry, "load_plugins"):
-        pytest.skip(f"lm-eval {importlib.metadata.version('lm_eval')} does not discover plugin models")
-    env = {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
-    run = subprocess.run([str(Path(sys.executable).parent / "lm_eval"), "--model", "unmask",
-                          "--model_args", "decoder=threshold,gen_length=64", "--tasks", "unmask_math",
-                          "--include_path", str(TASKS_DIR), "--limit", "2", "--device", "cpu"],
-                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    import _unmask_lm_eval as hook
+
+    # This process imported the harness: `unmask` is registered, the hook leaves it alone; the
+    # harness imported lm-eval's own models before registering (or they would be hidden).
+    assert registry.get_model("unmask") is UnmaskLM and not hook.register()
+    assert registry.get_model("dummy").__name__ == "DummyLM"
+    # A registry without it: the lazy placeholder, once.
+    monkeypatch.setattr(registry, "model_registry", registry.Registry("model"))
+    assert hook.register() and not hook.register()
+    assert registry.model_registry.get("unmask") is UnmaskLM
+    # An lm-eval that discovers entry points itself: nothing.
+    monkeypatch.setattr(registry, "model_registry", registry.Registry("model"))
+    monkeypatch.setattr(registry, "load_plugins", lambda *a: [], raising=False)
+    assert not hook.register() and "unmask" not in registry.model_registry
+    # Its own failure (here a frozen registry) is a warning, not an error.
+    monkeypatch.delattr(registry, "load_plugins")
+    registry.model_registry.freeze()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hook._register_or_warn()
+    assert [w.category for w in caught] == [RuntimeWarning]
+    assert "--model unmask" in str(caught[0].message)
+
+
+@pytest.mark.slow
+def test_wheel_puts_the_pth_at_the_root(tmp_path: Path) -> None:
+    """The non-editable install: the wheel (built as pip builds it, setuptools from the index)
+    carries unmask_lm_eval.pth and its module at its root, listed in RECORD."""
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", str(root), "-w",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
+    (wheel,) = tmp_path.glob("unmask-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        record = z.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
+        pth = z.read("unmask_lm_eval.pth").decode()
+    assert {"unmask_lm_eval.pth", "_unmask_lm_eval.py"} <= {n for n in names if "/" not in n}
+    assert "\nunmask_lm_eval.pth,sha256=" in record
+    assert pth.startswith("import ") and pth.count("\n") == 1 and "_unmask_lm_eval" in pth
 
 
 def test_entry_point_and_task_folder() -> None:

@@ -1,10 +1,10 @@
 """``unmask-lm-eval`` (also ``python -m unmask.evaluation``): lm-eval's own command line with the
 ``unmask`` model registered and unmask's task folder on ``--include_path``.
 
-lm-eval's released versions find models only in their own source tree, so a plain ``lm_eval
---model unmask`` cannot see a model another package installs. unmask declares an
-``lm_eval.models`` entry point for the versions that discover them; until then this command is
-``lm_eval`` with the registration done first. Arguments are lm-eval's, unchanged.
+Plain ``lm_eval --model unmask`` works too (the hook in ``_unmask_lm_eval.py``, started by the
+``unmask_lm_eval.pth`` an install puts in site-packages); this command predates it and stays:
+it registers the model itself (so ``python -m unmask.evaluation`` also works without the .pth),
+adds the task folder, and reports unmask's errors in one line. Arguments are lm-eval's, unchanged.
 """
 
 from __future__ import annotations

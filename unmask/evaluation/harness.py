@@ -1,7 +1,10 @@
 """unmask as an lm-evaluation-harness model, registered as ``unmask``.
 
-    unmask-lm-eval --model unmask --model_args pretrained=DIR,decoder=fast,gen_length=256 \
-        --tasks unmask_math --apply_chat_template
+    lm_eval --model unmask --model_args pretrained=DIR,decoder=fast,gen_length=256 \
+        --tasks unmask_math --include_path unmask/eval_tasks --apply_chat_template
+
+(lm-eval finds this class through the hook in ``_unmask_lm_eval.py``; ``unmask-lm-eval`` imports
+it itself.)
 
 ``--model_args`` keys: ``pretrained`` (model folder; default the embedded model), ``decoder`` (a
 decoder spec NAME; its keys go in as further model args, e.g. ``decoder=threshold,threshold=0.8``),
@@ -31,6 +34,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: see below)
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
@@ -57,6 +61,9 @@ SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")
 GREEDY_KWARGS = {"do_sample": False, "temperature": 0}  # values that ask for greedy decoding
 
 
+# lm-eval's get_model imports lm_eval.models (its built-in models) only while the registry is
+# empty, so registering `unmask` into an empty registry would hide them: hence the import above.
+# Where unmask_lm_eval.pth's hook registered the placeholder for this class, this replaces it.
 @register_model("unmask")
 class UnmaskLM(LM):
     def __init__(self, pretrained: str | None = None, decoder: str = "static-1",
