@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval's own models first: see below)
@@ -43,10 +45,31 @@ from tqdm import tqdm
 
 from unmask.api import LLM, Generation
 from unmask.decoding.params import SPEC_KEYS, DecodeParams
-from unmask.errors import InputError
+from unmask.errors import InputError, UnmaskError
 from unmask.evaluation.likelihood import estimate_bound
 
 log = logging.getLogger(__name__)
+
+
+def _one_line_errors() -> None:
+    """Under lm-eval's own command line, bad input of ours (an unknown --model_args key, a bad
+    decoder spec, a missing folder) ends the run with one line naming it, as `unmask` and
+    `unmask-lm-eval` do, instead of a traceback. Other exceptions, and Python callers, keep
+    theirs."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if name not in ("lm_eval", "lm-eval"):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if isinstance(value, UnmaskError):
+            print(f"{name}: error: {value}", file=sys.stderr)
+        else:
+            previous(kind, value, tb)
+    sys.excepthook = hook
+
+
+_one_line_errors()
 
 # unmask eval's defaults, so `--model_args decoder=X` means what `unmask eval --decoder X` means.
 DEFAULT_GEN_LENGTH = 256
