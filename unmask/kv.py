@@ -101,9 +101,10 @@ class KVStore:
         dst, from_ = b * width + p, c * t + t_idx
         for layer, (k, v) in enumerate(fresh):
             for store, new in ((self.k[layer], k), (self.v[layer], v)):
-                h, d = new.shape[1], new.shape[3]
-                rows_of = new.transpose(1, 2).reshape(-1, h, d)  # (C*T, H_kv, D), a view when T-major
-                store.view(-1, h, d).index_copy_(0, dst, rows_of.index_select(0, from_))
+                # fresh is (C, H_kv, T, D), T-major in memory: the transpose is a view
+                rows_of = new.transpose(1, 2).flatten(0, 1)
+                # view, not flatten: a copy here would drop the write silently
+                store.view(-1, *rows_of.shape[1:]).index_copy_(0, dst, rows_of.index_select(0, from_))
         self.token[b, p] = tokens[c, t_idx]
 
 

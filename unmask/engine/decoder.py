@@ -100,9 +100,10 @@ class Decoder:
                 kept = torch.zeros_like(b.x, dtype=torch.bool)
                 kept[forwarded] = fw.visible[fwd_index[chosen[forwarded]]]
         drafted = drafts.added[chosen] & ~drafts.added[first]
-        self._accept(b, drafts, fw, chosen, need)
+        self._accept(b, drafts, fw, chosen, need, draft_start)
         stalled = had_preds & (self._n_masked(b, b.x) == masked_before) & (masked_before > 0)
-        finished = self._finish(b)
+        # The accepted canvases are drafts: their early-exit state is already known.
+        finished = self._finish(b, None if exit_ready is None else exit_ready[chosen])
         return StepResult(before, drafted, forwarded, refreshed, kept, start, stalled, finished)
 
     # --- pieces ------------------------------------------------------------------------------
@@ -257,7 +258,7 @@ class Decoder:
         return kid[rows, best]
 
     def _accept(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, chosen: Tensor,
-                need: Tensor) -> None:
+                need: Tensor, draft_start: Tensor) -> None:
         rows = d.parent[chosen]  # every row, in order
         added = d.added[chosen]
         b.x = d.x[chosen]
@@ -283,16 +284,17 @@ class Decoder:
             store_rows = b.store_row[rows]
             b.store.invalidate(store_rows[refreshed])
             b.store.write(store_rows, b.pad[rows], fi, fw.idx, fw.kv, fw.ok, fw.ids)
-            start = self._block_start(b, b.x[rows])
+            start = draft_start[chosen[has]]  # the accepted canvases' block starts
             b.store_block[rows] = torch.where(refreshed, start, b.store_block[rows])
 
-    def _finish(self, b: DecodeBatch) -> Tensor:
-        """Mark finished rows and return them; with early_exit, a row whose canvas is committed
-        up to an EOS is done and its remaining positions become EOS."""
+    def _finish(self, b: DecodeBatch, exit_ready: Tensor | None) -> Tensor:
+        """Mark finished rows and return them; with early_exit (exit_ready: (R,) `_exit_ready`
+        of the rows' canvases), a row whose canvas is committed up to an EOS is done and its
+        remaining positions become EOS."""
         gen = b.x[:, b.P :]
         masked = gen == self.mask_id
-        if self.params.early_exit:
-            stop = self._exit_ready(b, b.x) & ~b.done
+        if exit_ready is not None:
+            stop = exit_ready & ~b.done
             if bool(stop.any()):
                 gen[stop] = torch.where(masked[stop], self.eos_id, gen[stop])
                 masked = gen == self.mask_id
