@@ -53,7 +53,8 @@ class KVStore:
         only. K/V are gathered one layer at a time when attention reads them, so no copy of the
         whole store is ever made, and attention runs over what a row can see, not over the
         store's width."""
-        return KVStore(_Gathered(self.k, rows, pos), _Gathered(self.v, rows, pos),
+        flat = (rows[:, None] * self.token.shape[1] + pos).flatten()  # (R*K,) into (N*W, H, D)
+        return KVStore(_Gathered(self.k, flat, pos.shape), _Gathered(self.v, flat, pos.shape),
                        self.token[rows[:, None], pos])
 
     def tokens_at(self, rows: Tensor, pos: Tensor) -> Tensor:
@@ -109,13 +110,11 @@ class KVStore:
 
 
 class _Gathered:
-    """Per-layer tensors (N, W, H, D) read at (rows, pos): layer i is gathered on access,
-    (R, K, H, D)."""
+    """Per-layer tensors (N, W, H, D) read at flattened (row, position) indices: layer i is
+    gathered on access, (R, K, H, D)."""
 
-    def __init__(self, layers: list[Tensor], rows: Tensor, pos: Tensor) -> None:
-        self.layers, self.shape = layers, pos.shape
-        width = layers[0].shape[1] if layers else 0
-        self.flat = (rows[:, None] * width + pos).flatten()  # (R*K,) into (N*W, H, D)
+    def __init__(self, layers: list[Tensor], flat: Tensor, shape: torch.Size) -> None:
+        self.layers, self.flat, self.shape = layers, flat, shape  # flat: (R*K,) rows of (N*W, H, D)
 
     def __getitem__(self, layer: int) -> Tensor:
         t = self.layers[layer]

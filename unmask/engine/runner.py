@@ -18,6 +18,15 @@ from unmask.kv import Frame, KVStore
 from unmask.suffix import SuffixPolicy
 
 
+def _compact(flags: Tensor) -> tuple[Tensor, Tensor]:
+    """(R, S) bool -> the flagged slots of each row, in slot order, padded to the longest row's
+    count N: (R, N) slot indices and (R, N) bool (False: padding)."""
+    n = int(flags.sum(-1).max())
+    # Flagged slots first, in slot order: a stable sort of the "not flagged" flag.
+    idx = torch.sort((~flags).to(torch.int8), dim=-1, stable=True).indices[:, :n]
+    return idx, flags.gather(1, idx)
+
+
 @dataclass
 class StoreRead:
     """The K/V store as the R rows of one call see it."""
@@ -104,10 +113,7 @@ class Runner:
             before = (block_start - 1).clamp_min(0)
             src[torch.arange(r, device=x.device), before] = True
             active = active | (src & visible)
-        n = int(active.sum(-1).max())
-        # Active slots first, in slot order (stable sort of the "not active" flag).
-        idx = torch.sort((~active).to(torch.int8), dim=-1, stable=True).indices[:, :n]  # (R, T)
-        ok = active.gather(1, idx)
+        idx, ok = _compact(active)  # (R, T) the slots to forward, padded
         ids = x.gather(1, idx)
         pos = idx - pad[:, None]
         block_end = block_start + self.params.block_length
@@ -142,14 +148,12 @@ class Runner:
         Attention then costs what a row sees, not the canvas width."""
         if read is None:
             return None
-        keep = cached & read.valid  # (R, S)
-        k = int(keep.sum(-1).max())
-        if k == 0:
+        slots, mask = _compact(cached & read.valid)  # (R, K)
+        if slots.shape[1] == 0:
             return None
-        slots = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices[:, :k]  # (R, K)
         # Padding entries (mask False) may point anywhere: clamp them into the store.
         pos = (slots - read.pad[:, None]).clamp(0, read.store.shape[1] - 1)
-        return Past(read.store, read.rows, pos, keep.gather(1, slots))
+        return Past(read.store, read.rows, pos, mask)
 
     def _call(self, ids: Tensor, pos: Tensor, ok: Tensor, embeds: Tensor | None,
               past: Past | None, rows: Tensor,
