@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from unmask.checkpoint import save_checkpoint
@@ -33,6 +34,14 @@ SENTENCES = [
 # padding or float noise cannot flip an argmax), small enough to run in milliseconds.
 TINY = dict(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, mlp_hidden_size=64,
             max_sequence_length=256)
+
+
+def as_torch(*arrays: Any) -> Any:
+    """The engine's host arrays (numpy) as CPU tensors, for spies that compare them with torch
+    (one value: returned as is; several: a tuple). Shares memory: clone to keep a copy."""
+    out = tuple(torch.from_numpy(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) else a
+                for a in arrays)
+    return out[0] if len(out) == 1 else out
 
 
 def tiny_config(model_type: str = "llada", vocab_size: int = 300, **overrides: Any) -> ModelConfig:

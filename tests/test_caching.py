@@ -10,9 +10,22 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
-from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, OneModelCall, peaky_model  # noqa: E402
+from helpers import (  # noqa: E402
+    BLOCK,
+    DECODERS,
+    EOS,
+    GEN,
+    KINDS,
+    MASK,
+    PROMPTS,
+    VOCAB,
+    OneModelCall,
+    as_torch,
+    peaky_model,
+)
 
 from unmask.caching import POLICIES, StepView
 from unmask.decoding.params import DecodeParams, SpecError
@@ -21,7 +34,7 @@ from unmask.engine import batch as batch_mod
 from unmask.engine import decode as engine_decode
 from unmask.engine import decoder as decoder_mod
 from unmask.engine import runner as runner_mod
-from unmask.kv import Frame, KVStore
+from unmask.kv import Frame, PastKV
 
 
 def tiny_model(kind: str, seed: int = 0, scale: float = 4.0) -> torch.nn.Module:
@@ -49,8 +62,8 @@ class StoreAtFinish:
                 if not k and self.store is not None:
                     st, row = self.store, int(self.store_row[i])  # position-indexed
                     spy.rows[req.request_id] = dict(
-                        k=[t[row].clone() for t in st.k], v=[t[row].clone() for t in st.v],
-                        valid=self.stored_tokens(torch.tensor([i]))[0] >= 0,  # by slot
+                        k=st.kv[row, :, :, 0].clone().unbind(1), v=st.kv[row, :, :, 1].clone().unbind(1),
+                        valid=as_torch(self.stored_tokens(np.array([i]))[0] >= 0),  # by slot
                         pad=int(self.pad[i]), P=self.P)
             return spy.inner(self, keep)
 
@@ -101,9 +114,11 @@ class RunnerSpy:
 
         def forward(self, x, pad, visible, active, predict, refresh, *args, **kwargs):
             out = spy.inner(self, x, pad, visible, active, predict, refresh, *args, **kwargs)
+            x, pad, visible, active, refresh = as_torch(x, pad, visible, active, refresh)
             spy.calls.append(dict(x=x.clone(), pad=pad.clone(), visible=visible.clone(),
                                   active=active.clone(), refresh=refresh.clone(),
-                                  fresh=out.fresh.clone(), n_tokens=out.n_tokens.clone()))
+                                  fresh=as_torch(out.fresh).clone(),
+                                  n_tokens=as_torch(out.n_tokens).clone()))
             return out
 
         runner_mod.Runner.forward = forward
@@ -119,13 +134,13 @@ def forced(policy: str, mode: str, params: DecodeParams):
     base = POLICIES[policy]
 
     class Forced(base):  # type: ignore[misc, valid-type]
-        def plan(self, v: StepView) -> tuple[torch.Tensor, torch.Tensor]:
+        def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
             refresh, recompute = super().plan(v)
             assert refresh.shape == v.block_start.shape and recompute.shape[0] == refresh.shape[0]
             if mode == "refresh":  # every row is a full forward
-                return torch.ones_like(refresh), recompute
+                return np.ones_like(refresh), recompute
             # no refresh, but every slot recomputed: the store is never read
-            return torch.zeros_like(refresh), torch.ones_like(recompute)
+            return np.zeros_like(refresh), np.ones_like(recompute)
 
     return Forced(params)
 
@@ -200,8 +215,8 @@ def fastdllm_dual(model: torch.nn.Module, prompt: list[int], threshold: float | 
         frame = Frame()
         logits = model(x, pos, frame=frame)[:, start:end]  # full forward at the block start
         nfe, tok_fw = nfe + 1, tok_fw + s
-        cache = KVStore([k.transpose(1, 2) for k, _ in frame.fresh],  # slot-major (B, S, H, D)
-                        [v.transpose(1, 2) for _, v in frame.fresh], x.clone())
+        cache = PastKV([k.transpose(1, 2) for k, _ in frame.fresh],  # slot-major (B, S, H, D)
+                       [v.transpose(1, 2) for _, v in frame.fresh])
         outside = torch.ones(1, s, dtype=torch.bool)
         outside[0, start:end] = False
         while True:
@@ -412,7 +427,7 @@ class StaleSpy:
         def forward(self, x, pad, visible, active, predict, refresh, store, *args, **kwargs):
             if store is not None:
                 read = visible & ~active & store.valid & ~refresh[:, None]
-                slots = torch.arange(x.shape[1])[None]
+                slots = np.arange(x.shape[1])[None]
                 stored = store.store.tokens_at(store.rows, slots - store.pad[:, None])
                 spy.reads += int(read.sum())
                 spy.stale_reads += int((read & (stored != x)).sum())

@@ -196,7 +196,7 @@ def test_early_exit_never_forwards_a_finished_canvas(spec: str, monkeypatch) -> 
     inner = runner_mod.Runner.forward
 
     def forward(self, x, *args, **kwargs):
-        seen.append(x.clone())
+        seen.append(x.copy())
         return inner(self, x, *args, **kwargs)
 
     monkeypatch.setattr(runner_mod.Runner, "forward", forward)

@@ -4,9 +4,22 @@ that nothing is committed from a prediction the forward did not make.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from helpers import BLOCK, DECODERS, EOS, GEN, KINDS, MASK, PROMPTS, VOCAB, OneModelCall, peaky_model  # noqa: E402
+from helpers import (  # noqa: E402
+    BLOCK,
+    DECODERS,
+    EOS,
+    GEN,
+    KINDS,
+    MASK,
+    PROMPTS,
+    VOCAB,
+    OneModelCall,
+    as_torch,
+    peaky_model,
+)
 
 from unmask.caching import POLICIES
 from unmask.decoding.params import DecodeParams
@@ -49,13 +62,15 @@ class Spy:
             n_before = len(spy.model_calls)
             out = spy.inner_runner(self, x, pad, visible, active, predict, refresh, *args, **kwargs)
             assert len(spy.model_calls) == n_before + 1  # one model call per runner call
+            x, pad, visible, refresh = as_torch(x, pad, visible, refresh)
+            o_ok, o_idx = as_torch(out.ok, out.idx)
             forwarded = torch.zeros_like(visible)
-            r_idx, t_idx = out.ok.nonzero(as_tuple=True)
-            forwarded[r_idx, out.idx[r_idx, t_idx]] = True
+            r_idx, t_idx = o_ok.nonzero(as_tuple=True)
+            forwarded[r_idx, o_idx[r_idx, t_idx]] = True
             spy.calls.append(dict(x=x.clone(), pad=pad.clone(), visible=visible.clone(),
-                                  refresh=refresh.clone(), fresh=out.fresh.clone(),
-                                  token=out.token.clone(), forwarded=forwarded,
-                                  ok=out.ok.clone(), model=spy.model_calls[-1]))
+                                  refresh=refresh.clone(), fresh=as_torch(out.fresh).clone(),
+                                  token=as_torch(out.token).clone(), forwarded=forwarded,
+                                  ok=o_ok.clone(), model=spy.model_calls[-1]))
             return out
 
         def model_forward(input_ids, position_ids, *args, **kwargs):
@@ -183,8 +198,9 @@ def test_window_equals_structured_without_middle_and_tail() -> None:
 def keep_mask(params: DecodeParams, slots: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """The policy's kept slots for rows with no padding whose canvas is all of `slots`."""
     n = end.shape[0]
-    return make_suffix_policy(params).keep(slots, torch.zeros(n, dtype=torch.long), end,
-                                           torch.full((n,), slots.shape[0]))
+    keep = make_suffix_policy(params).keep(slots.numpy(), np.zeros(n, dtype=np.int64), end.numpy(),
+                                           np.full(n, slots.shape[0]))
+    return torch.from_numpy(keep)
 
 
 def _middle_count(params: DecodeParams, s: int, end: int) -> tuple[int, int, torch.Tensor]:

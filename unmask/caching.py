@@ -23,10 +23,10 @@ then read from the store like the rest of the context).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from unmask.decoding.rules import rank
 
@@ -36,23 +36,23 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepView:
-    """The R rows about to be forwarded (decoded rows, or FreeDave drafts of them)."""
+    """The R rows about to be forwarded (decoded rows, or FreeDave drafts of them); host arrays."""
 
-    slots: Tensor  # (S,) slot indices
-    block_start: Tensor  # (R,) first slot of each row's current block
-    block_end: Tensor  # (R,) one past its last slot
-    new_entropy: Tensor  # (R,) max entropy of the tokens the last step committed (-inf: none)
-    commit_step: Tensor  # (R, S) step at which each slot was committed (-1: never / prompt)
-    store_block: Tensor  # (R,) block_start the row's K/V store was last fully refreshed at (-1)
-    masked: Tensor  # (R, S) bool slots still [MASK]
-    stale: Tensor  # (R, S) bool slots whose stored K/V was computed from another token
+    slots: np.ndarray  # (S,) slot indices
+    block_start: np.ndarray  # (R,) first slot of each row's current block
+    block_end: np.ndarray  # (R,) one past its last slot
+    new_entropy: np.ndarray  # (R,) max entropy of the tokens the last step committed (-inf: none)
+    commit_step: np.ndarray  # (R, S) step at which each slot was committed (-1: never / prompt)
+    store_block: np.ndarray  # (R,) block_start the row's K/V store was last fully refreshed at (-1)
+    masked: np.ndarray  # (R, S) bool slots still [MASK]
+    stale: np.ndarray  # (R, S) bool slots whose stored K/V was computed from another token
 
-    @property
-    def in_block(self) -> Tensor:  # (R, S)
+    @cached_property
+    def in_block(self) -> np.ndarray:  # (R, S)
         return (self.slots >= self.block_start[:, None]) & (self.slots < self.block_end[:, None])
 
     @property
-    def block_changed(self) -> Tensor:  # (R,)
+    def block_changed(self) -> np.ndarray:  # (R,)
         return self.block_start != self.store_block
 
 
@@ -64,7 +64,7 @@ class CachePolicy:
     def __init__(self, params: DecodeParams) -> None:
         self.params = params
 
-    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+    def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
 
     @property
@@ -72,7 +72,7 @@ class CachePolicy:
         """Whether `block` reads `StepView.stale`: the decoder only computes it then."""
         return self.uses_store and self.params.block_recompute == "masked"
 
-    def block(self, v: StepView) -> Tensor:
+    def block(self, v: StepView) -> np.ndarray:
         """(R, S) the part of the current block a non-refresh step recomputes."""
         if not self.reads_stale:
             return v.in_block
@@ -82,22 +82,22 @@ class CachePolicy:
 class NoCache(CachePolicy):
     uses_store = False
 
-    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
-        return torch.ones_like(v.block_start, dtype=torch.bool), v.in_block
+    def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
+        return np.ones(v.block_start.shape, dtype=bool), v.in_block
 
 
 class PrefixCache(CachePolicy):
-    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+    def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         return v.block_changed, self.block(v) | (v.slots >= v.block_end[:, None])
 
 
 class DualCache(CachePolicy):
-    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+    def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         return v.block_changed, self.block(v)
 
 
 class EntropyCache(CachePolicy):
-    def plan(self, v: StepView) -> tuple[Tensor, Tensor]:
+    def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
         refresh = (v.new_entropy > p.entropy_tau) | (v.store_block < 0)
         if p.refresh_on_block:
@@ -107,7 +107,7 @@ class EntropyCache(CachePolicy):
             # The recent_k most recently committed slots: volatility persists after unmasking.
             # Slots committed at the same step tie; `rank` breaks ties by position (topk's
             # order is unspecified and moved with the batch's width).
-            recency = v.commit_step.masked_fill(v.commit_step < 0, -1).float()
+            recency = np.maximum(v.commit_step, -1).astype(np.float32)
             recent = (rank(recency) < p.recent_k) & (v.commit_step >= 0)
             recompute = recompute | recent
         return refresh, recompute

@@ -7,11 +7,22 @@ are forwarded and which are read from the store; the model code is the same eith
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+@dataclass
+class PastKV:
+    """Per-layer keys and values a call attends to besides its forwarded tokens: k[layer],
+    v[layer] (B, K, H_kv, D), position-major (`KVStore.gather` makes them)."""
+
+    k: Sequence[Tensor]
+    v: Sequence[Tensor]
 
 
 @dataclass
@@ -21,25 +32,23 @@ class KVStore:
     and its slot pad + p keeps position p's K/V. Rows joining, leaving or widening the batch's
     canvas move nothing here.
 
-    k[layer], v[layer]: (N, W, H_kv, D), position-major so that reading or writing a set of
-    positions moves whole (H_kv, D) rows (one index_select / index_copy_ a layer). token: (N, W)
-    the token each position's K/V was computed from, -1 where it holds none (never forwarded,
-    dropped by `invalidate`, or a free row). A position committed since its forward holds K/V of
-    its old [MASK], which a policy may recompute.
+    kv: (N, W, L, 2, H_kv, D) on the model's device: for each (row, position), every layer's
+    key ([..., 0, :, :]) and value ([..., 1, :, :]) side by side, so that storing a call's K/V
+    and reading the positions a call attends to are one copy each, for all layers at once.
+    token: (N, W) host array, the token each position's K/V was computed from, -1 where it holds
+    none (never forwarded, dropped by `invalidate`, or a free row). A position committed since
+    its forward holds K/V of its old [MASK], which a policy may recompute.
     """
 
-    k: list[Tensor]  # or a per-layer gathered view (`gather`)
-    v: list[Tensor]
-    token: Tensor
+    kv: Tensor
+    token: np.ndarray
 
     @classmethod
     def empty(cls, n_layers: int, rows: int, n_kv_heads: int, width: int, head_dim: int,
               dtype: torch.dtype, device: torch.device) -> KVStore:
-        shape = (rows, width, n_kv_heads, head_dim)
         return cls(
-            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
-            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)],
-            token=torch.full((rows, width), -1, dtype=torch.long, device=device),
+            kv=torch.zeros(rows, width, n_layers, 2, n_kv_heads, head_dim, dtype=dtype, device=device),
+            token=np.full((rows, width), -1, dtype=np.int64),
         )
 
     @property
@@ -47,21 +56,23 @@ class KVStore:
         """(rows, width) of the pool."""
         return self.token.shape[0], self.token.shape[1]
 
-    def gather(self, rows: Tensor, pos: Tensor) -> KVStore:
+    def gather(self, rows: np.ndarray, pos: np.ndarray) -> PastKV:
         """The store as seen by a call: for each of its R rows (`rows` (R,): store row; several
         call rows may read one store row, e.g. FreeDave's drafts), the K positions `pos` (R, K)
-        only. K/V are gathered one layer at a time when attention reads them, so no copy of the
-        whole store is ever made, and attention runs over what a row can see, not over the
-        store's width."""
-        flat = (rows[:, None] * self.token.shape[1] + pos).flatten()  # (R*K,) into (N*W, H, D)
-        return KVStore(_Gathered(self.k, flat, pos.shape), _Gathered(self.v, flat, pos.shape),
-                       self.token[rows[:, None], pos])
+        only, every layer's in one gather. No copy of the whole store is ever made, and
+        attention runs over what a row can see, not over the store's width."""
+        r, k = pos.shape
+        n, w, n_layers, _, h, d = self.kv.shape
+        flat = torch.from_numpy((rows[:, None] * w + pos).reshape(-1)).to(self.kv.device)  # (R*K,)
+        seen = self.kv.view(n * w, n_layers, 2, h, d).index_select(0, flat).view(r, k, n_layers, 2, h, d)
+        return PastKV(seen[:, :, :, 0].unbind(2), seen[:, :, :, 1].unbind(2))
 
-    def tokens_at(self, rows: Tensor, pos: Tensor) -> Tensor:
+    def tokens_at(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """(R, S) token of store row rows[i] at positions pos[i] (any ints: -1 outside 0..W-1)."""
-        inside = (pos >= 0) & (pos < self.token.shape[1])
-        tok = self.token[rows[:, None], pos.clamp(0, max(self.token.shape[1] - 1, 0))]
-        return torch.where(inside, tok, -1)
+        w = self.token.shape[1]
+        inside = (pos >= 0) & (pos < w)
+        tok = self.token[rows[:, None], np.clip(pos, 0, max(w - 1, 0))]
+        return np.where(inside, tok, -1)
 
     # --- the pool (rows join and leave; not per step) ------------------------------------------
     def grown(self, rows: int, width: int) -> KVStore:
@@ -70,58 +81,42 @@ class KVStore:
         if rows <= n and width <= w:
             return self
         rows, width = max(rows, n), max(width, w)
+        kv = self.kv.new_zeros(rows, width, *self.kv.shape[2:])
+        kv[:n, :w] = self.kv
+        token = np.full((rows, width), -1, dtype=np.int64)
+        token[:n, :w] = self.token
+        return KVStore(kv, token)
 
-        def grow(t: Tensor, fill: float) -> Tensor:
-            out = torch.full((rows, width, *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
-            out[:n, :w] = t
-            return out
-        return KVStore([grow(k, 0) for k in self.k], [grow(v, 0) for v in self.v],
-                       grow(self.token, -1))
-
-    def compacted(self, rows: Tensor, width: int) -> KVStore:
+    def compacted(self, rows: np.ndarray, width: int) -> KVStore:
         """A pool of just `rows` (in that order), `width` positions wide."""
-        return KVStore([k[rows, :width] for k in self.k], [v[rows, :width] for v in self.v],
-                       self.token[rows, :width])
+        index = torch.from_numpy(rows).to(self.kv.device)
+        return KVStore(self.kv[index, :width].contiguous(), self.token[rows, :width].copy())
 
-    def invalidate(self, rows: Tensor) -> None:
+    def invalidate(self, rows: np.ndarray) -> None:
         """Forget every position of store rows `rows` (a refresh rebuilds them)."""
         self.token[rows] = -1
 
-    def write(self, rows: Tensor, pad: Tensor, src: Tensor, slots: Tensor,
-              fresh: list[tuple[Tensor, Tensor]], ok: Tensor, tokens: Tensor) -> None:
+    def write(self, rows: np.ndarray, pad: np.ndarray, src: np.ndarray, slots: np.ndarray,
+              fresh: list[tuple[Tensor, Tensor]], ok: np.ndarray, tokens: np.ndarray) -> None:
         """Store a call's fresh K/V (one (k, v) per layer, each (C, H_kv, T, D) for its C rows)
         computed from `tokens` (C, T) at canvas `slots` (C, T): call row src[i] goes to store
         row rows[i], whose canvas row has left padding pad[i]; entries with ok=False (padding
         queries) are skipped."""
-        r_idx, t_idx = ok[src].nonzero(as_tuple=True)
-        if r_idx.numel() == 0:
+        r_idx, t_idx = np.nonzero(ok[src])
+        if r_idx.size == 0:
             return
         c = src[r_idx]  # the call row of each written entry
         b, p = rows[r_idx], slots[c, t_idx] - pad[r_idx]
-        width, t = self.token.shape[1], ok.shape[1]
-        dst, from_ = b * width + p, c * t + t_idx
-        for layer, (k, v) in enumerate(fresh):
-            for store, new in ((self.k[layer], k), (self.v[layer], v)):
-                # fresh is (C, H_kv, T, D), T-major in memory: the transpose is a view
-                rows_of = new.transpose(1, 2).flatten(0, 1)
-                # view, not flatten: a copy here would drop the write silently
-                store.view(-1, *rows_of.shape[1:]).index_copy_(0, dst, rows_of.index_select(0, from_))
+        n, w, n_layers, _, h, d = self.kv.shape
+        dev = self.kv.device
+        dst = torch.from_numpy(b * w + p).to(dev)
+        from_ = torch.from_numpy(c * ok.shape[1] + t_idx).to(dev)
+        # (C, H, T, D) per layer and half -> (C*T, L, 2, H, D), the store's order, in one copy
+        new = torch.stack([t.transpose(1, 2) for kv in fresh for t in kv], dim=2)
+        new = new.view(-1, n_layers, 2, h, d)
+        # view, not reshape: a copy here would drop the write silently
+        self.kv.view(n * w, n_layers, 2, h, d).index_copy_(0, dst, new.index_select(0, from_))
         self.token[b, p] = tokens[c, t_idx]
-
-
-class _Gathered:
-    """Per-layer tensors (N, W, H, D) read at flattened (row, position) indices: layer i is
-    gathered on access, (R, K, H, D)."""
-
-    def __init__(self, layers: list[Tensor], flat: Tensor, shape: torch.Size) -> None:
-        self.layers, self.flat, self.shape = layers, flat, shape  # flat: (R*K,) rows of (N*W, H, D)
-
-    def __getitem__(self, layer: int) -> Tensor:
-        t = self.layers[layer]
-        return t.view(-1, *t.shape[2:]).index_select(0, self.flat).view(*self.shape, *t.shape[2:])
-
-    def __len__(self) -> int:
-        return len(self.layers)
 
 
 @dataclass
@@ -132,7 +127,7 @@ class Frame:
     packed: the model's inputs are the key_mask's True tokens only, packed row after row as one
         (1, N) sequence, so projections and MLPs skip the padding; attention unpacks them to
         (B, T) rows (padding zeroed, masked out as keys) and packs its output back.
-    past / past_mask: optional store view (B rows, K positions each; `KVStore.gather`) and its
+    past / past_mask: optional stored keys and values (B rows, K positions each; `KVStore.gather`) and its
         (B, K) bool mask of positions to attend to in addition.
     attn_mask: optional (B, 1, T, K) bool overriding everything (tests use it for causal masks).
     After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens, (B, H_kv, T, D)
@@ -140,7 +135,7 @@ class Frame:
     """
 
     key_mask: Tensor | None = None
-    past: KVStore | None = None
+    past: PastKV | None = None
     past_mask: Tensor | None = None
     attn_mask: Tensor | None = None
     packed: bool = False

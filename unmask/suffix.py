@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -26,36 +27,40 @@ if TYPE_CHECKING:
 
 
 class SuffixPolicy:
-    """Interface: `keep` -> (R, S) slots in this step's forward; `embeds` -> input embeddings
-    (None: plain lookup)."""
+    """Interface: `keep` -> (R, S) slots in this step's forward (host arrays); `embeds` -> input
+    embeddings on the model's device (None: plain lookup)."""
 
     def __init__(self, params: DecodeParams) -> None:
         self.params = params
 
-    def keep(self, slots: Tensor, row_start: Tensor, block_end: Tensor, row_end: Tensor) -> Tensor:
+    def keep(self, slots: np.ndarray, row_start: np.ndarray, block_end: np.ndarray,
+             row_end: np.ndarray) -> np.ndarray:
         """slots (S,); row_start (R,) slot of position 0 (after left padding); block_end (R,)
         one past the current block; row_end (R,) one past the row's last generated slot."""
         raise NotImplementedError
 
-    def embeds(self, model: nn.Module, ids: Tensor, idx: Tensor, ok: Tensor, prev_token: Tensor,
-               block_end: Tensor) -> Tensor | None:
-        """(R, T, d) embeddings of the forwarded tokens ids (R, T) at slots idx, carrying the
-        previous step's predictions (prev_token (R, S)) into kept suffix slots; None when off."""
+    def embeds(self, model: nn.Module, ids: np.ndarray, idx: np.ndarray, ok: np.ndarray,
+               prev_token: np.ndarray, block_end: np.ndarray, ids_t: Tensor) -> Tensor | None:
+        """(R, T, d) embeddings of the forwarded tokens ids (R, T) at slots idx (ids_t: ids on
+        the model's device), carrying the previous step's predictions (prev_token (R, S)) into
+        kept suffix slots; None when off."""
         lam = self.params.inject
         if lam == 0:
             return None
-        prev = prev_token.gather(1, idx)  # (R, T)
+        prev = np.take_along_axis(prev_token, idx, 1)  # (R, T)
         mask_id = model.config.mask_token_id
         use = ok & (ids == mask_id) & (idx >= block_end[:, None]) & (prev != mask_id)
-        if not bool(use.any()):
+        if not use.any():
             return None
-        e = model.embed(ids)  # (R, T, d)
-        e_pred = model.embed(torch.where(use, prev, ids))
-        return torch.where(use[..., None], e + lam * (e_pred - e), e)
+        e = model.embed(ids_t)  # (R, T, d)
+        e_pred = model.embed(torch.from_numpy(np.where(use, prev, ids)).to(ids_t.device))
+        use_t = torch.from_numpy(use).to(ids_t.device)
+        return torch.where(use_t[..., None], e + lam * (e_pred - e), e)
 
 
 class Full(SuffixPolicy):
-    def keep(self, slots: Tensor, row_start: Tensor, block_end: Tensor, row_end: Tensor) -> Tensor:
+    def keep(self, slots: np.ndarray, row_start: np.ndarray, block_end: np.ndarray,
+             row_end: np.ndarray) -> np.ndarray:
         return slots[None, :] < row_end[:, None]
 
     def embeds(self, *args, **kwargs) -> Tensor | None:
@@ -63,16 +68,18 @@ class Full(SuffixPolicy):
 
 
 class Window(SuffixPolicy):
-    def keep(self, slots: Tensor, row_start: Tensor, block_end: Tensor, row_end: Tensor) -> Tensor:
-        local_end = torch.minimum(block_end + self.params.suffix_local, row_end)
+    def keep(self, slots: np.ndarray, row_start: np.ndarray, block_end: np.ndarray,
+             row_end: np.ndarray) -> np.ndarray:
+        local_end = np.minimum(block_end + self.params.suffix_local, row_end)
         return slots[None, :] < local_end[:, None]
 
 
 class Structured(SuffixPolicy):
-    def keep(self, slots: Tensor, row_start: Tensor, block_end: Tensor, row_end: Tensor) -> Tensor:
+    def keep(self, slots: np.ndarray, row_start: np.ndarray, block_end: np.ndarray,
+             row_end: np.ndarray) -> np.ndarray:
         p = self.params
         local_end = block_end + p.suffix_local  # (R,)
-        tail_start = torch.maximum(row_end - p.suffix_tail, row_start)  # (R,)
+        tail_start = np.maximum(row_end - p.suffix_tail, row_start)  # (R,)
         s = slots[None, :]
         keep = (s < local_end[:, None]) | (s >= tail_start[:, None])
         if p.suffix_middle > 0:
@@ -80,43 +87,44 @@ class Structured(SuffixPolicy):
         return keep & (s < row_end[:, None])
 
 
-def grid(p: DecodeParams, slots: Tensor, row_start: Tensor, mid_start: Tensor,
-         mid_end: Tensor) -> Tensor:
+def grid(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start: np.ndarray,
+         mid_end: np.ndarray) -> np.ndarray:
     """The middle's share of a fixed grid: slots mid_end-1, mid_end-1-stride, ... (N_mid of them,
     stride = the row's positions before the tail // N_mid). The picks do not move with the block,
     so a K/V cache keeps them from one block to the next instead of computing new ones; the price
     is that fewer than N_mid remain as the block advances into the grid."""
     n = p.suffix_middle
-    stride = ((mid_end - row_start) // n).clamp_min(1)[:, None]  # (R, 1), in the row's positions
+    stride = np.maximum((mid_end - row_start) // n, 1)[:, None]  # (R, 1), in the row's positions
     back = mid_end[:, None] - 1 - slots[None, :]  # (R, S) distance below the tail
     on_grid = (back >= 0) & (back % stride == 0) & (back < n * stride)
     return on_grid & (slots[None, :] >= mid_start[:, None])
 
 
-def spread(p: DecodeParams, slots: Tensor, row_start: Tensor, mid_start: Tensor,
-           mid_end: Tensor) -> Tensor:
+def spread(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start: np.ndarray,
+           mid_end: np.ndarray) -> np.ndarray:
     """Exactly min(N_mid, width) distinct positions of [mid_start, mid_end) per row.
 
     Position i sits at i + floor(f_i * (gaps + 1)) past mid_start, with gaps = width - N_mid and
     f_i increasing in [0, 1): strictly increasing, so no two picks collide. `even` spaces the
-    gaps evenly; `decay` (f_i squared) keeps more positions next to the block.
+    gaps evenly; `decay` (f_i squared) keeps more positions next to the block. The fractions are
+    float32, so the picks are those the torch version of this rule made.
     """
     n = p.suffix_middle
-    width = (mid_end - mid_start).clamp_min(0)  # (R,)
-    i = torch.arange(n, device=slots.device)  # (n,)
-    frac = (i.float() + 0.5) / n
+    width = np.maximum(mid_end - mid_start, 0)  # (R,)
+    i = np.arange(n)  # (n,)
+    frac = (i.astype(np.float32) + np.float32(0.5)) / np.float32(n)
     if p.suffix_rule == "decay":
         frac = frac**2
-    gaps = (width - n).clamp_min(0)[:, None]  # (R, 1)
-    offsets = i[None, :] + (frac[None, :] * (gaps + 1).float()).long()  # (R, n)
-    offset = torch.where(width[:, None] >= n, offsets, torch.minimum(i[None, :], width[:, None] - 1))
-    picks = (mid_start[:, None] + offset).clamp(0, slots.shape[0] - 1)
-    out = torch.zeros(mid_start.shape[0], slots.shape[0], dtype=torch.bool, device=slots.device)
-    out.scatter_(1, picks, (width[:, None] > 0).expand_as(picks))
+    gaps = np.maximum(width - n, 0)[:, None]  # (R, 1)
+    offsets = i[None, :] + (frac[None, :] * (gaps + 1).astype(np.float32)).astype(np.int64)  # (R, n)
+    offset = np.where(width[:, None] >= n, offsets, np.minimum(i[None, :], width[:, None] - 1))
+    picks = np.clip(mid_start[:, None] + offset, 0, slots.shape[0] - 1)
+    out = np.zeros((mid_start.shape[0], slots.shape[0]), dtype=bool)
+    np.put_along_axis(out, picks, np.broadcast_to(width[:, None] > 0, picks.shape), axis=1)
     return out
 
 
-MIDDLE_RULES: dict[str, Callable[..., Tensor]] = {"even": spread, "decay": spread, "grid": grid}
+MIDDLE_RULES: dict[str, Callable[..., np.ndarray]] = {"even": spread, "decay": spread, "grid": grid}
 POLICIES: dict[str, type[SuffixPolicy]] = {"full": Full, "window": Window, "structured": Structured}
 
 

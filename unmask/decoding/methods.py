@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torch import Tensor
+import numpy as np
 
 from unmask.decoding.rules import static_count, threshold_count
 
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 
 class Rule:
-    """How many candidates (R, S) one reference step commits per row."""
+    """How many candidates (R, S) one reference step commits per row (host arrays)."""
 
-    def count(self, conf: Tensor, cand: Tensor, schedule: BlockSchedule | None) -> Tensor:
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -36,16 +36,16 @@ class BlockSchedule:
     it; steps_per_block: (R,) the row's steps per block.
     """
 
-    masked_at_start: Tensor
-    step: Tensor
-    steps_per_block: Tensor
+    masked_at_start: np.ndarray
+    step: np.ndarray
+    steps_per_block: np.ndarray
 
 
 class OneToken(Rule):
     """static-1: one token per step."""
 
-    def count(self, conf: Tensor, cand: Tensor, schedule: BlockSchedule | None) -> Tensor:
-        return cand.any(-1).long()
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None) -> np.ndarray:
+        return cand.any(-1).astype(np.int64)
 
 
 class Threshold(Rule):
@@ -54,17 +54,17 @@ class Threshold(Rule):
     def __init__(self, tau: float) -> None:
         self.tau = tau
 
-    def count(self, conf: Tensor, cand: Tensor, schedule: BlockSchedule | None) -> Tensor:
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None) -> np.ndarray:
         return threshold_count(conf, cand, self.tau)
 
 
 class Static(Rule):
     """LLaDA's reference schedule: a block's M masked positions over s steps."""
 
-    def count(self, conf: Tensor, cand: Tensor, schedule: BlockSchedule | None) -> Tensor:
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None) -> np.ndarray:
         assert schedule is not None, "the static rule needs its block schedule"
         n = static_count(schedule.masked_at_start, schedule.steps_per_block, schedule.step)
-        return n.clamp_min(1)
+        return np.maximum(n, 1)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """The decoding rules: from logits to (token, confidence) per position, and which masked
 positions of the current block to commit.
 
+`score` runs on the model's device (torch, over logits); the commit rules below run on the
+host (numpy, over the decode state's (R, S) arrays; unmask.engine.batch says why).
+
 Ties (docs/design.md § Exactness and ties), one rule used everywhere: argmax over the vocabulary keeps
 the lowest token id (torch.argmax returns the first maximum) and rankings over positions keep
 the lowest position (a stable sort of the negated confidence).
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,22 +30,26 @@ class Scored:
 
 
 def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | None,
-          suppress: list[int], top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0,
+          suppress: list[int] | Tensor, top_p: float = 1.0, top_k: int = 0, alg_temp: float = 0.0,
           with_entropy: bool = True) -> Scored:
     """Score N positions from their logits (N, V).
 
     noise_u: (N, V + 1) float64 uniforms when sampling: columns 0..V-1 for the token (LLaDA's
     Gumbel trick, in float64: ``exp(logits) / (-log U) ** temperature``), column V for the
     position (random remasking, alg_temp). suppress: token ids that may never be predicted
-    (always the mask token: committing it would commit nothing; EOS when asked). top_p / top_k
+    (always the mask token: committing it would commit nothing; EOS when asked); ids past the
+    vocabulary are ignored, and a tensor of ids must hold none. top_p / top_k
     restrict the sampled token to the smallest set with probability >= top_p / the k likeliest.
     alg_temp > 0: the ranking score is log(conf) / alg_temp + Gumbel noise, so ranking draws
     positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp). with_entropy=False
     skips the entropy (zeros) when nothing reads it: an O(V) pass per position saved.
     """
-    logits = logits.float().clone()
-    suppressed = [t for t in suppress if t < logits.shape[-1]]
-    logits[:, suppressed] = NEG_INF
+    if isinstance(suppress, Tensor):
+        suppressed = suppress  # the caller's, already within the vocabulary
+    else:
+        suppressed = torch.tensor([t for t in suppress if t < logits.shape[-1]], dtype=torch.long,
+                                  device=logits.device)
+    logits = logits.float().index_fill(-1, suppressed, NEG_INF)
     # Confidence from softmax, as LLaDA's reference computes it (exp(log_softmax) differs by an
     # ulp near p = 1, which makes or breaks near-ties in the commit order).
     p = torch.softmax(logits, dim=-1)
@@ -57,9 +65,9 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
         # NaN, suppressed and filtered tokens rank below every real score (all >= 0).
         noisy = noisy.nan_to_num(nan=-1.0).masked_fill(~allowed, -1.0)
         noisy[:, suppressed] = -1.0
-        token = noisy.argmax(-1)
+        token = argmax(noisy)
     else:
-        token = logits.argmax(-1)
+        token = argmax(logits)
     if remasking in ("low_confidence", "maskgit_plus"):
         conf = p.gather(-1, token[:, None]).squeeze(-1)
     elif remasking == "topk_margin":
@@ -78,6 +86,15 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
         base = conf.clamp_min(1e-30).log() if remasking != "entropy" else conf
         conf = (base / alg_temp + gumbel.float())
     return Scored(token, conf, entropy)
+
+
+def argmax(t: Tensor) -> Tensor:
+    """Index of the first maximum along the last dim (NaN counts as the maximum). On the CPU
+    this is numpy's argmax, which returns the same index: torch 2.13's CPU argmax over a
+    vocabulary is ~15x slower (146 vs 8 us at (32, 2048); BENCHMARKS.md, "Host overhead")."""
+    if t.device.type == "cpu":
+        return torch.from_numpy(np.argmax(t.detach().numpy(), axis=-1))
+    return t.argmax(-1)
 
 
 def _nucleus(p: Tensor, top_p: float, top_k: int) -> Tensor:
@@ -101,33 +118,37 @@ def _nucleus(p: Tensor, top_p: float, top_k: int) -> Tensor:
 
 def entropy_of(p: Tensor, logp: Tensor) -> Tensor:
     """Entropy (nats) of each row's distribution: O(V) per position, EntropyCache's signal."""
-    return -(p * logp.clamp_min(-1e30)).sum(-1)
+    # In place on one temporary (the same values as -(p * logp.clamp_min(-1e30)).sum(-1)): at a
+    # few hundred positions x a vocabulary, fresh temporaries cost a quarter of the time.
+    t = logp.clamp_min(-1e30)
+    return t.mul_(p).sum(-1).neg_()
 
 
-def rank(conf: Tensor) -> Tensor:
-    """Rank (0 = best) of each position along the last dim; ties go to the lowest position."""
-    order = torch.sort(-conf, dim=-1, stable=True).indices
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(conf.shape[-1], device=conf.device).expand_as(order))
+def rank(conf: np.ndarray) -> np.ndarray:
+    """Rank (0 = best) of each position of each row (R, S); ties go to the lowest position."""
+    order = np.argsort(-conf, axis=-1, kind="stable")  # (R, S)
+    ranks = np.empty_like(order)
+    ranks[np.arange(order.shape[0])[:, None], order] = np.arange(conf.shape[-1])
     return ranks
 
 
-def select_top(conf: Tensor, candidates: Tensor, k: Tensor) -> Tensor:
+def select_top(conf: np.ndarray, candidates: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Commit mask (B, S): the k[b] best candidates of each row (fewer if fewer exist)."""
-    c = conf.masked_fill(~candidates, NEG_INF)
+    c = np.where(candidates, conf, np.float32(NEG_INF))
     return (rank(c) < k[:, None]) & candidates
 
 
-def threshold_count(conf: Tensor, candidates: Tensor, tau: float) -> Tensor:
+def threshold_count(conf: np.ndarray, candidates: np.ndarray, tau: float) -> np.ndarray:
     """How many candidates each row commits under threshold decoding: all with conf >= tau,
     at least one when the row has a candidate."""
     n = ((conf >= tau) & candidates).sum(-1)
-    return torch.maximum(n, candidates.any(-1).long())
+    return np.maximum(n, candidates.any(-1))
 
 
-def static_count(masked_at_block_start: Tensor, steps_per_block: int, block_step: Tensor) -> Tensor:
+def static_count(masked_at_block_start: np.ndarray, steps_per_block: np.ndarray | int,
+                 block_step: np.ndarray) -> np.ndarray:
     """LLaDA's transfer schedule: M masked positions over s steps commit M // s per step, plus
     one for the first M % s steps."""
     base = masked_at_block_start // steps_per_block
-    extra = (block_step < masked_at_block_start % steps_per_block).long()
+    extra = block_step < masked_at_block_start % steps_per_block
     return base + extra

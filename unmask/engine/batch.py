@@ -12,14 +12,20 @@ longer prompt or generation widen every tensor (a copy when membership changes, 
 step); leaving rows are dropped and the width shrinks back to what the remaining rows need.
 The K/V store is a pool indexed by (store row, position), so none of this copies it: a joining
 row takes a free store row, a leaving row frees its own (KVStore).
+
+The decode state lives on the host, as numpy arrays, whatever the model's device: a step's
+bookkeeping (drafts, blocks, cache and suffix plans, verification) is a few hundred operations
+on arrays of a few hundred entries, where a numpy call costs ~1 us and a torch call 3-5 us
+(BENCHMARKS.md, "Host overhead"). Only the K/V store's tensors are on the model's device; a
+model call copies its inputs there and its scores back (unmask.engine.runner).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-from torch import Tensor
 
 from unmask.engine.request import Request
 from unmask.kv import KVStore
@@ -29,10 +35,10 @@ from unmask.kv import KVStore
 class Predictions:
     """The last forward's predictions of each row, by slot (valid where `fresh`)."""
 
-    token: Tensor  # (R, S) long
-    conf: Tensor  # (R, S) float
-    entropy: Tensor  # (R, S) float
-    fresh: Tensor  # (R, S) bool
+    token: np.ndarray  # (R, S) long
+    conf: np.ndarray  # (R, S) float
+    entropy: np.ndarray  # (R, S) float
+    fresh: np.ndarray  # (R, S) bool
 
 
 # Per-slot tensors and the value a new slot holds; `x` is filled separately (EOS padding).
@@ -54,18 +60,15 @@ class DecodeBatch:
         self.requests: list[Request] = []
         self.P = 0
         self.S = 0
-        self._slots = torch.arange(0, device=device)
-        self.x = torch.empty(0, 0, dtype=torch.long, device=device)
-        self.commit_step = torch.empty(0, 0, dtype=torch.long, device=device)
+        self._slots = np.arange(0)
+        self.x = np.empty((0, 0), dtype=np.int64)
+        self.commit_step = np.empty((0, 0), dtype=np.int64)
         for name in _ROWS:
-            setattr(self, name, torch.empty(0, dtype=torch.bool if name in ("has_preds", "done")
-                                            else torch.long, device=device))
-        self.preds = Predictions(
-            torch.empty(0, 0, dtype=torch.long, device=device),
-            torch.empty(0, 0, device=device), torch.empty(0, 0, device=device),
-            torch.empty(0, 0, dtype=torch.bool, device=device))
+            setattr(self, name, np.empty(0, dtype=bool if name in ("has_preds", "done") else np.int64))
+        self.preds = Predictions(np.empty((0, 0), dtype=np.int64), np.empty((0, 0), dtype=np.float32),
+                                 np.empty((0, 0), dtype=np.float32), np.empty((0, 0), dtype=bool))
         self.store: KVStore | None = None
-        self.store_row = torch.empty(0, dtype=torch.long, device=device)  # (R,) the row's store row
+        self.store_row = np.empty(0, dtype=np.int64)  # (R,) the row's store row
         self._free: list[int] = []  # store rows no batch row holds
         if store_shape is not None:
             n_layers, n_kv, head_dim, dtype = store_shape
@@ -75,9 +78,9 @@ class DecodeBatch:
         return len(self.requests)
 
     @property
-    def slots(self) -> Tensor:  # (S,) slot indices, rebuilt only when the width changes
+    def slots(self) -> np.ndarray:  # (S,) slot indices, rebuilt only when the width changes
         if self._slots.shape[0] != self.S:
-            self._slots = torch.arange(self.S, device=self.device)
+            self._slots = np.arange(self.S)
         return self._slots
 
     # --- membership --------------------------------------------------------------------------
@@ -88,10 +91,10 @@ class DecodeBatch:
         P = max([self.P] + [r.prompt_len for r in reqs])
         gen = max([self.S - self.P] + [r.gen_length for r in reqs])
         self._resize(P - self.P, (P + gen) - (self.S + (P - self.P)))
-        dev, b = self.device, len(reqs)
-        x = torch.full((b, self.S), self.eos_id, dtype=torch.long, device=dev)
+        b = len(reqs)
+        x = np.full((b, self.S), self.eos_id, dtype=np.int64)
         for i, r in enumerate(reqs):
-            x[i, P - r.prompt_len : P] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            x[i, P - r.prompt_len : P] = r.prompt_ids
             x[i, P : P + r.gen_length] = self.mask_id
         new_rows = {
             "pad": [P - r.prompt_len for r in reqs], "end": [P + r.gen_length for r in reqs],
@@ -102,31 +105,31 @@ class DecodeBatch:
         for name in _ROWS:
             old = getattr(self, name)
             val = new_rows[name]
-            add = (torch.tensor(val, dtype=old.dtype, device=dev) if isinstance(val, list)
-                   else torch.full((b,), val, dtype=old.dtype, device=dev))
-            setattr(self, name, torch.cat([old, add]))
-        self.x = torch.cat([self.x, x])
-        self.commit_step = torch.cat([self.commit_step, torch.full_like(x, -1)])
+            add = (np.array(val, dtype=old.dtype) if isinstance(val, list)
+                   else np.full(b, val, dtype=old.dtype))
+            setattr(self, name, np.concatenate([old, add]))
+        self.x = np.concatenate([self.x, x])
+        self.commit_step = np.concatenate([self.commit_step, np.full_like(x, -1)])
         pr = self.preds
         self.preds = Predictions(
-            torch.cat([pr.token, torch.full_like(x, self.mask_id)]),
-            torch.cat([pr.conf, torch.full((b, self.S), float("-inf"), device=dev)]),
-            torch.cat([pr.entropy, torch.zeros(b, self.S, device=dev)]),
-            torch.cat([pr.fresh, torch.zeros(b, self.S, dtype=torch.bool, device=dev)]))
+            np.concatenate([pr.token, np.full_like(x, self.mask_id)]),
+            np.concatenate([pr.conf, np.full((b, self.S), -np.inf, dtype=np.float32)]),
+            np.concatenate([pr.entropy, np.zeros((b, self.S), dtype=np.float32)]),
+            np.concatenate([pr.fresh, np.zeros((b, self.S), dtype=bool)]))
         if self.store is not None:
             n = self.store.shape[0]
             self.store = self.store.grown(n + max(b - len(self._free), 0),
                                           max(r.prompt_len + r.gen_length for r in reqs))
             self._free += range(n, self.store.shape[0])
             taken, self._free = self._free[:b], self._free[b:]
-            self.store_row = torch.cat([self.store_row, torch.tensor(taken, device=dev)])
+            self.store_row = np.concatenate([self.store_row, np.array(taken, dtype=np.int64)])
         self.requests.extend(reqs)
 
     def filter(self, keep: list[bool]) -> None:
         """Keep the rows flagged True (finished or aborted rows leave the tensors)."""
         if all(keep):
             return
-        idx = torch.tensor([i for i, k in enumerate(keep) if k], dtype=torch.long, device=self.device)
+        idx = np.array([i for i, k in enumerate(keep) if k], dtype=np.int64)
         self.requests = [r for r, k in zip(self.requests, keep, strict=True) if k]
         for name in _ROWS:
             setattr(self, name, getattr(self, name)[idx])
@@ -134,7 +137,7 @@ class DecodeBatch:
         pr = self.preds
         self.preds = Predictions(pr.token[idx], pr.conf[idx], pr.entropy[idx], pr.fresh[idx])
         if self.store is not None:
-            gone = self.store_row[[not k for k in keep]]
+            gone = self.store_row[~np.array(keep)]
             self.store.invalidate(gone)
             self._free += gone.tolist()
             self.store_row = self.store_row[idx]
@@ -154,10 +157,10 @@ class DecodeBatch:
         if n * width <= 2 * len(self.requests) * used:
             return
         self.store = self.store.compacted(self.store_row, used)
-        self.store_row = torch.arange(len(self.requests), device=self.device)
+        self.store_row = np.arange(len(self.requests))
         self._free = []
 
-    def stored_tokens(self, rows: Tensor) -> Tensor:
+    def stored_tokens(self, rows: np.ndarray) -> np.ndarray:
         """(R', S) the token each slot of batch rows `rows` has K/V from in the store (-1: none)."""
         pos = self.slots[None, :] - self.pad[rows][:, None]
         return self.store.tokens_at(self.store_row[rows], pos)
@@ -166,16 +169,16 @@ class DecodeBatch:
         """Add (or, when negative, drop) `front` slots before and `back` slots after every row."""
         if front == 0 and back == 0:
             return
-        r, dev = self.x.shape[0], self.device
+        r = self.x.shape[0]
 
-        def pad(t: Tensor, fill: float | int | bool) -> Tensor:
+        def pad(t: np.ndarray, fill: float | int | bool) -> np.ndarray:
             t = t[:, max(-front, 0) : t.shape[1] - max(-back, 0)]
             parts = [t]
             if front > 0:
-                parts.insert(0, torch.full((r, front), fill, dtype=t.dtype, device=dev))
+                parts.insert(0, np.full((r, front), fill, dtype=t.dtype))
             if back > 0:
-                parts.append(torch.full((r, back), fill, dtype=t.dtype, device=dev))
-            return torch.cat(parts, dim=1) if len(parts) > 1 else t.contiguous()
+                parts.append(np.full((r, back), fill, dtype=t.dtype))
+            return np.concatenate(parts, axis=1) if len(parts) > 1 else np.ascontiguousarray(t)
 
         self.x = pad(self.x, self.eos_id)
         self.commit_step = pad(self.commit_step, -1)
@@ -184,7 +187,7 @@ class DecodeBatch:
                                  pad(pr.entropy, 0.0), pad(pr.fresh, False))
         for name in _SLOT_INDEX_ROWS:
             t = getattr(self, name)
-            setattr(self, name, torch.where(t >= 0, t + front, t) if name not in ("pad", "end")
+            setattr(self, name, np.where(t >= 0, t + front, t) if name not in ("pad", "end")
                     else t + front)
         self.P += front
         self.S += front + back

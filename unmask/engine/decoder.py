@@ -10,8 +10,10 @@ the forward that scores it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -26,13 +28,13 @@ from unmask.suffix import make_suffix_policy
 
 @dataclass
 class Drafts:
-    x: Tensor  # (D, S) draft canvases
-    parent: Tensor  # (D,) row each draft belongs to
-    new_entropy: Tensor  # (D,) max entropy of the tokens the draft committed (-inf: none)
-    added: Tensor  # (D, S) bool slots the draft committed
-    k: Tensor  # (D,) the draft's number within its row (0: the rule's own step)
+    x: np.ndarray  # (D, S) draft canvases
+    parent: np.ndarray  # (D,) row each draft belongs to
+    new_entropy: np.ndarray  # (D,) max entropy of the tokens the draft committed (-inf: none)
+    added: np.ndarray  # (D, S) bool slots the draft committed
+    k: np.ndarray  # (D,) the draft's number within its row (0: the rule's own step)
 
-    def take(self, index: Tensor) -> Drafts:
+    def take(self, index: np.ndarray) -> Drafts:
         return Drafts(self.x[index], self.parent[index], self.new_entropy[index],
                       self.added[index], self.k[index])
 
@@ -41,14 +43,14 @@ class Drafts:
 class StepResult:
     """What a step did to the batch's rows (indexed like the batch before any filtering)."""
 
-    before: Tensor  # (R, S) canvases before the step
-    drafted: Tensor  # (R, S) bool slots accepted from drafts past the rule's own step
-    forwarded: Tensor  # (R,) bool a model call ran for the row
-    refreshed: Tensor  # (R,) bool that call was a full refresh
-    kept: Tensor | None  # (R, S) bool slots in the row's forward (None: not recorded)
-    block_start: Tensor  # (R,) slot of each row's current block before the step
-    stalled: Tensor  # (R,) bool a row that had predictions committed nothing
-    finished: Tensor  # (R,) bool rows done after this step
+    before: np.ndarray  # (R, S) canvases before the step
+    drafted: np.ndarray  # (R, S) bool slots accepted from drafts past the rule's own step
+    forwarded: np.ndarray  # (R,) bool a model call ran for the row
+    refreshed: np.ndarray  # (R,) bool that call was a full refresh
+    kept: np.ndarray | None  # (R, S) bool slots in the row's forward (None: not recorded)
+    block_start: np.ndarray  # (R,) slot of each row's current block before the step
+    stalled: np.ndarray  # (R,) bool a row that had predictions committed nothing
+    finished: np.ndarray  # (R,) bool rows done after this step
 
 
 class Decoder:
@@ -72,11 +74,10 @@ class Decoder:
         return DecodeBatch(self.mask_id, self.eos_id, self.device, shape)
 
     # --- the step ----------------------------------------------------------------------------
-    @torch.no_grad()
     def step(self, b: DecodeBatch, trace: bool = False) -> StepResult:
-        before = b.x.clone()
+        before = b.x.copy()
         masked_before = self._n_masked(b, b.x)
-        had_preds = b.has_preds.clone()
+        had_preds = b.has_preds.copy()
         start = self._block_start(b, b.x)
         drafts = self._draft(b, start)
         draft_start = self._block_start(b, drafts.x)
@@ -89,15 +90,15 @@ class Decoder:
         fw = self._forward(b, drafts, need, draft_start)
         self._count(b, drafts, fw, need)
         chosen = self._verify(b, drafts, fw, need, draft_start, exit_ready)
-        first = torch.arange(len(b), device=self.device)  # each row's first draft: the rule's step
-        fwd_index = torch.cumsum(need.long(), 0) - 1
+        first = np.arange(len(b))  # each row's first draft: the rule's step
+        fwd_index = np.cumsum(need) - 1
         forwarded = need[chosen]
-        refreshed = torch.zeros_like(forwarded)
+        refreshed = np.zeros_like(forwarded)
         kept = None
         if fw is not None:
             refreshed[forwarded] = fw.refresh[fwd_index[chosen[forwarded]]]
             if trace:
-                kept = torch.zeros_like(b.x, dtype=torch.bool)
+                kept = np.zeros(b.x.shape, dtype=bool)
                 kept[forwarded] = fw.visible[fwd_index[chosen[forwarded]]]
         drafted = drafts.added[chosen] & ~drafts.added[first]
         self._accept(b, drafts, fw, chosen, need, draft_start)
@@ -107,79 +108,85 @@ class Decoder:
         return StepResult(before, drafted, forwarded, refreshed, kept, start, stalled, finished)
 
     # --- pieces ------------------------------------------------------------------------------
-    def _n_masked(self, b: DecodeBatch, x: Tensor) -> Tensor:
+    def _n_masked(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
         return (x[:, b.P :] == self.mask_id).sum(-1)
 
-    def _block_start(self, b: DecodeBatch, x: Tensor) -> Tensor:
+    def _block_start(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
         """(R,) first slot of each row's current block: the first block with a mask (blocks
         line up across rows: every generated region starts at slot P)."""
         gen = x[:, b.P :] == self.mask_id
-        first = torch.where(gen.any(-1), gen.float().argmax(-1), gen.shape[1] - 1)
+        first = np.where(gen.any(-1), gen.argmax(-1), gen.shape[1] - 1)
         bl = self.params.block_length
         return b.P + (first // bl) * bl
 
-    def _candidates(self, b: DecodeBatch, x: Tensor, start: Tensor, fresh: Tensor,
-                    scored: Tensor) -> Tensor:
+    def _candidates(self, b: DecodeBatch, x: np.ndarray, start: np.ndarray, fresh: np.ndarray,
+                    scored: np.ndarray) -> np.ndarray:
         slots = b.slots
         in_block = (slots >= start[:, None]) & (slots < start[:, None] + self.params.block_length)
         cand = (x == self.mask_id) & in_block
         # Only positions scored from the current canvas may be committed, never stale ones.
-        assert bool((fresh | ~cand | ~scored[:, None]).all()), "a commit candidate has no fresh prediction"
+        assert (fresh | ~cand | ~scored[:, None]).all(), "a commit candidate has no fresh prediction"
         return cand
 
-    def _draft(self, b: DecodeBatch, start: Tensor) -> Drafts:
+    def _draft(self, b: DecodeBatch, start: np.ndarray) -> Drafts:
         x, pr, hp = b.x, b.preds, b.has_preds
         conf = pr.conf
         cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
         schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
-        n0 = torch.where(hp, self.method.rule.count(conf, cand, schedule), 0)
+        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule), 0)
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
         # unlikely to pass verification.
         n_max = ((conf >= self.method.draft_conf) & cand).sum(-1)
-        rows = torch.arange(len(b), device=x.device)
-        xs, parents, ents, added, ks = [], [], [], [], []
+        rows = np.arange(len(b))
+        drafts = []
         for k in range(self.method.n_drafts):
-            sel = select_top(conf, cand, n0 + k)
-            keep = (n0 + k <= n_max) & hp if k else torch.ones_like(hp)
-            if not bool(keep.any()):
-                break
-            sel, kept_rows = sel[keep], rows[keep]
-            xk = torch.where(sel, pr.token[kept_rows], x[keep])
-            ent = pr.entropy[kept_rows].masked_fill(~sel, float("-inf")).amax(-1)
-            xs.append(xk), parents.append(kept_rows), ents.append(ent), added.append(sel)
-            ks.append(torch.full_like(kept_rows, k))
-        return Drafts(torch.cat(xs), torch.cat(parents), torch.cat(ents), torch.cat(added),
-                      torch.cat(ks))
+            sel, kept = select_top(conf, cand, n0 + k), rows  # draft 0: every row's rule step
+            if k:
+                keep = (n0 + k <= n_max) & hp
+                if not keep.any():
+                    break
+                sel, kept = sel[keep], rows[keep]
+            drafts.append(Drafts(np.where(sel, pr.token[kept], x[kept]), kept,
+                                 self._max_entropy(pr.entropy[kept], sel), sel, np.full_like(kept, k)))
+        if len(drafts) == 1:
+            return drafts[0]
+        return Drafts(*(np.concatenate([getattr(d, f.name) for d in drafts])
+                        for f in dataclasses.fields(Drafts)))
 
-    def _schedule(self, b: DecodeBatch, start: Tensor, cand: Tensor) -> BlockSchedule:
+    @staticmethod
+    def _max_entropy(entropy: np.ndarray, sel: np.ndarray) -> np.ndarray:
+        """(D,) max entropy of the selected slots (-inf: none)."""
+        return np.where(sel, entropy, np.float32(-np.inf)).max(-1, initial=np.float32(-np.inf))
+
+    def _schedule(self, b: DecodeBatch, start: np.ndarray, cand: np.ndarray) -> BlockSchedule:
         """LLaDA's per-block schedule, advanced for the rows that draft this step."""
         hp = b.has_preds
         new = (start != b.block_seen) & hp
-        b.block_seen = torch.where(hp, start, b.block_seen)
-        b.block_step = torch.where(new, 0, b.block_step)
-        b.block_m = torch.where(new, cand.sum(-1), b.block_m)
-        schedule = BlockSchedule(b.block_m, b.block_step.clone(), b.steps_per_block)
-        b.block_step = b.block_step + hp.long()
+        b.block_seen = np.where(hp, start, b.block_seen)
+        b.block_step = np.where(new, 0, b.block_step)
+        b.block_m = np.where(new, cand.sum(-1), b.block_m)
+        schedule = BlockSchedule(b.block_m, b.block_step.copy(), b.steps_per_block)
+        b.block_step = b.block_step + hp
         return schedule
 
-    def _forward(self, b: DecodeBatch, d: Drafts, need: Tensor,
-                 start: Tensor) -> Forwarded | None:
+    def _forward(self, b: DecodeBatch, d: Drafts, need: np.ndarray,
+                 start: np.ndarray) -> Forwarded | None:
         """Forward the drafts with masks left (`need`); returns their rows in order."""
-        if not bool(need.all()):
-            sub = need.nonzero(as_tuple=True)[0]
-            if sub.numel() == 0:
+        if not need.all():
+            sub = np.nonzero(need)[0]
+            if sub.size == 0:
                 return None
             d, start = d.take(sub), start[sub]
         x, parent = d.x, d.parent
         slots = b.slots
         end = start + self.params.block_length
-        commit_step = torch.where(d.added, b.step[parent][:, None], b.commit_step[parent])
+        commit_step = np.where(d.added, b.step[parent][:, None], b.commit_step[parent])
         masked = x == self.mask_id
         # The token each slot's stored K/V was computed from (-1: none); a slot whose K/V comes
         # from another token (committed since) holds [MASK] K/V.
         stored = b.stored_tokens(parent) if b.store is not None else None
         # Only policies that read staleness pay for the (D, S) comparison.
-        stale = (stored != x) if self.cache.reads_stale else torch.zeros_like(masked)
+        stale = (stored != x) if self.cache.reads_stale else np.zeros_like(masked)
         view = StepView(slots, start, end, d.new_entropy, commit_step, b.store_block[parent],
                         masked, stale)
         pad = b.pad[parent]
@@ -190,7 +197,7 @@ class Decoder:
             active = visible
         else:
             valid = stored >= 0
-            active = torch.where(refresh[:, None], visible, (recompute | ~valid) & visible)
+            active = np.where(refresh[:, None], visible, (recompute | ~valid) & visible)
             read = StoreRead(b.store, b.store_row[parent], pad, valid)
         masked = masked & visible
         predict = masked & view.in_block
@@ -201,7 +208,7 @@ class Decoder:
         return self.runner.forward(x, pad, visible, active, predict, refresh, read, prev, noise,
                                    start)
 
-    def _noise(self, b: DecodeBatch, x: Tensor, parent: Tensor) -> Tensor | None:
+    def _noise(self, b: DecodeBatch, x: np.ndarray, parent: np.ndarray) -> Tensor | None:
         """(D, block_length, V + 1) uniforms keyed by (request noise key, tokens committed so far):
         the same canvas state of a request always sees the same noise, whichever decoder
         reached it and whoever shares its batch. Drawn on the model's device."""
@@ -218,64 +225,64 @@ class Decoder:
                        device=self.device, out=out[i])
         return out
 
-    def _count(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, need: Tensor) -> None:
+    def _count(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, need: np.ndarray) -> None:
         if fw is None:
             return
         parents = d.parent[need]
-        b.nfe += torch.bincount(parents, minlength=len(b)).clamp_max(1)
-        b.tok_fw.index_add_(0, parents, fw.n_tokens)
+        b.nfe += np.minimum(np.bincount(parents, minlength=len(b)), 1)
+        b.tok_fw += np.bincount(parents, weights=fw.n_tokens, minlength=len(b)).astype(np.int64)
 
-    def _verify(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, need: Tensor,
-                start: Tensor, exit_ready: Tensor | None) -> Tensor:
+    def _verify(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, need: np.ndarray,
+                start: np.ndarray, exit_ready: np.ndarray | None) -> np.ndarray:
         """Index (into d) of the accepted draft of each row, by the chain rule. Drafts 0..R-1
         are the rows' own rule steps, in row order; further drafts follow."""
         r, n = len(b), self.method.n_drafts
-        rows = torch.arange(r, device=self.device)
+        rows = np.arange(r)
         if d.x.shape[0] == r:  # one draft per row: the rule's step, always accepted
             return rows
         # target_j = draft_j plus one reference step from draft_j's own predictions.
-        target = d.x.clone()
+        target = d.x.copy()
         if fw is not None:
             fx = d.x[need]
-            cand = self._candidates(b, fx, start[need], fw.fresh, torch.ones_like(need[need]))
+            cand = self._candidates(b, fx, start[need], fw.fresh, np.ones(fx.shape[0], dtype=bool))
             sel = select_top(fw.conf, cand, self.method.rule.count(fw.conf, cand, None))
-            target[need] = torch.where(sel, fw.token, fx)
-        # The chain on tensors (no per-row host loop): kid[r, k] = draft k of row r (-1: none);
+            target[need] = np.where(sel, fw.token, fx)
+        # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);
         # eq[r, i, j] = draft j of row r equals the target of its draft i.
-        kid = torch.full((r, n), -1, dtype=torch.long, device=self.device)
-        kid[d.parent, d.k] = torch.arange(d.x.shape[0], device=self.device)
+        kid = np.full((r, n), -1, dtype=np.int64)
+        kid[d.parent, d.k] = np.arange(d.x.shape[0])
         valid = kid >= 0
-        safe = kid.clamp_min(0)
+        safe = np.maximum(kid, 0)
         eq = (target[safe][:, :, None, :] == d.x[safe][:, None, :, :]).all(-1)  # (R, n, n)
         # A draft at which early exit stops the reference ends the chain there too.
-        stop = (exit_ready[safe] & valid) if exit_ready is not None else torch.zeros_like(valid)
-        j = torch.arange(n, device=self.device)
-        best = torch.zeros(r, dtype=torch.long, device=self.device)
+        stop = (exit_ready[safe] & valid) if exit_ready is not None else np.zeros_like(valid)
+        j = np.arange(n)
+        best = np.zeros(r, dtype=np.int64)
         for _ in range(n - 1):  # the chain moves strictly forward: at most n - 1 moves
             moves = eq[rows, best] & valid & (j[None, :] > best[:, None])
-            nxt = torch.where(moves, j[None, :], -1).amax(-1)  # the largest such draft
-            best = torch.where((nxt >= 0) & ~stop[rows, best], nxt, best)
+            nxt = np.where(moves, j[None, :], -1).max(-1)  # the largest such draft
+            best = np.where((nxt >= 0) & ~stop[rows, best], nxt, best)
         return kid[rows, best]
 
-    def _accept(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, chosen: Tensor,
-                need: Tensor, draft_start: Tensor) -> None:
+    def _accept(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, chosen: np.ndarray,
+                need: np.ndarray, draft_start: np.ndarray) -> None:
         rows = d.parent[chosen]  # every row, in order
         added = d.added[chosen]
         b.x = d.x[chosen]
-        b.commit_step = torch.where(added, b.step[:, None], b.commit_step)
+        b.commit_step = np.where(added, b.step[:, None], b.commit_step)
         b.decided += added.sum(-1)
         b.step += 1
         if fw is None:
             return
-        fwd_index = torch.cumsum(need.long(), 0) - 1
+        fwd_index = np.cumsum(need) - 1
         has = need[chosen]
         rows, fi = rows[has], fwd_index[chosen[has]]
-        if rows.numel() == 0:
+        if rows.size == 0:
             return
         pr = b.preds
         keep_old = ~fw.fresh[fi]
-        pr.token[rows] = torch.where(keep_old, pr.token[rows], fw.token[fi])
-        pr.conf[rows] = torch.where(keep_old, float("-inf"), fw.conf[fi])
+        pr.token[rows] = np.where(keep_old, pr.token[rows], fw.token[fi])
+        pr.conf[rows] = np.where(keep_old, np.float32(-np.inf), fw.conf[fi])
         pr.entropy[rows] = fw.entropy[fi]
         pr.fresh[rows] = fw.fresh[fi]
         b.has_preds[rows] = True
@@ -285,9 +292,9 @@ class Decoder:
             b.store.invalidate(store_rows[refreshed])
             b.store.write(store_rows, b.pad[rows], fi, fw.idx, fw.kv, fw.ok, fw.ids)
             start = draft_start[chosen[has]]  # the accepted canvases' block starts
-            b.store_block[rows] = torch.where(refreshed, start, b.store_block[rows])
+            b.store_block[rows] = np.where(refreshed, start, b.store_block[rows])
 
-    def _finish(self, b: DecodeBatch, exit_ready: Tensor | None) -> Tensor:
+    def _finish(self, b: DecodeBatch, exit_ready: np.ndarray | None) -> np.ndarray:
         """Mark finished rows and return them; with early_exit (exit_ready: (R,) `_exit_ready`
         of the rows' canvases), a row whose canvas is committed up to an EOS is done and its
         remaining positions become EOS."""
@@ -295,17 +302,18 @@ class Decoder:
         masked = gen == self.mask_id
         if exit_ready is not None:
             stop = exit_ready & ~b.done
-            if bool(stop.any()):
-                gen[stop] = torch.where(masked[stop], self.eos_id, gen[stop])
+            if stop.any():
+                gen[stop] = np.where(masked[stop], self.eos_id, gen[stop])
                 masked = gen == self.mask_id
         newly = ~masked.any(-1) & ~b.done
         b.done |= newly
         return newly
 
-    def _exit_ready(self, b: DecodeBatch, x: Tensor) -> Tensor:
+    def _exit_ready(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
         """(D,) rows with masks left whose canvas is committed up to an EOS."""
         gen = x[:, b.P :]
         masked = gen == self.mask_id
-        first_mask = torch.where(masked.any(-1), masked.float().argmax(-1), gen.shape[1])
-        before = torch.arange(gen.shape[1], device=x.device)[None] < first_mask[:, None]
-        return ((gen == self.eos_id) & before).any(-1) & masked.any(-1)
+        any_masked = masked.any(-1)
+        first_mask = np.where(any_masked, masked.argmax(-1), gen.shape[1])
+        before = np.arange(gen.shape[1])[None] < first_mask[:, None]
+        return ((gen == self.eos_id) & before).any(-1) & any_masked

@@ -15,10 +15,12 @@ canvas, prompt and seed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,6 +34,7 @@ from unmask.errors import InputError
 log = logging.getLogger("unmask.engine")
 
 
+@functools.lru_cache(maxsize=256)  # params are frozen; a server sees few distinct ones
 def decoder_key(params: DecodeParams) -> Hashable:
     """What decides which batch a request joins: its parameters, seed and lengths aside."""
     return dataclasses.replace(params, seed=0, gen_length=params.block_length, steps=None, name="")
@@ -54,6 +57,7 @@ class Engine:
         # Engine-wide NFE: forward passes, one per decoder batch per step that forwarded; a
         # batch the runner splits over two model calls to save padding still counts once.
         self.model_calls = 0
+        self.max_idle = 8  # decoders kept while they have no rows (_drop_idle)
         self.token_forwards = 0  # token positions those calls processed
 
     # --- requests ----------------------------------------------------------------------------
@@ -111,6 +115,7 @@ class Engine:
         return len(self.scheduler.running)
 
     # --- the step ----------------------------------------------------------------------------
+    @torch.no_grad()
     def step(self) -> list[StepEvent]:
         events, self._pending = self._pending, []
         now = time.perf_counter()
@@ -118,7 +123,10 @@ class Engine:
         for req in self.scheduler.schedule():
             req.status, req.started = "running", now
             key = decoder_key(req.params)
-            if key not in self.decoders:
+            if key in self.decoders:  # most recently used last
+                self.decoders[key] = self.decoders.pop(key)
+                self.batches[key] = self.batches.pop(key)
+            else:
                 self.decoders[key] = Decoder(self.model, req.params, self.mask_id, self.eos_id)
                 self.batches[key] = self.decoders[key].new_batch()
             joining.setdefault(key, []).append(req)
@@ -127,9 +135,17 @@ class Engine:
         for key, b in list(self.batches.items()):
             if len(b):
                 events += self._run(self.decoders[key], b)
-            if not len(b):  # a server sees many specs: keep decoders only while they have rows
-                del self.batches[key], self.decoders[key]
+        self._drop_idle()
         return events
+
+    def _drop_idle(self) -> None:
+        """Forget all but the `max_idle` most recently used decoders with no rows. An empty
+        batch holds no canvas and no K/V (DecodeBatch.filter gives its store back), so keeping
+        a few saves the next request of their spec building them again (~0.15 ms); a server
+        sees many specs, so not all."""
+        idle = [key for key, b in self.batches.items() if not len(b)]
+        for key in idle[: max(len(idle) - self.max_idle, 0)]:
+            del self.batches[key], self.decoders[key]
 
     def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
         trace = any(r.trace for r in b.requests)
@@ -138,7 +154,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
             log.exception("a decoder step failed; its %d requests fail with it", len(b))
             return self._fail(b, f"{type(e).__name__}: {e}")
-        if bool(res.forwarded.any()):
+        if res.forwarded.any():
             self.model_calls += 1
         tok_fw_before = sum(r.token_forwards for r in b.requests)
         events = self._events(dec, b, res)
@@ -152,23 +168,22 @@ class Engine:
         gen = slice(b.P, b.S)
         x = b.x[:, gen]
         changed = x != res.before[:, gen]
-        # One host transfer for all rows' commits: (row, position, token) triples.
-        where = changed.nonzero()
-        pos = torch.cat([where, x[changed][:, None]], 1).tolist()
-        drafted = res.drafted[:, gen].nonzero().tolist()
-        masked = b.x[:, gen] == self.mask_id
-        prefix = torch.where(masked.any(-1), masked.float().argmax(-1), b.end - b.P).tolist()
+        # All rows' commits at once: (row, position, token) triples.
+        rows, cols = np.nonzero(changed)
+        masked = x == self.mask_id
+        prefix = np.where(masked.any(-1), masked.argmax(-1), b.end - b.P).tolist()
         start = (res.block_start - b.P).tolist()
         per_row: list[list[int]] = [[] for _ in b.requests]
         tok_row: list[list[int]] = [[] for _ in b.requests]
-        for r, c, t in pos:
+        for r, c, t in zip(rows.tolist(), cols.tolist(), x[rows, cols].tolist(), strict=True):
             per_row[r].append(c)
             tok_row[r].append(t)
         drafted_rows: list[list[int]] = [[] for _ in b.requests]
-        for r, c in drafted:
+        for r, c in zip(*(a.tolist() for a in np.nonzero(res.drafted[:, gen])), strict=True):
             drafted_rows[r].append(c)
-        counters = torch.stack([b.nfe, b.tok_fw, b.decided, b.step]).tolist()
-        flags = torch.stack([res.forwarded, res.refreshed, res.finished, res.stalled]).tolist()
+        counters = [b.nfe.tolist(), b.tok_fw.tolist(), b.decided.tolist(), b.step.tolist()]
+        flags = [res.forwarded.tolist(), res.refreshed.tolist(), res.finished.tolist(),
+                 res.stalled.tolist()]
         now = time.perf_counter()
         events = []
         for i, req in enumerate(b.requests):
@@ -182,8 +197,8 @@ class Engine:
                 block=(start[i], start[i] + block_len), prefix=prefix[i], nfe=req.nfe,
                 token_forwards=req.token_forwards, decided=req.decided)
             if req.trace and res.kept is not None:
-                ev.suffix_kept = [c for c in res.kept[i, b.P + start[i] + block_len : b.S].nonzero()
-                                  .flatten().add(start[i] + block_len).tolist()]
+                ev.suffix_kept = (np.nonzero(res.kept[i, b.P + start[i] + block_len : b.S])[0]
+                                  + start[i] + block_len).tolist()
             if finished or stalled:
                 req.token_ids = x[i, : req.gen_length].tolist()
                 req.finished_at = now
