@@ -114,8 +114,11 @@ class KVStore:
         # (C, H, T, D) per layer and half -> (C*T, L, 2, H, D), the store's order, in one copy
         new = torch.stack([t.transpose(1, 2) for kv in fresh for t in kv], dim=2)
         new = new.view(-1, n_layers, 2, h, d)
+        every = src.shape[0] == ok.shape[0] and (src == np.arange(src.shape[0])).all() and ok.all()
+        if not every:  # (every call row's every token, in order: `new` as it is)
+            new = new.index_select(0, from_)
         # view, not reshape: a copy here would drop the write silently
-        self.kv.view(n * w, n_layers, 2, h, d).index_copy_(0, dst, new.index_select(0, from_))
+        self.kv.view(n * w, n_layers, 2, h, d).index_copy_(0, dst, new)
         self.token[b, p] = tokens[c, t_idx]
 
 
