@@ -416,6 +416,13 @@ def test_split_only_when_padding_dominates() -> None:
     assert Runner._split(np.array([60, 50, 45, 40, 55])) is None  # little padding
 
 
+def counted_call(fn, calls: list):
+    def call(*a, **k):
+        calls.append(1)
+        return fn(*a, **k)
+    return call
+
+
 @pytest.mark.parametrize("spec", ["static-1", "freedave,draft_steps=4", "fast",
                                   "threshold,cache=entropy,entropy_tau=0.5"])
 def test_device_reads_per_step_do_not_grow_with_the_batch(spec: str, monkeypatch) -> None:
@@ -445,8 +452,7 @@ def test_device_reads_per_step_do_not_grow_with_the_batch(spec: str, monkeypatch
             for name in ("cpu", "__bool__", "tolist", "item", "__int__", "__float__", "__index__"):
                 mp.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
             mp.setattr(torch, "equal", counted("equal", torch.equal))
-            score = runner_mod.score
-            mp.setattr(runner_mod, "score", lambda *a, **k: calls.append(1) or score(*a, **k))
+            mp.setattr(runner_mod, "score", counted_call(runner_mod.score, calls))
             counts.clear()
             for _ in range(4):
                 eng.step()

@@ -1,0 +1,100 @@
+"""The engine of an earlier commit against this tree's, side by side (BENCHMARKS.md, "Host
+overhead"): throughput at concurrency 1, 4 and 16 (scripts/engine_throughput.py) and host time
+per step (scripts/host_ops.py), the two trees in alternation for --rounds rounds, one torch
+thread each; markdown tables of the medians on stdout.
+
+    .venv/bin/python scripts/ab_engine.py REV [--rounds 5] [--raw FILE]
+
+REV is checked out into a temporary git worktree (removed at the end); its code is imported
+through PYTHONPATH, this tree's scripts measure both (host_ops.py times functions by name, so
+an older engine must have them). Ratios are taken within a round, then their median: the
+machine's drift between rounds hits both trees alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DECODERS = ["fast", "threshold"]
+CONCURRENCY = [1, 4, 16]
+HOST_RUNS = [(d, b) for d in DECODERS for b in (1, 16)]
+THROUGHPUT_ROW = re.compile(r"^\| `([^`]+)` \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \|")
+HOST_LINE = re.compile(r"\*\*([\d.]+) ms a step\*\*.*?; (\d+) torch calls")
+
+
+def run(tree: Path, args: list[str]) -> str:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+def measure(tree: Path) -> tuple[dict, dict]:
+    text = run(tree, [str(ROOT / "scripts/engine_throughput.py"), "--rounds", "1",
+                      "--concurrency", ",".join(map(str, CONCURRENCY)),
+                      *[a for d in DECODERS for a in ("--decoder", d)]])
+    tps = {(m[1], int(m[2])): float(m[3]) for m in map(THROUGHPUT_ROW.match, text.splitlines()) if m}
+    host = {}
+    for d, b in HOST_RUNS:
+        line = run(tree, [str(ROOT / "scripts/host_ops.py"), "--decoder", d, "--batch", str(b),
+                          "--repeats", "3"])
+        m = HOST_LINE.search(line)
+        host[(d, b)] = (float(m[1]), int(m[2]))
+    return tps, host
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("rev")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--raw", help="also write every round's numbers to this file")
+    args = p.parse_args()
+    tps: dict = collections.defaultdict(list)
+    host: dict = collections.defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        old = Path(tmp) / "old"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), args.rev],
+                       check=True)
+        try:
+            for rnd in range(args.rounds):
+                for name, tree in (("before", old), ("after", ROOT)):
+                    print(f"round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr)
+                    t, h = measure(tree)
+                    for k, v in t.items():
+                        tps[(name, *k)].append(v)
+                    for k, v in h.items():
+                        host[(name, *k)].append(v)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
+    if args.raw:
+        Path(args.raw).write_text("".join(f"{k}: {v}\n" for k, v in [*tps.items(), *host.items()]))
+    med = statistics.median
+    print(f"Before: `{args.rev}`; after: this tree. {args.rounds} rounds, medians.\n")
+    print("| decoder | concurrency | tokens/s before | after | after / before | x vs c=1 before | after |")
+    print("|:---|---:|---:|---:|---:|---:|---:|")
+    for d in DECODERS:
+        for c in CONCURRENCY:
+            b, a = tps[("before", d, c)], tps[("after", d, c)]
+            x_b = med([v / w for v, w in zip(b, tps[("before", d, 1)], strict=True)])
+            x_a = med([v / w for v, w in zip(a, tps[("after", d, 1)], strict=True)])
+            print(f"| `{d}` | {c} | {med(b):.0f} | {med(a):.0f} | "
+                  f"{med([y / x for x, y in zip(b, a, strict=True)]):.2f}x | {x_b:.2f}x | {x_a:.2f}x |")
+    print("\n| decoder | batch | host ms/step before | after | after / before | torch calls/step "
+          "outside the model before | after |\n|:---|---:|---:|---:|---:|---:|---:|")
+    for d, bs in HOST_RUNS:
+        b, a = host[("before", d, bs)], host[("after", d, bs)]
+        ratio = med([y[0] / x[0] for x, y in zip(b, a, strict=True)])
+        print(f"| `{d}` | {bs} | {med(v[0] for v in b):.2f} | {med(v[0] for v in a):.2f} | "
+              f"{ratio:.2f}x | {b[0][1]} | {a[0][1]} |")
+
+
+if __name__ == "__main__":
+    main()
