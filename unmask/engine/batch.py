@@ -8,7 +8,7 @@ positions, then right padding up to the batch's width S (rows may generate diffe
 
 Every generated region starts at slot P, so blocks line up across rows. A row's positions
 (RoPE ids) are slot - pad, so neither padding changes what a row computes. Joining rows with a
-longer prompt or generation widen every tensor (a copy when membership changes, never per
+longer prompt or generation widen every array (a copy when membership changes, never per
 step); leaving rows are dropped and the width shrinks back to what the remaining rows need.
 The K/V store is a pool indexed by (store row, position), so none of this copies it: a joining
 row takes a free store row, a leaving row frees its own (KVStore).
@@ -41,10 +41,10 @@ class Predictions:
     fresh: np.ndarray  # (R, S) bool
 
 
-# Per-slot tensors and the value a new slot holds; `x` is filled separately (EOS padding).
+# Per-slot arrays and the value a new slot holds; `x` is filled separately (EOS padding).
 _SLOT_FILL = {"commit_step": -1}
 _PRED_FILL = {"token": None, "conf": float("-inf"), "entropy": 0.0, "fresh": False}
-# Per-row tensors holding a slot index (-1: none), shifted with the slots.
+# Per-row arrays holding a slot index (-1: none), shifted with the slots.
 _SLOT_INDEX_ROWS = ("pad", "end", "store_block", "block_seen")
 _ROWS = ("pad", "end", "step", "store_block", "block_seen", "block_m", "block_step",
          "steps_per_block", "nfe", "tok_fw", "decided", "has_preds", "done")
@@ -126,7 +126,7 @@ class DecodeBatch:
         self.requests.extend(reqs)
 
     def filter(self, keep: list[bool]) -> None:
-        """Keep the rows flagged True (finished or aborted rows leave the tensors)."""
+        """Keep the rows flagged True (finished or aborted rows leave the arrays)."""
         if all(keep):
             return
         idx = np.array([i for i, k in enumerate(keep) if k], dtype=np.int64)

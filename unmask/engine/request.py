@@ -1,7 +1,7 @@
 """A request: one prompt's decode, from admission to its finish, and the events a step reports.
 
 The request owns what is per-user: prompt, decoder parameters, its seed-derived noise key,
-counters and timing. Its tensors (canvas row, K/V rows) live in the batch of its decoder
+counters and timing. Its arrays (canvas row, K/V rows) live in the batch of its decoder
 (`unmask.engine.batch`), addressed by the request's row there.
 """
 
