@@ -105,11 +105,11 @@ at 256 with static-1, see its MODEL_CARD.md), so accuracy over a handful of prom
 of 100/n points; the long tables use few prompts (a vanilla static-1 decode at 1024 takes about a
 minute on one core) — the accuracy of static-1, threshold and \`fast\` on 96 prompts is in the
 last section; and on a CPU a batched forward of K FreeDave drafts costs about K forwards, so
-FreeDave's gains show in TPF more than in TPS. The Results tables, sweeps and "By difficulty"
+FreeDave's gains show in TPF more than in TPS. The sweeps, fast-variants and "By difficulty"
 were measured before the decode state moved to the host ("Host overhead"): their tokens, NFE,
-TPF and cost/token are what this engine gives (checked on 96 prompts x 5 decoders), their TPS
-and speedups are the older engine's (decoders bound by host time, such as \`fast\`, are now
-faster; static-1 is bound by the model and is not).
+TPF and cost/token are what this engine gives (the Results tables, rerun on it, reproduce every
+such column; so do 96 prompts x 5 decoders of "Accuracy on more prompts"), their TPS and
+speedups are the older engine's, lower for decoders bound by host time such as \`fast\`.
 
 ## Machine
 
