@@ -59,13 +59,13 @@ class KVStore:
     def gather(self, rows: np.ndarray, pos: np.ndarray) -> PastKV:
         """The store as seen by a call: for each of its R rows (`rows` (R,): store row; several
         call rows may read one store row, e.g. FreeDave's drafts), the K positions `pos` (R, K)
-        only, every layer's in one gather. No copy of the whole store is ever made, and
-        attention runs over what a row can see, not over the store's width."""
-        r, k = pos.shape
-        n, w, n_layers, _, h, d = self.kv.shape
+        only. A layer's keys and values are gathered together when its attention reads them, so
+        no copy of the whole store is ever made, at most one layer's reads are held at a time,
+        and attention runs over what a row can see, not over the store's width."""
+        n, w = self.shape
         flat = torch.from_numpy((rows[:, None] * w + pos).reshape(-1)).to(self.kv.device)  # (R*K,)
-        seen = self.kv.view(n * w, n_layers, 2, h, d).index_select(0, flat).view(r, k, n_layers, 2, h, d)
-        return PastKV(seen[:, :, :, 0].unbind(2), seen[:, :, :, 1].unbind(2))
+        layers = _LayerReads(self.kv.view(n * w, *self.kv.shape[2:]), flat, pos.shape)
+        return PastKV(_Half(layers, 0), _Half(layers, 1))
 
     def tokens_at(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """(R, S) token of store row rows[i] at positions pos[i] (any ints: -1 outside 0..W-1)."""
@@ -120,6 +120,35 @@ class KVStore:
         # view, not reshape: a copy here would drop the write silently
         self.kv.view(n * w, n_layers, 2, h, d).index_copy_(0, dst, new)
         self.token[b, p] = tokens[c, t_idx]
+
+
+class _LayerReads:
+    """A call's reads of the store (N*W, L, 2, H, D), one layer at a time: `get(layer)` gathers
+    that layer's keys and values at the flat (row, position) indices in one copy, (R, K, 2, H, D),
+    and keeps only the last layer's (attention asks for keys, then values)."""
+
+    def __init__(self, kv: Tensor, flat: Tensor, shape: tuple[int, ...]) -> None:
+        self.kv, self.flat, self.shape = kv, flat, shape
+        self._layer, self._seen = -1, None
+
+    def get(self, layer: int) -> Tensor:
+        if layer != self._layer:
+            seen = self.kv.select(1, layer).index_select(0, self.flat)  # (R*K, 2, H, D)
+            self._layer, self._seen = layer, seen.view(*self.shape, *seen.shape[1:])
+        return self._seen
+
+
+class _Half(Sequence):
+    """Keys (0) or values (1) of a `_LayerReads`, indexed by layer: (R, K, H, D)."""
+
+    def __init__(self, reads: _LayerReads, half: int) -> None:
+        self.reads, self.half = reads, half
+
+    def __getitem__(self, layer: int) -> Tensor:  # type: ignore[override]
+        return self.reads.get(layer)[:, :, self.half]
+
+    def __len__(self) -> int:
+        return self.reads.kv.shape[1]
 
 
 @dataclass
