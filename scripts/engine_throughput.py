@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from unmask.api import LLM, useful_length
@@ -46,6 +47,7 @@ class Run:
     requests: int = 0
     step_s: list[float] = field(default_factory=list)  # each step's wall seconds
     step_forward_s: list[float] = field(default_factory=list)  # of which inside model.forward
+    step_rows: list[int] = field(default_factory=list)  # rows that took part in a model call
 
     def add(self, other: Run) -> None:
         for k in self.__dataclass_fields__:
@@ -75,17 +77,18 @@ def decode(llm: LLM, timer: ForwardTimer, ids: list[list[int]], params: DecodePa
     f0 = timer.seconds
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in ids]
-    step_s, step_fw = [], []
+    step_s, step_fw, step_rows = [], [], []
     with torch.no_grad():
         while engine.has_unfinished:
             t, f = time.perf_counter(), timer.seconds
-            engine.step()
+            events = engine.step()
             step_s.append(time.perf_counter() - t)
             step_fw.append(timer.seconds - f)
+            step_rows.append(sum(ev.forwarded for ev in events))
     wall = time.perf_counter() - t0
     eos = llm.config.eos_token_id
     return Run(wall, sum(useful_length(r.token_ids, eos) for r in reqs), len(step_s),
-               engine.model_calls, timer.seconds - f0, len(reqs), step_s, step_fw)
+               engine.model_calls, timer.seconds - f0, len(reqs), step_s, step_fw, step_rows)
 
 
 def row(decoder: str, conc: int, r: Run, base: Run | None) -> str:
@@ -117,7 +120,30 @@ def table(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], decoders: lis
     lines = [HEADER]
     for d, c in cells:
         lines.append(row(d, c, runs[(d, c)], runs[(d, concs[0])] if c != concs[0] else None))
+    lines += ["", FIT_HEADER] + [fit(d, [runs[(d, c)] for c in concs]) for d in decoders]
     return "\n".join(lines)
+
+
+FIT_HEADER = (
+    "What limits batching: every step of every cell fitted as step seconds = f + p x rows "
+    "(least squares; rows: requests in the step's model call). Concurrency c takes S_c steps "
+    "for the same R row-steps (the tokens do not depend on the batch), so its speedup over "
+    "c = 1 is (S_1 f + R p) / (S_c f + R p), and 2x needs f / p >= R / (S_1 - 2 S_c).\n\n"
+    "| decoder | f ms/step | p ms/row | f/p | S_1 | S_c (largest c) | R | predicted x | "
+    "f/p for 2x |\n|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def fit(decoder: str, runs: list[Run]) -> str:
+    """The fixed-plus-per-row cost model of a decoder's steps (FIT_HEADER)."""
+    rows = np.array([n for r in runs for n in r.step_rows], dtype=np.float64)
+    secs = np.array([t for r in runs for t in r.step_s])
+    (f, p), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], 1), secs, rcond=None)
+    first, last = runs[0], runs[-1]
+    s1, sc, r = first.steps, last.steps, sum(first.step_rows)
+    predicted = (s1 * f + r * p) / (sc * f + r * p)
+    need = f"{r / (s1 - 2 * sc):.2f}" if s1 > 2 * sc else "unreachable"
+    return (f"| `{decoder}` | {1000 * f:.2f} | {1000 * p:.2f} | {f / p:.2f} | {s1} | {sc} | {r} | "
+            f"{predicted:.2f}x | {need} |")
 
 
 def profile(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], decoders: list[str],

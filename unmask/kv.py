@@ -173,6 +173,8 @@ class Frame:
     packed: bool = False
     fresh: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     _flat: Tensor | None = field(default=None, repr=False)
+    _mask: Tensor | None = field(default=None, repr=False)  # the keys' mask, once built
+    _mask_built: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.packed and (self.key_mask is None or self.attn_mask is not None):
@@ -217,13 +219,16 @@ class Frame:
         self.fresh.append((k, v))
         if self.attn_mask is not None:
             return k, v, self.attn_mask
-        mask = self.key_mask
         if self.past is not None:  # the store is slot-major: (R, K, H_kv, D)
             k = torch.cat([self.past.k[layer], k.transpose(1, 2)], dim=1).transpose(1, 2)
             v = torch.cat([self.past.v[layer], v.transpose(1, 2)], dim=1).transpose(1, 2)
-            new = mask if mask is not None else torch.ones(
-                k.shape[0], k.shape[2] - self.past_mask.shape[1], dtype=torch.bool, device=k.device)
-            mask = torch.cat([self.past_mask, new], dim=1)
-        if mask is None:
-            return k, v, None
-        return k, v, mask[:, None, None, :]  # (B, 1, 1, K): same keys for every query
+        if not self._mask_built:  # the same keys in every layer: built at the first
+            mask = self.key_mask
+            if self.past is not None:
+                new = mask if mask is not None else torch.ones(
+                    k.shape[0], k.shape[2] - self.past_mask.shape[1], dtype=torch.bool,
+                    device=k.device)
+                mask = torch.cat([self.past_mask, new], dim=1)
+            self._mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, K)
+            self._mask_built = True
+        return k, v, self._mask

@@ -132,10 +132,15 @@ def rank(conf: np.ndarray) -> np.ndarray:
     return ranks
 
 
+def candidate_ranks(conf: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """(B, S) rank of each candidate among its row's candidates (`rank`'s order); the k best
+    candidates of a row are those ranked below k, for any k (FreeDave's drafts rank once)."""
+    return rank(np.where(candidates, conf, np.float32(NEG_INF)))
+
+
 def select_top(conf: np.ndarray, candidates: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Commit mask (B, S): the k[b] best candidates of each row (fewer if fewer exist)."""
-    c = np.where(candidates, conf, np.float32(NEG_INF))
-    return (rank(c) < k[:, None]) & candidates
+    return (candidate_ranks(conf, candidates) < k[:, None]) & candidates
 
 
 def threshold_count(conf: np.ndarray, candidates: np.ndarray, tau: float) -> np.ndarray:

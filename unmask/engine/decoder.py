@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from unmask.caching import StepView, make_cache_policy
 from unmask.decoding.methods import BlockSchedule, make_method
 from unmask.decoding.params import DecodeParams
-from unmask.decoding.rules import select_top
+from unmask.decoding.rules import candidate_ranks, select_top
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.runner import Forwarded, Runner, StoreRead
 from unmask.suffix import make_suffix_policy
@@ -51,6 +51,7 @@ class StepResult:
     block_start: np.ndarray  # (R,) slot of each row's current block before the step
     stalled: np.ndarray  # (R,) bool a row that had predictions committed nothing
     finished: np.ndarray  # (R,) bool rows done after this step
+    masked: np.ndarray  # (R, G) bool generated slots still [MASK] after the step
 
 
 class Decoder:
@@ -76,22 +77,25 @@ class Decoder:
     # --- the step ----------------------------------------------------------------------------
     def step(self, b: DecodeBatch, trace: bool = False) -> StepResult:
         before = b.x.copy()
-        masked_before = self._n_masked(b, b.x)
+        # Each canvas (before, drafts) is scanned for masks once; everything below reads these.
+        gen_masked = self._gen_masked(b, b.x)  # (R, G)
+        masked_before = gen_masked.sum(-1)
         had_preds = b.has_preds.copy()
-        start = self._block_start(b, b.x)
+        start = self._block_start(b, gen_masked)
         drafts = self._draft(b, start)
-        draft_start = self._block_start(b, drafts.x)
+        draft_masked = self._gen_masked(b, drafts.x)  # (D, G)
+        draft_start = self._block_start(b, draft_masked)
         # Complete drafts need no call, nor (with early exit) drafts committed up to an EOS:
         # the row stops there whatever the forward would predict.
-        need = (drafts.x[:, b.P :] == self.mask_id).any(-1)
-        exit_ready = self._exit_ready(b, drafts.x) if self.params.early_exit else None
+        need = draft_masked.any(-1)
+        exit_ready = self._exit_ready(b, drafts.x, draft_masked) if self.params.early_exit else None
         if exit_ready is not None:
             need &= ~exit_ready
         fw = self._forward(b, drafts, need, draft_start)
         self._count(b, drafts, fw, need)
         chosen = self._verify(b, drafts, fw, need, draft_start, exit_ready)
         first = np.arange(len(b))  # each row's first draft: the rule's step
-        fwd_index = np.cumsum(need) - 1
+        fwd_index = need.cumsum() - 1  # (D,) each forwarded draft's row in `fw`
         forwarded = need[chosen]
         refreshed = np.zeros_like(forwarded)
         kept = None
@@ -101,21 +105,24 @@ class Decoder:
                 kept = np.zeros(b.x.shape, dtype=bool)
                 kept[forwarded] = fw.visible[fwd_index[chosen[forwarded]]]
         drafted = drafts.added[chosen] & ~drafts.added[first]
-        self._accept(b, drafts, fw, chosen, need, draft_start)
-        stalled = had_preds & (self._n_masked(b, b.x) == masked_before) & (masked_before > 0)
+        self._accept(b, drafts, fw, chosen, need, fwd_index, draft_start)
+        masked_after = draft_masked[chosen]  # b.x is now drafts.x[chosen]
+        stalled = had_preds & (masked_after.sum(-1) == masked_before) & (masked_before > 0)
         # The accepted canvases are drafts: their early-exit state is already known.
-        finished = self._finish(b, None if exit_ready is None else exit_ready[chosen])
-        return StepResult(before, drafted, forwarded, refreshed, kept, start, stalled, finished)
+        finished, masked_after = self._finish(
+            b, masked_after, None if exit_ready is None else exit_ready[chosen])
+        return StepResult(before, drafted, forwarded, refreshed, kept, start, stalled, finished,
+                          masked_after)
 
     # --- pieces ------------------------------------------------------------------------------
-    def _n_masked(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
-        return (x[:, b.P :] == self.mask_id).sum(-1)
+    def _gen_masked(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
+        """(R, G) bool: the generated slots of canvases x still [MASK]."""
+        return x[:, b.P :] == self.mask_id
 
-    def _block_start(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
+    def _block_start(self, b: DecodeBatch, gen_masked: np.ndarray) -> np.ndarray:
         """(R,) first slot of each row's current block: the first block with a mask (blocks
         line up across rows: every generated region starts at slot P)."""
-        gen = x[:, b.P :] == self.mask_id
-        first = np.where(gen.any(-1), gen.argmax(-1), gen.shape[1] - 1)
+        first = np.where(gen_masked.any(-1), gen_masked.argmax(-1), gen_masked.shape[1] - 1)
         bl = self.params.block_length
         return b.P + (first // bl) * bl
 
@@ -138,9 +145,10 @@ class Decoder:
         # unlikely to pass verification.
         n_max = ((conf >= self.method.draft_conf) & cand).sum(-1)
         rows = np.arange(len(b))
+        ranks = candidate_ranks(conf, cand)  # draft k commits the n0 + k best candidates
         drafts = []
         for k in range(self.method.n_drafts):
-            sel, kept = select_top(conf, cand, n0 + k), rows  # draft 0: every row's rule step
+            sel, kept = (ranks < (n0 + k)[:, None]) & cand, rows  # draft 0: every row's rule step
             if k:
                 keep = (n0 + k <= n_max) & hp
                 if not keep.any():
@@ -265,7 +273,7 @@ class Decoder:
         return kid[rows, best]
 
     def _accept(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, chosen: np.ndarray,
-                need: np.ndarray, draft_start: np.ndarray) -> None:
+                need: np.ndarray, fwd_index: np.ndarray, draft_start: np.ndarray) -> None:
         rows = d.parent[chosen]  # every row, in order
         added = d.added[chosen]
         b.x = d.x[chosen]
@@ -274,7 +282,6 @@ class Decoder:
         b.step += 1
         if fw is None:
             return
-        fwd_index = np.cumsum(need) - 1
         has = need[chosen]
         rows, fi = rows[has], fwd_index[chosen[has]]
         if rows.size == 0:
@@ -294,25 +301,26 @@ class Decoder:
             start = draft_start[chosen[has]]  # the accepted canvases' block starts
             b.store_block[rows] = np.where(refreshed, start, b.store_block[rows])
 
-    def _finish(self, b: DecodeBatch, exit_ready: np.ndarray | None) -> np.ndarray:
-        """Mark finished rows and return them; with early_exit (exit_ready: (R,) `_exit_ready`
-        of the rows' canvases), a row whose canvas is committed up to an EOS is done and its
-        remaining positions become EOS."""
-        gen = b.x[:, b.P :]
-        masked = gen == self.mask_id
+    def _finish(self, b: DecodeBatch, masked: np.ndarray,
+                exit_ready: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Mark finished rows; returns them and the rows' generated-slot masks after the step
+        (masked: (R, G) those of the accepted canvases). With early_exit (exit_ready: (R,)
+        `_exit_ready` of the accepted canvases), a row whose canvas is committed up to an EOS
+        is done and its remaining positions become EOS."""
         if exit_ready is not None:
             stop = exit_ready & ~b.done
             if stop.any():
+                gen = b.x[:, b.P :]
                 gen[stop] = np.where(masked[stop], self.eos_id, gen[stop])
                 masked = gen == self.mask_id
         newly = ~masked.any(-1) & ~b.done
         b.done |= newly
-        return newly
+        return newly, masked
 
-    def _exit_ready(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
-        """(D,) rows with masks left whose canvas is committed up to an EOS."""
+    def _exit_ready(self, b: DecodeBatch, x: np.ndarray, masked: np.ndarray) -> np.ndarray:
+        """(D,) rows with masks left whose canvas is committed up to an EOS (masked: (D, G)
+        the canvases' generated slots still [MASK])."""
         gen = x[:, b.P :]
-        masked = gen == self.mask_id
         any_masked = masked.any(-1)
         first_mask = np.where(any_masked, masked.argmax(-1), gen.shape[1])
         before = np.arange(gen.shape[1])[None] < first_mask[:, None]

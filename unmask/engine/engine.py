@@ -168,19 +168,15 @@ class Engine:
         gen = slice(b.P, b.S)
         x = b.x[:, gen]
         changed = x != res.before[:, gen]
-        # All rows' commits at once: (row, position, token) triples.
+        # All rows' commits at once, (row, position) pairs in row order, split into rows.
         rows, cols = np.nonzero(changed)
-        masked = x == self.mask_id
+        masked = res.masked
         prefix = np.where(masked.any(-1), masked.argmax(-1), b.end - b.P).tolist()
         start = (res.block_start - b.P).tolist()
-        per_row: list[list[int]] = [[] for _ in b.requests]
-        tok_row: list[list[int]] = [[] for _ in b.requests]
-        for r, c, t in zip(rows.tolist(), cols.tolist(), x[rows, cols].tolist(), strict=True):
-            per_row[r].append(c)
-            tok_row[r].append(t)
-        drafted_rows: list[list[int]] = [[] for _ in b.requests]
-        for r, c in zip(*(a.tolist() for a in np.nonzero(res.drafted[:, gen])), strict=True):
-            drafted_rows[r].append(c)
+        per_row = _split_rows(rows, cols.tolist(), len(b))
+        tok_row = _split_rows(rows, x[rows, cols].tolist(), len(b))
+        d_rows, d_cols = np.nonzero(res.drafted[:, gen])
+        drafted_rows = _split_rows(d_rows, d_cols.tolist(), len(b))
         counters = [b.nfe.tolist(), b.tok_fw.tolist(), b.decided.tolist(), b.step.tolist()]
         flags = [res.forwarded.tolist(), res.refreshed.tolist(), res.finished.tolist(),
                  res.stalled.tolist()]
@@ -242,6 +238,12 @@ class Engine:
             for ev in self.step():
                 if on_event is not None:
                     on_event(ev)
+
+
+def _split_rows(rows: np.ndarray, values: list[int], n: int) -> list[list[int]]:
+    """values (one per entry of `rows`, rows sorted) as n lists, one per row."""
+    ends = np.cumsum(np.bincount(rows, minlength=n)).tolist()
+    return [values[a:e] for a, e in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 @torch.no_grad()

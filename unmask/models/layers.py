@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -17,35 +19,47 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in float32 like the reference implementations, then cast back.
-        h = x.float()
+        h = x if x.dtype == torch.float32 else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight * (h if h.dtype == x.dtype else h.to(x.dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float, factor: float, device: torch.device) -> Tensor:
+    """(head_dim/2,) float32 rotation frequencies, divided by the linear scaling factor: the same
+    for every forward of a model, so computed once."""
+    exponent = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    return (1.0 / (theta**exponent)) / factor
 
 
 def rope_cos_sin(position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype,
                  factor: float = 1.0) -> tuple[Tensor, Tensor]:
-    """cos/sin of shape (B, 1, T, head_dim) for explicit position ids (gaps allowed).
+    """cos and signed sin, each (B, 1, T, head_dim), for explicit position ids (gaps allowed).
 
     The angles are computed in float32 and rounded to `dtype`, the dtype the rotation runs in
-    (see apply_rope). factor: linear RoPE scaling, positions divided by it.
+    (see apply_rope). factor: linear RoPE scaling, positions divided by it. The sin's first half
+    is negated: apply_rope then rotates with one roll of x instead of the reference's slice,
+    negate and concatenate (the same values: negating a factor of a product is exact).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                             dtype=torch.float32) / head_dim))
-    angles = position_ids[..., None].float() * (inv_freq / factor)  # (B, T, head_dim/2)
+    inv_freq = _inv_freq(head_dim, float(theta), float(factor), position_ids.device)
+    angles = position_ids[..., None].float() * inv_freq  # (B, T, head_dim/2)
     emb = torch.cat([angles, angles], dim=-1)[:, None]  # (B, 1, T, head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin().to(dtype)
+    sin[..., : head_dim // 2].neg_()
+    return emb.cos().to(dtype), sin
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x rotated by the angles of cos/sin, computed in cos's dtype and returned in x's.
+    """x rotated by the angles of cos / signed sin (rope_cos_sin), computed in cos's dtype and
+    returned in x's: x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1) written as
+    roll(x) = (x2, x1) times the sin whose first half is negated.
 
     float32 cos/sin with bfloat16 x is LLaDA's rope_full_precision: rotating in bfloat16 instead
     moves the embedded model's logits by up to 0.41 (README: Checkpoints).
     """
-    h = x.to(cos.dtype)
-    half = h.shape[-1] // 2
-    rotated = torch.cat([-h[..., half:], h[..., :half]], dim=-1)
-    return (h * cos + rotated * sin).to(x.dtype)
+    h = x if x.dtype == cos.dtype else x.to(cos.dtype)
+    out = h * cos + h.roll(h.shape[-1] // 2, dims=-1) * sin
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads: int,
