@@ -13,7 +13,12 @@ model compute (inside `model.forward`: embeddings, layers, LM head) and host ove
 drafting, scheduling, masks, verification, K/V store writes, step events), per step.
 
 --profile B,...: the same split on the short canvas (--profile-gen-length) at batch B, plus the
-top functions of a cProfile of those runs by own time. Prints markdown on stdout.
+top functions of a cProfile of those runs by own time.
+
+--batching-gain B: the model alone, with no engine and no padding: one call of B identical rows
+against one call of one row, at the shapes of `fast`'s calls (a refresh; a cached step; a late
+cached step), in this thread's CPU time, side by side in rounds (medians). B x t(1) / t(B) is
+the most any scheduler can gain from batching those calls. Prints markdown on stdout.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from unmask.api import LLM, useful_length
 from unmask.bench.tasks import load_task
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
+from unmask.kv import Frame, KVStore
 
 
 @dataclass
@@ -48,6 +54,7 @@ class Run:
     step_s: list[float] = field(default_factory=list)  # each step's wall seconds
     step_forward_s: list[float] = field(default_factory=list)  # of which inside model.forward
     step_rows: list[int] = field(default_factory=list)  # rows that took part in a model call
+    step_tokens: list[int] = field(default_factory=list)  # positions that call forwarded
 
     def add(self, other: Run) -> None:
         for k in self.__dataclass_fields__:
@@ -77,18 +84,21 @@ def decode(llm: LLM, timer: ForwardTimer, ids: list[list[int]], params: DecodePa
     f0 = timer.seconds
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in ids]
-    step_s, step_fw, step_rows = [], [], []
+    step_s, step_fw, step_rows, step_tokens = [], [], [], []
     with torch.no_grad():
         while engine.has_unfinished:
             t, f = time.perf_counter(), timer.seconds
+            tok = engine.token_forwards
             events = engine.step()
+            step_tokens.append(engine.token_forwards - tok)
             step_s.append(time.perf_counter() - t)
             step_fw.append(timer.seconds - f)
             step_rows.append(sum(ev.forwarded for ev in events))
     wall = time.perf_counter() - t0
     eos = llm.config.eos_token_id
     return Run(wall, sum(useful_length(r.token_ids, eos) for r in reqs), len(step_s),
-               engine.model_calls, timer.seconds - f0, len(reqs), step_s, step_fw, step_rows)
+               engine.model_calls, timer.seconds - f0, len(reqs), step_s, step_fw, step_rows,
+               step_tokens)
 
 
 def row(decoder: str, conc: int, r: Run, base: Run | None) -> str:
@@ -125,25 +135,34 @@ def table(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], decoders: lis
 
 
 FIT_HEADER = (
-    "What limits batching: every step of every cell fitted as step seconds = f + p x rows "
-    "(least squares; rows: requests in the step's model call). Concurrency c takes S_c steps "
-    "for the same R row-steps (the tokens do not depend on the batch), so its speedup over "
-    "c = 1 is (S_1 f + R p) / (S_c f + R p), and 2x needs f / p >= R / (S_1 - 2 S_c).\n\n"
-    "| decoder | f ms/step | p ms/row | f/p | S_1 | S_c (largest c) | R | predicted x | "
-    "f/p for 2x |\n|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    "What limits batching: every step of every cell fitted as step seconds = h + m [the step "
+    "called the model] + p x rows + q x tokens (least squares; rows: requests in that call, "
+    "tokens: positions it forwarded). Every concurrency does the same row and token work (the "
+    "tokens do not depend on the batch): batching can only share h and m. So the speedup of any "
+    "concurrency over c = 1 is at most c = 1's time over that work: the bound column. "
+    "fixed share: the part of c = 1's time that batching can share.\n\n"
+    "| decoder | h ms/step | m ms/call | p ms/row | q us/token | fixed share of c=1 | "
+    "predicted x (largest c) | measured x | bound x |\n"
+    "|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def fit(decoder: str, runs: list[Run]) -> str:
     """The fixed-plus-per-row cost model of a decoder's steps (FIT_HEADER)."""
     rows = np.array([n for r in runs for n in r.step_rows], dtype=np.float64)
+    toks = np.array([n for r in runs for n in r.step_tokens], dtype=np.float64)
     secs = np.array([t for r in runs for t in r.step_s])
-    (f, p), *_ = np.linalg.lstsq(np.stack([np.ones_like(rows), rows], 1), secs, rcond=None)
-    first, last = runs[0], runs[-1]
-    s1, sc, r = first.steps, last.steps, sum(first.step_rows)
-    predicted = (s1 * f + r * p) / (sc * f + r * p)
-    need = f"{r / (s1 - 2 * sc):.2f}" if s1 > 2 * sc else "unreachable"
-    return (f"| `{decoder}` | {1000 * f:.2f} | {1000 * p:.2f} | {f / p:.2f} | {s1} | {sc} | {r} | "
-            f"{predicted:.2f}x | {need} |")
+    design = np.stack([np.ones_like(rows), (rows > 0).astype(np.float64), rows, toks], 1)
+    (h, m, p, q), *_ = np.linalg.lstsq(design, secs, rcond=None)
+
+    def parts(r: Run) -> tuple[float, float]:  # (fixed, per-row/token) predicted seconds
+        calls = sum(n > 0 for n in r.step_rows)
+        return r.steps * h + calls * m, sum(r.step_rows) * p + sum(r.step_tokens) * q
+
+    (f1, w1), (fc, wc) = parts(runs[0]), parts(runs[-1])
+    measured = runs[0].wall / runs[-1].wall
+    return (f"| `{decoder}` | {1000 * h:.2f} | {1000 * m:.2f} | {1000 * p:.2f} | {1e6 * q:.1f} | "
+            f"{f1 / (f1 + w1):.0%} | {(f1 + w1) / (fc + wc):.2f}x | {measured:.2f}x | "
+            f"{(f1 + w1) / w1:.2f}x |")
 
 
 def profile(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], decoders: list[str],
@@ -187,6 +206,54 @@ def profile(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], decoders: l
     return "\n".join(text)
 
 
+# (forwarded tokens, stored keys read, scored positions) per row: `fast`'s calls at gen_length 256
+# (prompt ~20): a refresh forwards the prompt, the block and the kept suffix; cached steps forward
+# the block's masked slots and read the rest.
+GAIN_SHAPES = {"refresh": (90, 0, 30), "cached step": (32, 90, 30), "late cached step": (6, 130, 6)}
+
+
+def batching_gain(llm: LLM, batch: int, rounds: int = 30) -> str:
+    """Per shape, `rounds` rounds of one call of `batch` rows and `batch` calls of one row, side
+    by side; the gain is the median over rounds of (time of the one-row calls) / (time of the
+    batched call)."""
+    model, c = llm.model, llm.model.config
+    store = KVStore.empty(c.n_layers, batch, c.n_kv_heads, 256, c.head_dim,
+                          next(model.parameters()).dtype, torch.device("cpu"))
+    store.kv.normal_()
+
+    def call(b: int, t: int, k: int, n: int) -> Callable[[], float]:
+        ids = torch.randint(3, c.vocab_size, (b, t))
+        pos = (torch.arange(t) + k).repeat(b, 1)
+        rows, past = np.arange(b), np.tile(np.arange(k), (b, 1))
+        at = (torch.arange(b).repeat_interleave(n), torch.arange(n).repeat(b))
+
+        def run() -> float:  # thread CPU seconds of one call
+            frame = Frame(key_mask=torch.ones(b, t, dtype=torch.bool),
+                          past=store.gather(rows, past) if k else None,
+                          past_mask=torch.ones(b, k, dtype=torch.bool) if k else None)
+            t0 = time.thread_time()
+            model(ids, pos, frame=frame, logits_at=at)
+            return time.thread_time() - t0
+        return run
+
+    lines = [f"| call (per row: tokens, stored keys, scored) | 1 row ms | {batch} rows ms | "
+             f"{batch} rows / 1 row | batching gain |", "|:---|---:|---:|---:|---:|"]
+    with torch.no_grad():
+        for name, (t, k, n) in GAIN_SHAPES.items():
+            one, many = call(1, t, k, n), call(batch, t, k, n)
+            for _ in range(3):  # warm-up
+                one(), many()
+            ones, manys = [], []
+            for _ in range(rounds):
+                ones.append(sum(one() for _ in range(batch)) / batch)
+                manys.append(many())
+            gain = statistics.median(batch * a / m for a, m in zip(ones, manys, strict=True))
+            o, m = statistics.median(ones), statistics.median(manys)
+            lines.append(f"| {name} ({t}, {k}, {n}) | {1000 * o:.2f} | {1000 * m:.2f} | "
+                         f"{m / o:.1f}x | {gain:.2f}x |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=32)
@@ -199,6 +266,7 @@ def main() -> None:
     p.add_argument("--profile-repeats", type=int, default=5)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--skip-table", action="store_true")
+    p.add_argument("--batching-gain", type=int, default=0, metavar="B")
     args = p.parse_args()
     torch.set_num_threads(1)
     decoders = args.decoder or ["fast", "threshold"]
@@ -210,6 +278,11 @@ def main() -> None:
               f"all submitted at once, max_running = concurrency; rounds: {args.rounds}, pooled.\n")
         print(table(llm, timer, prompts, decoders, [int(c) for c in args.concurrency.split(",")],
                     args.gen_length, args.rounds))
+        print()
+    if args.batching_gain:
+        print(f"The model alone, one call of {args.batching_gain} identical rows vs one row "
+              "(no padding, no engine), thread CPU time:\n")
+        print(batching_gain(llm, args.batching_gain))
         print()
     if args.profile:
         print(f"Step split on a short canvas: held-out math prompts + gen_length "
