@@ -28,7 +28,7 @@ DECODERS = ["fast", "threshold"]
 CONCURRENCY = [1, 4, 16]
 HOST_RUNS = [(d, b) for d in DECODERS for b in (1, 16)]
 THROUGHPUT_ROW = re.compile(r"^\| `([^`]+)` \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| (\d+) \|")
-HOST_LINE = re.compile(r"\*\*([\d.]+) ms a step\*\*.*?; (\d+) torch calls")
+HOST_LINE = re.compile(r"\*\*([\d.]+) ms a step\*\*.*?; (\d+) torch calls and (\d+) function calls")
 
 
 def run(tree: Path, args: list[str]) -> str:
@@ -47,7 +47,7 @@ def measure(tree: Path) -> tuple[dict, dict]:
         line = run(tree, [str(ROOT / "scripts/host_ops.py"), "--decoder", d, "--batch", str(b),
                           "--repeats", "3"])
         m = HOST_LINE.search(line)
-        host[(d, b)] = (float(m[1]), int(m[2]))
+        host[(d, b)] = (float(m[1]), int(m[2]), int(m[3]))
     return tps, host
 
 
@@ -88,12 +88,13 @@ def main() -> None:
             print(f"| `{d}` | {c} | {med(b):.0f} | {med(a):.0f} | "
                   f"{med([y / x for x, y in zip(b, a, strict=True)]):.2f}x | {x_b:.2f}x | {x_a:.2f}x |")
     print("\n| decoder | batch | host ms/step before | after | after / before | torch calls/step "
-          "outside the model before | after |\n|:---|---:|---:|---:|---:|---:|---:|")
+          "outside the model before | after | function calls/step outside the model before | "
+          "after |\n|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for d, bs in HOST_RUNS:
         b, a = host[("before", d, bs)], host[("after", d, bs)]
         ratio = med([y[0] / x[0] for x, y in zip(b, a, strict=True)])
         print(f"| `{d}` | {bs} | {med(v[0] for v in b):.2f} | {med(v[0] for v in a):.2f} | "
-              f"{ratio:.2f}x | {b[0][1]} | {a[0][1]} |")
+              f"{ratio:.2f}x | {b[0][1]} | {a[0][1]} | {b[0][2]} | {a[0][2]} |")
 
 
 if __name__ == "__main__":

@@ -140,10 +140,24 @@ FIT_HEADER = (
     "tokens: positions it forwarded). Every concurrency does the same row and token work (the "
     "tokens do not depend on the batch): batching can only share h and m. So the speedup of any "
     "concurrency over c = 1 is at most c = 1's time over that work: the bound column. "
-    "fixed share: the part of c = 1's time that batching can share.\n\n"
+    "fixed share: the part of c = 1's time that batching can share. A cost the fit finds "
+    "negative is set to 0 and the rest refitted.\n\n"
     "| decoder | h ms/step | m ms/call | p ms/row | q us/token | fixed share of c=1 | "
     "predicted x (largest c) | measured x | bound x |\n"
     "|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def _nonnegative_fit(design: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (a cost is never negative): a regressor that
+    comes out negative is dropped (its cost 0) and the rest refitted. Where two regressors move
+    together (threshold's rows and tokens), this is what keeps the split meaningful."""
+    keep = np.ones(design.shape[1], dtype=bool)
+    while True:
+        coef = np.zeros(design.shape[1])
+        coef[keep] = np.linalg.lstsq(design[:, keep], y, rcond=None)[0]
+        if (coef >= 0).all():
+            return coef
+        keep[np.argmin(coef)] = False
 
 
 def fit(decoder: str, runs: list[Run]) -> str:
@@ -152,7 +166,7 @@ def fit(decoder: str, runs: list[Run]) -> str:
     toks = np.array([n for r in runs for n in r.step_tokens], dtype=np.float64)
     secs = np.array([t for r in runs for t in r.step_s])
     design = np.stack([np.ones_like(rows), (rows > 0).astype(np.float64), rows, toks], 1)
-    (h, m, p, q), *_ = np.linalg.lstsq(design, secs, rcond=None)
+    h, m, p, q = _nonnegative_fit(design, secs)
 
     def parts(r: Run) -> tuple[float, float]:  # (fixed, per-row/token) predicted seconds
         calls = sum(n > 0 for n in r.step_rows)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import sys
 import time
 from typing import Any
 
@@ -80,6 +81,20 @@ class CallCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class PyCalls:
+    """A sys.setprofile hook counting the function calls of a step outside the model: Python
+    calls and calls into C (numpy's and torch's included), not made by this script's timers.
+    A count of operations: unlike time, free of the machine's noise."""
+
+    def __init__(self, counter: CallCounter) -> None:
+        self.counter, self.calls = counter, 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if (event in ("call", "c_call") and not self.counter.paused
+                and frame.f_code.co_filename != __file__):
+            self.calls += 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--decoder", default="fast")
@@ -132,12 +147,19 @@ def main() -> None:
             best = ms
     with counter:
         steps = run()
+    py_calls = PyCalls(counter)
+    sys.setprofile(py_calls)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
     assert best is not None
     host = host_of(best)
     print(f"`{args.decoder}`, batch {args.batch}, {args.n} prompts, gen_length {args.gen_length}: "
           f"{steps} steps; host = Engine.step - model.forward = **{host:.3f} ms a step** "
-          f"({host / args.batch:.3f} ms a row); {counter.calls / steps:.0f} torch calls a step "
-          f"outside the model (least host time of {args.repeats} runs)\n")
+          f"({host / args.batch:.3f} ms a row); {counter.calls / steps:.0f} torch calls and "
+          f"{py_calls.calls / steps:.0f} function calls (Python and C) a step outside the model "
+          f"(least host time of {args.repeats} runs)\n")
     print("| function (inclusive) | ms per step |\n|:---|---:|")
     for _, _, label in TIMED:
         print(f"| {label.strip()} | {best.get(label, 0.0):.3f} |")

@@ -159,46 +159,42 @@ class Engine:
         tok_fw_before = sum(r.token_forwards for r in b.requests)
         events = self._events(dec, b, res)
         self.token_forwards += sum(r.token_forwards for r in b.requests) - tok_fw_before
-        keep = [not (f or s) for f, s in zip(res.finished.tolist(), res.stalled.tolist(), strict=True)]
-        if not all(keep):
-            b.filter(keep)
+        gone = res.finished | res.stalled
+        if gone.any():
+            b.filter((~gone).tolist())
         return events
 
     def _events(self, dec: Decoder, b: DecodeBatch, res: StepResult) -> list[StepEvent]:
         gen = slice(b.P, b.S)
         x = b.x[:, gen]
-        changed = x != res.before[:, gen]
         # All rows' commits at once, (row, position) pairs in row order, split into rows.
-        rows, cols = np.nonzero(changed)
+        rows, cols = np.nonzero(x != res.before[:, gen])
+        d_rows, d_cols = np.nonzero(res.drafted[:, gen])
         masked = res.masked
         prefix = np.where(masked.any(-1), masked.argmax(-1), b.end - b.P).tolist()
         start = (res.block_start - b.P).tolist()
         per_row = _split_rows(rows, cols.tolist(), len(b))
         tok_row = _split_rows(rows, x[rows, cols].tolist(), len(b))
-        d_rows, d_cols = np.nonzero(res.drafted[:, gen])
         drafted_rows = _split_rows(d_rows, d_cols.tolist(), len(b))
-        counters = [b.nfe.tolist(), b.tok_fw.tolist(), b.decided.tolist(), b.step.tolist()]
-        flags = [res.forwarded.tolist(), res.refreshed.tolist(), res.finished.tolist(),
-                 res.stalled.tolist()]
+        nfe, tok_fw, decided, steps = (b.nfe.tolist(), b.tok_fw.tolist(), b.decided.tolist(),
+                                       b.step.tolist())
+        forwarded, refreshed = res.forwarded.tolist(), res.refreshed.tolist()
+        finished, stalled = res.finished.tolist(), res.stalled.tolist()
         now = time.perf_counter()
         events = []
         for i, req in enumerate(b.requests):
-            req.nfe, req.token_forwards, req.decided, req.steps = (c[i] for c in counters)
-            forwarded, refreshed, finished, stalled = (f[i] for f in flags)
+            req.nfe, req.token_forwards, req.decided, req.steps = nfe[i], tok_fw[i], decided[i], steps[i]
             block_len = req.params.block_length
-            ev = StepEvent(
-                request_id=req.request_id, step=req.steps, positions=per_row[i],
-                tokens=tok_row[i], drafted=drafted_rows[i],
-                forwarded=bool(forwarded), refreshed=bool(refreshed),
-                block=(start[i], start[i] + block_len), prefix=prefix[i], nfe=req.nfe,
-                token_forwards=req.token_forwards, decided=req.decided)
+            ev = StepEvent(req.request_id, req.steps, per_row[i], tok_row[i], drafted_rows[i],
+                           forwarded[i], refreshed[i], (start[i], start[i] + block_len), prefix[i],
+                           req.nfe, req.token_forwards, req.decided)
             if req.trace and res.kept is not None:
                 ev.suffix_kept = (np.nonzero(res.kept[i, b.P + start[i] + block_len : b.S])[0]
                                   + start[i] + block_len).tolist()
-            if finished or stalled:
+            if finished[i] or stalled[i]:
                 req.token_ids = x[i, : req.gen_length].tolist()
                 req.finished_at = now
-                if stalled:
+                if stalled[i]:
                     req.error = ("no progress: a step committed nothing (the scores are not "
                                  "finite; check temperature and the model's logits)")
                     reason = "error"
@@ -242,7 +238,9 @@ class Engine:
 
 def _split_rows(rows: np.ndarray, values: list[int], n: int) -> list[list[int]]:
     """values (one per entry of `rows`, rows sorted) as n lists, one per row."""
-    ends = np.cumsum(np.bincount(rows, minlength=n)).tolist()
+    if n == 1:
+        return [values]
+    ends = np.searchsorted(rows, np.arange(n), side="right").tolist()  # past each row's last
     return [values[a:e] for a, e in zip([0, *ends[:-1]], ends, strict=True)]
 
 
