@@ -309,6 +309,26 @@ def test_apply_rope_rotates_in_cos_dtype() -> None:
     assert not torch.equal(full, apply_rope(x, cos16, sin16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rope_is_the_reference_rotation_bit_for_bit(dtype: torch.dtype) -> None:
+    """apply_rope rolls x and uses a sin whose first half is negated; that must give exactly
+    the reference's x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), with the
+    reference's plain cos and sin of the same angles (negating a factor of a product is exact)."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(3, 4, 9, 16, generator=g) * 10).to(dtype)
+    pos = _far_positions(3, 9)
+    cos, signed_sin = rope_cos_sin(pos, 16, 10000.0, dtype, factor=2.0)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    angles = pos[..., None].float() * (inv_freq / 2.0)
+    emb = torch.cat([angles, angles], dim=-1)[:, None]
+    ref_cos, ref_sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    assert torch.equal(cos, ref_cos)
+    assert torch.equal(signed_sin[..., 8:], ref_sin[..., 8:])
+    assert torch.equal(signed_sin[..., :8], -ref_sin[..., :8])
+    rotated = torch.cat([-x[..., 8:], x[..., :8]], dim=-1)
+    assert torch.equal(apply_rope(x, cos, signed_sin), x * ref_cos + rotated * ref_sin)
+
+
 def test_dream_linear_rope_scaling_matches_qwen2() -> None:
     scaling = {"type": "linear", "factor": 4.0}
     ours = build_model(ModelConfig(**{**_ours_config("Dream", 2, False).__dict__,
