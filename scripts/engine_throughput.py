@@ -15,6 +15,9 @@ drafting, scheduling, masks, verification, K/V store writes, step events), per s
 --profile B,...: the same split on the short canvas (--profile-gen-length) at batch B, plus the
 top functions of a cProfile of those runs by own time.
 
+--max-steps K: the throughput table on the first --n prompts that the first decoder finishes in
+at most K steps (a workload without a tail of long requests).
+
 --batching-gain B: the model alone, with no engine and no padding: one call of B identical rows
 against one call of one row, at the shapes of `fast`'s calls (a refresh; a cached step; a late
 cached step), in this thread's CPU time, side by side in rounds (medians). B x t(1) / t(B) is
@@ -268,6 +271,20 @@ def batching_gain(llm: LLM, batch: int, rounds: int = 30) -> str:
     return "\n".join(lines)
 
 
+def short_prompts(llm: LLM, decoder: str, n: int, gen_length: int, max_steps: int) -> list[list[int]]:
+    """The first n held-out math prompts (of 4n) that `decoder` finishes in at most max_steps
+    steps: a workload without a tail of long requests."""
+    pool = [llm.encode_prompt(e.prompt) for e in load_task("math", 4 * n).examples]
+    params = DecodeParams.parse(decoder, gen_length=gen_length)
+    engine = Engine(llm.model, SchedulerConfig(max_running=16, max_queue=len(pool)))
+    reqs = [engine.add_request(p, params) for p in pool]
+    engine.run()
+    short = [p for p, r in zip(pool, reqs, strict=True) if r.steps <= max_steps][:n]
+    if len(short) < n:
+        raise SystemExit(f"only {len(short)} of {len(pool)} prompts take <= {max_steps} steps")
+    return short
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=32)
@@ -281,12 +298,17 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--skip-table", action="store_true")
     p.add_argument("--batching-gain", type=int, default=0, metavar="B")
+    p.add_argument("--max-steps", type=int, default=0, metavar="K",
+                   help="only prompts the first decoder finishes in <= K steps (no long tail)")
     args = p.parse_args()
     torch.set_num_threads(1)
     decoders = args.decoder or ["fast", "threshold"]
     llm = LLM()
     timer = ForwardTimer(llm.model)
-    prompts = [llm.encode_prompt(e.prompt) for e in load_task("math", args.n).examples]
+    if args.max_steps:
+        prompts = short_prompts(llm, decoders[0], args.n, args.gen_length, args.max_steps)
+    else:
+        prompts = [llm.encode_prompt(e.prompt) for e in load_task("math", args.n).examples]
     if not args.skip_table:
         print(f"Engine throughput: {args.n} held-out math prompts, gen_length {args.gen_length}, "
               f"all submitted at once, max_running = concurrency; rounds: {args.rounds}, pooled.\n")
