@@ -8,7 +8,8 @@ thread each; markdown tables of the medians on stdout.
 REV is checked out into a temporary git worktree (removed at the end); its code is imported
 through PYTHONPATH, this tree's scripts measure both (host_ops.py times functions by name, so
 an older engine must have them). Ratios are taken within a round, then their median: the
-machine's drift between rounds hits both trees alike.
+machine's drift between rounds hits both trees alike. Each after / before cell also gives the
+range of its rounds' ratios: on a shared machine a median inside that range's noise is no claim.
 """
 
 from __future__ import annotations
@@ -85,16 +86,18 @@ def main() -> None:
             b, a = tps[("before", d, c)], tps[("after", d, c)]
             x_b = med([v / w for v, w in zip(b, tps[("before", d, 1)], strict=True)])
             x_a = med([v / w for v, w in zip(a, tps[("after", d, 1)], strict=True)])
-            print(f"| `{d}` | {c} | {med(b):.0f} | {med(a):.0f} | "
-                  f"{med([y / x for x, y in zip(b, a, strict=True)]):.2f}x | {x_b:.2f}x | {x_a:.2f}x |")
+            ratios = [y / x for x, y in zip(b, a, strict=True)]
+            print(f"| `{d}` | {c} | {med(b):.0f} | {med(a):.0f} | {med(ratios):.2f}x "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) | {x_b:.2f}x | {x_a:.2f}x |")
     print("\n| decoder | batch | host ms/step before | after | after / before | torch calls/step "
           "outside the model before | after | function calls/step outside the model before | "
           "after |\n|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for d, bs in HOST_RUNS:
         b, a = host[("before", d, bs)], host[("after", d, bs)]
-        ratio = med([y[0] / x[0] for x, y in zip(b, a, strict=True)])
+        ratios = [y[0] / x[0] for x, y in zip(b, a, strict=True)]
         print(f"| `{d}` | {bs} | {med(v[0] for v in b):.2f} | {med(v[0] for v in a):.2f} | "
-              f"{ratio:.2f}x | {b[0][1]} | {a[0][1]} | {b[0][2]} | {a[0][2]} |")
+              f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) | {b[0][1]} | {a[0][1]} | "
+              f"{b[0][2]} | {a[0][2]} |")
 
 
 if __name__ == "__main__":
