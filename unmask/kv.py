@@ -110,13 +110,12 @@ class KVStore:
         n, w, n_layers, _, h, d = self.kv.shape
         dev = self.kv.device
         dst = torch.from_numpy(b * w + p).to(dev)
-        from_ = torch.from_numpy(c * ok.shape[1] + t_idx).to(dev)
         # (C, H, T, D) per layer and half -> (C*T, L, 2, H, D), the store's order, in one copy
         new = torch.stack([t.transpose(1, 2) for kv in fresh for t in kv], dim=2)
         new = new.view(-1, n_layers, 2, h, d)
         every = src.shape[0] == ok.shape[0] and (src == np.arange(src.shape[0])).all() and ok.all()
         if not every:  # (every call row's every token, in order: `new` as it is)
-            new = new.index_select(0, from_)
+            new = new.index_select(0, torch.from_numpy(c * ok.shape[1] + t_idx).to(dev))
         # view, not reshape: a copy here would drop the write silently
         self.kv.view(n * w, n_layers, 2, h, d).index_copy_(0, dst, new)
         self.token[b, p] = tokens[c, t_idx]

@@ -149,6 +149,7 @@ class Engine:
 
     def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
         trace = any(r.trace for r in b.requests)
+        tok_fw_before = int(b.tok_fw.sum())
         try:
             res = dec.step(b, trace=trace)
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
@@ -156,9 +157,8 @@ class Engine:
             return self._fail(b, f"{type(e).__name__}: {e}")
         if res.forwarded.any():
             self.model_calls += 1
-        tok_fw_before = sum(r.token_forwards for r in b.requests)
+        self.token_forwards += int(b.tok_fw.sum()) - tok_fw_before
         events = self._events(dec, b, res)
-        self.token_forwards += sum(r.token_forwards for r in b.requests) - tok_fw_before
         gone = res.finished | res.stalled
         if gone.any():
             b.filter((~gone).tolist())
