@@ -3,7 +3,10 @@ overhead"): throughput at concurrency 1, 4 and 16 (scripts/engine_throughput.py)
 per step (scripts/host_ops.py), the two trees in alternation for --rounds rounds, one torch
 thread each; markdown tables of the medians on stdout.
 
-    .venv/bin/python scripts/ab_engine.py REV [--rounds 5] [--raw FILE]
+    .venv/bin/python scripts/ab_engine.py REV [--rounds 5] [--raw FILE] [--decoder SPEC ...]
+
+--decoder (repeatable) sets the throughput table's decoders (default: fast, threshold); host
+time per step is measured for fast and threshold either way.
 
 REV is checked out into a temporary git worktree (removed at the end); its code is imported
 through PYTHONPATH, this tree's scripts measure both (host_ops.py times functions by name, so
@@ -38,10 +41,10 @@ def run(tree: Path, args: list[str]) -> str:
     return out.stdout
 
 
-def measure(tree: Path) -> tuple[dict, dict]:
+def measure(tree: Path, decoders: list[str]) -> tuple[dict, dict]:
     text = run(tree, [str(ROOT / "scripts/engine_throughput.py"), "--rounds", "1",
                       "--concurrency", ",".join(map(str, CONCURRENCY)),
-                      *[a for d in DECODERS for a in ("--decoder", d)]])
+                      *[a for d in decoders for a in ("--decoder", d)]])
     tps = {(m[1], int(m[2])): float(m[3]) for m in map(THROUGHPUT_ROW.match, text.splitlines()) if m}
     host = {}
     for d, b in HOST_RUNS:
@@ -57,7 +60,9 @@ def main() -> None:
     p.add_argument("rev")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--raw", help="also write every round's numbers to this file")
+    p.add_argument("--decoder", action="append", help="throughput table decoders")
     args = p.parse_args()
+    decoders = args.decoder or DECODERS
     tps: dict = collections.defaultdict(list)
     host: dict = collections.defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
@@ -68,7 +73,7 @@ def main() -> None:
             for rnd in range(args.rounds):
                 for name, tree in (("before", old), ("after", ROOT)):
                     print(f"round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr)
-                    t, h = measure(tree)
+                    t, h = measure(tree, decoders)
                     for k, v in t.items():
                         tps[(name, *k)].append(v)
                     for k, v in h.items():
@@ -81,7 +86,7 @@ def main() -> None:
     print(f"Before: `{args.rev}`; after: this tree. {args.rounds} rounds, medians.\n")
     print("| decoder | concurrency | tokens/s before | after | after / before | x vs c=1 before | after |")
     print("|:---|---:|---:|---:|---:|---:|---:|")
-    for d in DECODERS:
+    for d in decoders:
         for c in CONCURRENCY:
             b, a = tps[("before", d, c)], tps[("after", d, c)]
             x_b = med([v / w for v, w in zip(b, tps[("before", d, 1)], strict=True)])

@@ -44,7 +44,7 @@ TIMED = [
     (decoder_mod.Decoder, "_draft", "    _draft (rule step + FreeDave drafts)"),
     (decoder_mod.Decoder, "_forward", "    _forward (cache and suffix plans)"),
     (runner_mod.Runner, "forward", "      Runner.forward (inputs, scores back)"),
-    (runner_mod.Runner, "_model", "        Runner._model (K/V gather, model)"),
+    (runner_mod.Runner, "_call", "        Runner._call (K/V gather, model)"),
     (runner_mod, "score", "        score (softmax, entropy, argmax)"),
     (decoder_mod.Decoder, "_verify", "    _verify (FreeDave's chain)"),
     (decoder_mod.Decoder, "_accept", "    _accept"),

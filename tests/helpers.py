@@ -152,24 +152,6 @@ def assert_lm_eval_equals_unmask_eval(out: Path, tmp_path: Path, n: int, eval_ar
     return acc
 
 
-class OneModelCall:
-    """The runner's padding split off (unmask/engine/runner.py, `_split`): one model call per
-    Runner.forward, which spies that pair a runner call with its model call rely on. The split
-    itself is tested in test_engine.py (same tokens either way)."""
-
-    def __enter__(self) -> OneModelCall:
-        from unmask.engine.runner import Runner
-
-        self.real = Runner.__dict__["_split"]
-        Runner._split = staticmethod(lambda n_tokens: None)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        from unmask.engine.runner import Runner
-
-        Runner._split = self.real
-
-
 class LiveServer:
     """An ASGI app under uvicorn on a background thread, bound to 127.0.0.1 on a free port.
 

@@ -22,7 +22,6 @@ from helpers import (  # noqa: E402
     MASK,
     PROMPTS,
     VOCAB,
-    OneModelCall,
     as_torch,
     peaky_model,
 )
@@ -86,7 +85,6 @@ class Recorder:
         self.inner = model.forward
 
     def __enter__(self) -> Recorder:
-        self.one_call = OneModelCall().__enter__()
         def forward(*args, **kwargs):
             out = self.inner(*args, **kwargs)
             self.logits.append(out.detach().clone())
@@ -96,7 +94,6 @@ class Recorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.one_call.__exit__()
         del self.model.forward
 
 
@@ -108,7 +105,6 @@ class RunnerSpy:
         self.calls: list[dict] = []
 
     def __enter__(self) -> RunnerSpy:
-        self.one_call = OneModelCall().__enter__()
         self.inner = runner_mod.Runner.forward
         spy = self
 
@@ -125,7 +121,6 @@ class RunnerSpy:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.one_call.__exit__()
         runner_mod.Runner.forward = self.inner
 
 
@@ -420,7 +415,6 @@ class StaleSpy:
         self.reads = self.stale_reads = 0
 
     def __enter__(self) -> StaleSpy:
-        self.one_call = OneModelCall().__enter__()
         self.inner = runner_mod.Runner.forward
         spy = self
 
@@ -438,7 +432,6 @@ class StaleSpy:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.one_call.__exit__()
         runner_mod.Runner.forward = self.inner
 
 

@@ -334,26 +334,97 @@ def test_noise_is_per_request() -> None:
 
 @pytest.mark.parametrize("spec", ["threshold,cache=entropy,entropy_tau=0.5", "fast",
                                   "freedave,cache=dual", "threshold,suffix=structured,inject=0.5"])
-def test_split_model_calls_change_nothing(spec: str, monkeypatch) -> None:
-    """Rows split over two model calls (to save padding) give what one call gives: tokens, NFE,
-    token-forwards and the stored K/V they attend to."""
+def test_attention_row_groups_change_nothing(spec: str, monkeypatch) -> None:
+    """Rows attending in groups (to save padding), in any order, give what one padded batch of
+    rows gives: tokens, NFE, token-forwards and the stored K/V they attend to."""
     from unmask.engine import runner as runner_mod
 
     m = model("Dream" if "inject" in spec else "llada")
     prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14], [3], [4, 4, 4, 4, 4, 4]]
     p = params(spec, 32)
+    monkeypatch.setattr(runner_mod.Runner, "pack_min_padding", 2.0)  # never packed, one group
+    monkeypatch.setattr(runner_mod.Runner, "group_cost", float("inf"))
     one = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
     calls = []
 
-    def halves(n_tokens):
+    def halves(n_tokens, n_past, cost):  # later rows first: groups out of the call's row order
         r = n_tokens.shape[0]
         calls.append(r)
-        idx = np.arange(r)
-        return [idx[: r // 2], idx[r // 2 :]] if r >= 2 else None
+        idx = np.arange(r)[::-1].copy()
+        return [idx[: r // 2], idx[r // 2 :]] if r >= 2 else [np.arange(r)]
 
-    monkeypatch.setattr(runner_mod.Runner, "_split", staticmethod(halves))
+    monkeypatch.setattr(runner_mod, "attention_groups", halves)
     two = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
-    assert calls and two == one
+    assert max(calls) >= 2 and two == one
+
+
+def test_row_groups_attend_like_one_padded_batch(monkeypatch) -> None:
+    """One model call, its rows padded as one batch vs packed in groups: the same logits and
+    fresh K/V for every real token (float32 rounding apart)."""
+    from unmask.engine import runner as runner_mod
+    from unmask.kv import KVStore
+    from unmask.suffix import make_suffix_policy
+
+    m = tiny_model("llada", seed=0)
+    c = m.config
+    p = params("threshold,cache=entropy", 16)
+    run = runner_mod.Runner(m, p, MASK, EOS, make_suffix_policy(p))
+    g = np.random.default_rng(0)
+    n_tok, n_past = np.array([9, 2, 3, 9, 1]), np.array([0, 7, 5, 2, 6])
+    r, t = n_tok.size, n_tok.max()
+    ok = np.arange(t)[None] < n_tok[:, None]
+    ids = torch.from_numpy(g.integers(3, VOCAB - 3, (r, t)))
+    pos = torch.from_numpy(np.arange(t)[None] + n_past[:, None])
+    store = KVStore.empty(c.n_layers, r, c.n_kv_heads, 16, c.head_dim, torch.float32,
+                          torch.device("cpu"))
+    store.kv.normal_()
+    past_mask = np.arange(n_past.max())[None] < n_past[:, None]
+    past = runner_mod.Past(store, np.arange(r), np.tile(np.arange(n_past.max()), (r, 1)), past_mask)
+    rows, cols = np.nonzero(ok)
+
+    def call(groups):
+        monkeypatch.setattr(runner_mod, "attention_groups", lambda *a: groups)
+        with torch.no_grad():
+            logits, fresh, at = run._call(ids, pos, ok, None, past, rows, cols)
+        kv = torch.stack([x for kv in fresh for x in kv])  # (2L, B|1, H, T|N, D)
+        return logits, (kv.transpose(2, 3)[:, rows, cols] if at is None
+                        else kv.transpose(2, 3)[:, 0, at[rows, cols]])  # (2L, n, H, D)
+
+    monkeypatch.setattr(runner_mod.Runner, "pack_min_padding", 2.0)
+    padded = call([np.arange(r)])
+    for groups in ([np.array([0, 3]), np.array([4, 1, 2])], [np.array([2]), np.array([4, 3, 0, 1])]):
+        packed = call(groups)
+        for a, b in zip(padded, packed, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_groups_cut_where_padding_dominates() -> None:
+    from unmask.engine.runner import attention_groups
+
+    def groups(t, k, cost=4096.0):
+        return [g.tolist() for g in attention_groups(np.array(t), np.array(k), cost)]
+
+    # a refresh row beside cached rows: each kind attends on its own
+    assert groups([100, 30, 30, 30, 30], [0, 200, 200, 200, 200]) == [[1, 2, 3, 4], [0]]
+    assert groups([100, 30, 30, 30, 30], [0, 200, 200, 200, 200], float("inf")) == [[0, 1, 2, 3, 4]]
+    assert groups([40, 41, 42], [100, 100, 100]) == [[0, 1, 2]]  # little padding: one group
+    assert groups([7], [0]) == [[0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 400)), min_size=1, max_size=64),
+       cost=st.sampled_from([0.0, 4096.0, 1e5]))
+def test_attention_groups_partition_the_rows_and_never_cost_more(rows, cost) -> None:
+    from unmask.engine.runner import _pairs, attention_groups
+
+    t, k = np.array([a for a, _ in rows]), np.array([b for _, b in rows])
+    groups = attention_groups(t, k, cost)
+    assert 1 <= len(groups) <= 4
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(rows)))
+    if len(groups) == 1:
+        assert groups[0].tolist() == list(range(len(rows)))  # one group: the rows in order
+    split = sum(_pairs(t[g], k[g]) for g in groups) + cost * (len(groups) - 1)
+    assert split <= _pairs(t, k)
 
 
 @pytest.mark.parametrize("spec", ["threshold,cache=entropy,entropy_tau=0.5", "fast",
@@ -374,7 +445,8 @@ def test_packed_model_calls_change_nothing(spec: str, monkeypatch) -> None:
 
     monkeypatch.setattr(m, "forward", spy)
     on = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
-    monkeypatch.setattr(runner_mod.Runner, "pack_min_padding", 1.0)  # never
+    monkeypatch.setattr(runner_mod.Runner, "pack_min_padding", 2.0)  # never
+    monkeypatch.setattr(runner_mod.Runner, "group_cost", float("inf"))  # one attention group
     n_packed = sum(packed)
     off = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
     assert n_packed and sum(packed) == n_packed  # packed calls with it on, none with it off
@@ -406,14 +478,6 @@ def test_store_rows_are_reused_not_copied(monkeypatch) -> None:
     assert len(seen) > 2  # rows joined while others ran
     assert all(rows <= 2 and rows * width <= 2 * n * used for rows, width, n, used in seen)
     assert [outcome(r) for r in reqs] == [alone(m, p, q) for q in prompts]
-
-
-def test_split_only_when_padding_dominates() -> None:
-    from unmask.engine.runner import Runner
-
-    assert Runner._split(np.array([300, 40, 40, 40, 40, 40])) is not None  # a refresh row
-    assert Runner._split(np.array([300, 40, 40])) is None  # too few rows to pay
-    assert Runner._split(np.array([60, 50, 45, 40, 55])) is None  # little padding
 
 
 def counted_call(fn, calls: list):

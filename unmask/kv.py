@@ -97,11 +97,13 @@ class KVStore:
         self.token[rows] = -1
 
     def write(self, rows: np.ndarray, pad: np.ndarray, src: np.ndarray, slots: np.ndarray,
-              fresh: list[tuple[Tensor, Tensor]], ok: np.ndarray, tokens: np.ndarray) -> None:
-        """Store a call's fresh K/V (one (k, v) per layer, each (C, H_kv, T, D) for its C rows)
-        computed from `tokens` (C, T) at canvas `slots` (C, T): call row src[i] goes to store
-        row rows[i], whose canvas row has left padding pad[i]; entries with ok=False (padding
-        queries) are skipped."""
+              fresh: list[tuple[Tensor, Tensor]], at: np.ndarray | None, ok: np.ndarray,
+              tokens: np.ndarray) -> None:
+        """Store a call's fresh K/V (`Frame.fresh`: one (k, v) per layer, each (C, H_kv, T, D)
+        for its C rows, or packed (1, H_kv, N, D)) computed from `tokens` (C, T) at canvas
+        `slots` (C, T): call row src[i] goes to store row rows[i], whose canvas row has left
+        padding pad[i]; entries with ok=False (padding queries) are skipped. at: (C, T) each
+        token's index among the N packed ones (None: unpacked, row-major)."""
         r_idx, t_idx = np.nonzero(ok[src])
         if r_idx.size == 0:
             return
@@ -110,12 +112,13 @@ class KVStore:
         n, w, n_layers, _, h, d = self.kv.shape
         dev = self.kv.device
         dst = torch.from_numpy(b * w + p).to(dev)
-        # (C, H, T, D) per layer and half -> (C*T, L, 2, H, D), the store's order, in one copy
+        # (C, H, T, D) or (1, H, N, D) per layer and half -> (C*T | N, L, 2, H, D), the store's
+        # order, in one copy
         new = torch.stack([t.transpose(1, 2) for kv in fresh for t in kv], dim=2)
         new = new.view(-1, n_layers, 2, h, d)
-        every = src.shape[0] == ok.shape[0] and (src == np.arange(src.shape[0])).all() and ok.all()
-        if not every:  # (every call row's every token, in order: `new` as it is)
-            new = new.index_select(0, torch.from_numpy(c * ok.shape[1] + t_idx).to(dev))
+        src_index = c * ok.shape[1] + t_idx if at is None else at[c, t_idx]
+        if src_index.size != new.shape[0] or (src_index != np.arange(src_index.size)).any():
+            new = new.index_select(0, torch.from_numpy(src_index).to(dev))
         # view, not reshape: a copy here would drop the write silently
         self.kv.view(n * w, n_layers, 2, h, d).index_copy_(0, dst, new)
         self.token[b, p] = tokens[c, t_idx]
@@ -151,18 +154,42 @@ class _Half(Sequence):
 
 
 @dataclass
+class RowGroup:
+    """Rows of a packed call whose attention runs as one padded batch (`Frame.groups`), padded
+    only to their own longest row: a refresh row (~100 tokens, no stored keys) beside cached
+    rows (~30 tokens, ~200 stored keys) would otherwise pad every row to both.
+
+    grid: (G*T_g,) the packed index of each (row, column) place of the group's G rows, row-major;
+        padding places hold any real token (masked out as keys, their queries' outputs dropped).
+    shape: (G, T_g).
+    real: (n_g,) the places in grid of the group's real tokens (None: every place is real).
+    out_at: (n_g,) their packed index (None: the group is every row of the call, in order, so
+        its real tokens are already in packed order).
+    frame: the group's rows unpacked: key_mask (G, T_g), and past and past_mask (G, K_g) trimmed
+        to the group's longest stored context.
+    """
+
+    grid: Tensor
+    shape: tuple[int, int]
+    real: Tensor | None
+    out_at: Tensor | None
+    frame: Frame
+
+
+@dataclass
 class Frame:
     """What the T forwarded tokens of one call attend to.
 
     key_mask: (B, T) bool, which forwarded tokens are keys (False: batch padding).
     packed: the model's inputs are the key_mask's True tokens only, packed row after row as one
-        (1, N) sequence, so projections and MLPs skip the padding; attention unpacks them to
-        (B, T) rows (padding zeroed, masked out as keys) and packs its output back.
+        (1, N) sequence, so projections and MLPs skip the padding; attention gathers them into
+        padded rows, one `RowGroup` at a time (`groups`), and packs its output back.
     past / past_mask: optional stored keys and values (B rows, K positions each; `KVStore.gather`) and its
-        (B, K) bool mask of positions to attend to in addition.
+        (B, K) bool mask of positions to attend to in addition (unpacked frames; a packed
+        frame's groups have their own).
     attn_mask: optional (B, 1, T, K) bool overriding everything (tests use it for causal masks).
-    After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens, (B, H_kv, T, D)
-    (unpacked).
+    After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens as attention
+    got them: (B, H_kv, T, D), or packed (1, H_kv, N, D).
     """
 
     key_mask: Tensor | None = None
@@ -170,24 +197,39 @@ class Frame:
     past_mask: Tensor | None = None
     attn_mask: Tensor | None = None
     packed: bool = False
+    groups: list[RowGroup] | None = None
     fresh: list[tuple[Tensor, Tensor]] = field(default_factory=list)
-    _flat: Tensor | None = field(default=None, repr=False)
     _mask: Tensor | None = field(default=None, repr=False)  # the keys' mask, once built
     _mask_built: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.packed and (self.key_mask is None or self.attn_mask is not None):
-            raise ValueError("a packed frame needs key_mask (where each token goes), no attn_mask")
+        if self.packed and (self.key_mask is None or self.attn_mask is not None or not self.groups
+                            or self.past is not None):
+            raise ValueError("a packed frame needs key_mask (where each token goes) and row "
+                             "groups (with their own stored keys), no attn_mask")
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attention of the forwarded tokens: q (B, H, T, D), k/v (B, H_kv, T, D) -> (B, H, T, D);
         packed, B = 1 and T = N."""
-        if self.packed:
-            q, k, v = self._unpack(q), self._unpack(k), self._unpack(v)
-        k, v, mask = self._keys(layer, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=q.shape[1] != k.shape[1])
-        return self._pack(out) if self.packed else out
+        self.fresh.append((k, v))
+        if not self.packed:
+            return self._attend(layer, q, k, v)
+        tokens = [t[0].transpose(0, 1) for t in (q, k, v)]  # (N, H, D) each
+        out = None
+        for g in self.groups:
+            rows = [t.index_select(0, g.grid).view(*g.shape, *t.shape[1:]).transpose(1, 2)
+                    for t in tokens]  # (G, H, T_g, D) each
+            o = g.frame._attend(layer, *rows)
+            o = o.transpose(1, 2).reshape(-1, *o.shape[1::2])  # (G*T_g, H, D)
+            if g.real is not None:
+                o = o.index_select(0, g.real)
+            if g.out_at is None:
+                out = o
+            else:
+                if out is None:
+                    out = o.new_empty(tokens[0].shape[0], *o.shape[1:])
+                out.index_copy_(0, g.out_at, o)
+        return out.transpose(0, 1)[None]  # (1, H, N, D)
 
     def rows(self, t: Tensor) -> Tensor:
         """A packed call's input (1, N, ...) as (B, T, ...) rows, zeros at padding (for code
@@ -198,24 +240,14 @@ class Frame:
         out[self.key_mask] = t[0]
         return out
 
-    def _unpack(self, t: Tensor) -> Tensor:
-        """(1, H, N, D) packed -> (B, H, T, D) with zeros at padding."""
-        b, n = self.key_mask.shape
-        if self._flat is None:
-            self._flat = self.key_mask.flatten().nonzero(as_tuple=True)[0]  # (N,) packed -> b*T+t
-        h, d = t.shape[1], t.shape[3]
-        out = t.new_zeros(b * n, h, d)
-        out.index_copy_(0, self._flat, t[0].transpose(0, 1))
-        return out.view(b, n, h, d).transpose(1, 2)
-
-    def _pack(self, t: Tensor) -> Tensor:
-        """(B, H, T, D) -> (1, H, N, D): the key_mask's tokens only."""
-        b, h, n, d = t.shape
-        return t.transpose(1, 2).reshape(b * n, h, d).index_select(0, self._flat).transpose(0, 1)[None]
+    def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Unpacked rows: q (B, H, T, D), k/v (B, H_kv, T, D) with the stored keys -> (B, H, T, D)."""
+        k, v, mask = self._keys(layer, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              enable_gqa=q.shape[1] != k.shape[1])
 
     def _keys(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Record the layer's fresh K/V; return keys, values and the (B,1,T|1,K) mask."""
-        self.fresh.append((k, v))
+        """The layer's keys and values (stored ones first) and the (B,1,T|1,K) mask."""
         if self.attn_mask is not None:
             return k, v, self.attn_mask
         if self.past is not None:  # the store is slot-major: (R, K, H_kv, D)

@@ -297,7 +297,7 @@ class Decoder:
             refreshed = fw.refresh[fi]
             store_rows = b.store_row[rows]
             b.store.invalidate(store_rows[refreshed])
-            b.store.write(store_rows, b.pad[rows], fi, fw.idx, fw.kv, fw.ok, fw.ids)
+            b.store.write(store_rows, b.pad[rows], fi, fw.idx, fw.kv, fw.kv_at, fw.ok, fw.ids)
             start = draft_start[chosen[has]]  # the accepted canvases' block starts
             b.store_block[rows] = np.where(refreshed, start, b.store_block[rows])
 

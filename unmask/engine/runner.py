@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.rules import score
-from unmask.kv import Frame, KVStore
+from unmask.kv import Frame, KVStore, RowGroup
 from unmask.suffix import SuffixPolicy
 
 
@@ -56,10 +56,14 @@ class Past:
         k = int(mask.sum(-1).max())
         return Past(self.store, self.rows[index], self.pos[index, :k], mask[:, :k])
 
-    def frame(self, key_mask: Tensor, packed: bool) -> Frame:
+    def frame(self, key_mask: Tensor) -> Frame:
+        """An unpacked frame of these rows (key_mask: their (R, T) forwarded tokens), or of no
+        stored keys when none of them reads any."""
+        if self.pos.shape[1] == 0:
+            return Frame(key_mask=key_mask)
         past_mask = torch.from_numpy(self.mask).to(key_mask.device)
         return Frame(key_mask=key_mask, past=self.store.gather(self.rows, self.pos),
-                     past_mask=past_mask, packed=packed)
+                     past_mask=past_mask)
 
 
 @dataclass
@@ -71,7 +75,8 @@ class Forwarded:
     conf: np.ndarray  # (R, S) float32 confidence
     entropy: np.ndarray  # (R, S) float32 entropy of the predictive distribution
     fresh: np.ndarray  # (R, S) bool  slots scored by this forward
-    kv: list[tuple[Tensor, Tensor]]  # per layer (R, H_kv, T, D) K/V of the forwarded tokens
+    kv: list[tuple[Tensor, Tensor]]  # per layer K/V of the forwarded tokens (`Frame.fresh`)
+    kv_at: np.ndarray | None  # (R, T) each token's index in packed kv (None: kv is (R, H_kv, T, D))
     idx: np.ndarray  # (R, T) slot of each forwarded token
     ids: np.ndarray  # (R, T) the forwarded tokens
     ok: np.ndarray  # (R, T) bool, False for batch padding
@@ -84,10 +89,16 @@ class Forwarded:
 
 
 class Runner:
-    # Calls whose padding is at least this share of their padded tokens go packed. Packing
-    # copies q/k/v in and out of rows in every layer, which costs more than little padding
-    # saves (BENCHMARKS.md, "Engine batching"; scripts/engine_padding.py sets 1.0: never).
+    # Calls whose padding is at least this share of their padded tokens go packed, as do calls
+    # whose attention runs in several row groups. Packing gathers q/k/v into rows in every
+    # layer, which costs more than little padding saves (BENCHMARKS.md, "Engine batching";
+    # scripts/engine_padding.py sets 2.0: never for padding alone).
     pack_min_padding = 0.1
+    # Attention splits a call's rows into one more group when that saves more than this many
+    # (query, key) pairs: what another group's gathers and kernel calls cost on the embedded
+    # model, measured at 5,400-11,600 pairs (`attention_groups`; scripts/engine_padding.py;
+    # BENCHMARKS.md, "Engine batching"). inf: one group.
+    group_cost = 8192.0
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
@@ -134,7 +145,7 @@ class Runner:
         ids_t = self._to_device(ids)
         embeds = self.suffix.embeds(self.model, ids, idx, ok, prev_token,
                                     block_start + self.params.block_length, ids_t)
-        logits, kv = self._call(ids_t, self._to_device(idx - pad[:, None]), ok, embeds, past,
+        logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok, embeds, past,
                                 rows, cols)
         u = None
         if noise is not None:
@@ -151,7 +162,7 @@ class Runner:
         conf[rows, tslots] = sc.conf.cpu().numpy()
         ent[rows, tslots] = sc.entropy.cpu().numpy()
         fresh[rows, tslots] = True
-        return Forwarded(token, conf, ent, fresh, kv, idx, ids, ok, refresh, visible)
+        return Forwarded(token, conf, ent, fresh, kv, kv_at, idx, ids, ok, refresh, visible)
 
     @staticmethod
     def _past(cached: np.ndarray, read: StoreRead | None) -> Past | None:
@@ -169,76 +180,95 @@ class Runner:
 
     def _call(self, ids: Tensor, pos: Tensor, ok: np.ndarray, embeds: Tensor | None,
               past: Past | None, rows: np.ndarray,
-              cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """The model call(s): logits (N, V) at (rows, cols) and each layer's fresh (k, v)
-        (R, H_kv, T, D). Only the scored positions get the LM head (~10% of a forward on the
-        embedded model).
+              cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray | None]:
+        """The model call: logits (N, V) at (rows, cols), each layer's fresh (k, v) (`Frame.fresh`)
+        and, packed, each token's index among the packed ones ((R, T); None: unpacked). Only the
+        scored positions get the LM head (~10% of a forward on the embedded model).
 
-        Attention pads rows to the longest row's T (and K). When a few rows forward far more
-        tokens than the rest (a cache refresh next to cached steps), that padding would cost
-        more than a second call: then the short rows get a call of their own."""
+        Rows with padding go packed: the model's projections and MLPs, most of a forward, then
+        skip the padded tokens, and attention runs per group of rows of similar shape
+        (`attention_groups`), each padded to its own longest row and stored context."""
+        r, t = ids.shape
         n_tokens = ok.sum(-1)
-        groups = self._split(n_tokens)
-        if groups is None:
-            return self._model(ids, pos, ok, embeds, past, rows, cols)
-        r, t = ids.shape
-        logits = None
-        kv: list[tuple[Tensor, Tensor]] = []
-        for g in groups:
-            t_g = int(n_tokens[g].max())
-            local = np.full(r, -1, dtype=np.int64)
-            local[g] = np.arange(g.size)
-            mine = local[rows] >= 0  # the scored positions of this group's rows
-            g_t = self._to_device(g)
-            out, fresh = self._model(
-                ids[g_t, :t_g], pos[g_t, :t_g], ok[g, :t_g],
-                None if embeds is None else embeds[g_t, :t_g],
-                None if past is None else past.take(g), local[rows[mine]], cols[mine])
-            if logits is None:
-                logits = out.new_empty(rows.size, out.shape[-1])
-                kv = [(k.new_zeros(r, k.shape[1], t, k.shape[3]),
-                       v.new_zeros(r, v.shape[1], t, v.shape[3])) for k, v in fresh]
-            logits[self._to_device(mine)] = out
-            for (k_all, v_all), (k, v) in zip(kv, fresh, strict=True):
-                k_all[g_t, :, :t_g], v_all[g_t, :, :t_g] = k, v
-        return logits, kv
-
-    def _model(self, ids: Tensor, pos: Tensor, ok: np.ndarray, embeds: Tensor | None,
-               past: Past | None, rows: np.ndarray,
-               cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """One model call; rows with padding go packed (the model's projections and MLPs, most
-        of a forward, then skip the padded tokens)."""
-        r, t = ids.shape
-        padding = r * t - int(ok.sum())
-        packed = padding > 0 and padding >= self.pack_min_padding * r * t
+        n_past = past.mask.sum(-1) if past is not None else np.zeros(r, dtype=np.int64)
+        groups = attention_groups(n_tokens, n_past, self.group_cost)
+        padding = r * t - int(n_tokens.sum())
         ok_t = self._to_device(ok)
-        frame = Frame(key_mask=ok_t, packed=packed) if past is None else past.frame(ok_t, packed)
-        if packed:
-            at = (np.cumsum(ok.reshape(-1)) - 1).reshape(r, t)  # (R, T) packed index of each token
-            logits = self.model(ids[ok_t][None], pos[ok_t][None], frame=frame,
-                                embeds=None if embeds is None else embeds[ok_t][None],
-                                logits_at=(torch.zeros(rows.size, dtype=torch.long, device=self.device),
-                                           self._to_device(at[rows, cols])))
-        else:
+        if len(groups) == 1 and (padding == 0 or padding < self.pack_min_padding * r * t):
+            frame = Frame(key_mask=ok_t) if past is None else past.frame(ok_t)
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=(self._to_device(rows), self._to_device(cols)))
-        return logits, frame.fresh
+            return logits, frame.fresh, None
+        at = (np.cumsum(ok.reshape(-1)) - 1).reshape(r, t)  # (R, T) packed index of each token
+        frame = Frame(key_mask=ok_t, packed=True,
+                      groups=[self._group(g, len(groups) == 1, at, ok, n_tokens, ok_t, past)
+                              for g in groups])
+        logits = self.model(ids[ok_t][None], pos[ok_t][None], frame=frame,
+                            embeds=None if embeds is None else embeds[ok_t][None],
+                            logits_at=(torch.zeros(rows.size, dtype=torch.long, device=self.device),
+                                       self._to_device(at[rows, cols])))
+        return logits, frame.fresh, at
 
-    @staticmethod
-    def _split(n_tokens: np.ndarray) -> list[np.ndarray] | None:
-        """Row groups for separate calls (None: one call). Two groups, long rows (more than half
-        the longest) and short ones, when that forwards under 60% of the padded tokens of one
-        call; only with 4+ rows, where the saving outweighs a second call's fixed cost."""
-        r = n_tokens.shape[0]
-        if r < 4:
-            return None
-        longest = n_tokens.max()
-        long_rows = n_tokens * 2 > longest
-        n_long = int(long_rows.sum())
-        if n_long == r:
-            return None
-        short_max = n_tokens[~long_rows].max()
-        split_cost = n_long * longest + (r - n_long) * short_max
-        if split_cost >= 0.6 * r * longest:
-            return None
-        return [np.nonzero(long_rows)[0], np.nonzero(~long_rows)[0]]
+    def _group(self, g: np.ndarray, whole: bool, at: np.ndarray, ok: np.ndarray,
+               n_tokens: np.ndarray, ok_t: Tensor, past: Past | None) -> RowGroup:
+        """Rows g of a packed call as one attention batch (whole: g is every row, in order)."""
+        t_g = int(n_tokens[g].max())
+        ok_g = ok[g, :t_g]  # real tokens come first in each row (`_compact`)
+        grid = np.where(ok_g, at[g, :t_g], 0).reshape(-1)
+        real = ok_g.reshape(-1)
+        key_mask = ok_t[:, :t_g] if whole else ok_t[self._to_device(g), :t_g]
+        sub = past.take(g) if past is not None else None
+        return RowGroup(
+            grid=self._to_device(grid), shape=(g.size, t_g),
+            real=None if real.all() else self._to_device(np.flatnonzero(real)),
+            out_at=None if whole else self._to_device(grid[real]),
+            frame=Frame(key_mask=key_mask) if sub is None else sub.frame(key_mask))
+
+
+def attention_groups(n_tokens: np.ndarray, n_past: np.ndarray, group_cost: float) -> list[np.ndarray]:
+    """Rows of one call in groups that attend as separate padded batches (at most 4).
+
+    A padded batch costs rows x T x (T + K) (query, key) pairs for its longest row's T tokens
+    and K stored keys; a refresh row (many tokens, no stored keys) beside cached rows (few
+    tokens, many stored keys) pads every row to both. Rows sorted by token count are cut
+    greedily where a cut saves the most pairs, while it saves more than `group_cost` (the fixed
+    cost of another group: its gathers and kernel calls, in pairs). One group: every row, in
+    order."""
+    r = n_tokens.shape[0]
+    whole = [np.arange(r)]
+    if r < 2:
+        return whole
+    order = np.argsort(n_tokens, kind="stable")
+    groups = [order]
+    costs = [_pairs(n_tokens[order], n_past[order])]
+    while len(groups) < 4:
+        best = None
+        for i, g in enumerate(groups):
+            cut = _best_cut(n_tokens[g], n_past[g])
+            if cut is not None and (best is None or costs[i] - cut[1] - cut[2] > best[0]):
+                best = (costs[i] - cut[1] - cut[2], i, cut)
+        if best is None or best[0] <= group_cost:
+            break
+        _, i, (j, left, right) = best
+        g = groups[i]
+        groups[i:i + 1], costs[i:i + 1] = [g[:j], g[j:]], [left, right]
+    return whole if len(groups) == 1 else groups
+
+
+def _pairs(t: np.ndarray, k: np.ndarray) -> int:
+    """(query, key) pairs of rows with t tokens and k stored keys as one padded batch."""
+    return int(t.size * t.max() * (t.max() + k.max()))
+
+
+def _best_cut(t: np.ndarray, k: np.ndarray) -> tuple[int, int, int] | None:
+    """The cut j of rows (t, k) into [:j] and [j:] with the fewest pairs: (j, left, right)."""
+    n = t.size
+    if n < 2:
+        return None
+    lt, lk = np.maximum.accumulate(t), np.maximum.accumulate(k)  # longest of rows [:j+1]
+    rt, rk = np.maximum.accumulate(t[::-1])[::-1], np.maximum.accumulate(k[::-1])[::-1]
+    j = np.arange(1, n)
+    left = j * lt[:-1] * (lt[:-1] + lk[:-1])
+    right = (n - j) * rt[1:] * (rt[1:] + rk[1:])
+    i = int((left + right).argmin())
+    return i + 1, int(left[i]), int(right[i])
