@@ -96,7 +96,7 @@ class Runner:
     pack_min_padding = 0.1
     # Attention splits a call's rows into one more group when that saves more than this many
     # (query, key) pairs: what another group's gathers and kernel calls cost on the embedded
-    # model, measured at 5,400-11,600 pairs (`attention_groups`; scripts/engine_padding.py;
+    # model, 5,400-12,100 pairs in four runs (`attention_groups`; scripts/engine_padding.py;
     # BENCHMARKS.md, "Engine batching"). inf: one group.
     group_cost = 8192.0
 
