@@ -1,7 +1,8 @@
 """Side by side: the runner's two answers to padding, packing and attention row groups, each on
 and off, at engine concurrency 1 and 16.
 
-    .venv/bin/python scripts/engine_padding.py [--rounds 2]
+    .venv/bin/python scripts/engine_padding.py [--rounds 2] [--model DIR] [--device D]
+        [--group-cost-only]
 
 32 held-out math prompts at gen_length 256, all submitted to one Engine with max_running = the
 concurrency; useful tokens/s (up to the first EOS) over the wall time; cells interleaved over
@@ -13,7 +14,9 @@ tokens x (its tokens + its stored keys)), summed over the cell's model calls.
 First it measures what `Runner.group_cost` stands for, on the model alone: the time one more
 attention group adds to a call (8 identical rows, 30 tokens and 100 stored keys each, as one,
 two and four groups: a cut that saves no pairs) over the time one more (query, key) pair adds
-(the same call with 300 stored keys), in thread CPU time, medians of rounds.
+(the same call with 300 stored keys), medians of rounds (thread CPU time; wall time after a
+synchronize on a GPU). Both costs depend on the model's shape and the device: --model and
+--device measure another pair, and --group-cost-only stops there.
 """
 
 from __future__ import annotations
@@ -77,15 +80,18 @@ def group_cost(llm: LLM, rounds: int = 5, reps: int = 30) -> str:
     model, c = llm.model, llm.model.config
     params = DecodeParams.parse("fast", gen_length=256)
     runner = Runner(model, params, c.mask_token_id, c.eos_token_id, make_suffix_policy(params))
-    store = KVStore.empty(c.n_layers, 8, c.n_kv_heads, 512, c.head_dim,
-                          next(model.parameters()).dtype, torch.device("cpu"))
+    weight = next(model.parameters())
+    store = KVStore.empty(c.n_layers, 8, c.n_kv_heads, 512, c.head_dim, weight.dtype,
+                          weight.device)
     store.kv.normal_()
+    cuda = weight.device.type == "cuda"
+    clock = time.perf_counter if cuda else time.thread_time
 
     def call(n_past: int, n_groups: int) -> float:  # median thread seconds of one call
         r, t = 8, 30
         ok = np.ones((r, t), dtype=bool)
-        ids = torch.randint(3, c.vocab_size, (r, t))
-        pos = torch.arange(t).repeat(r, 1) + n_past
+        ids = torch.randint(3, c.vocab_size, (r, t), device=weight.device)
+        pos = torch.arange(t, device=weight.device).repeat(r, 1) + n_past
         past = Past(store, np.arange(r), np.tile(np.arange(n_past), (r, 1)),
                     np.ones((r, n_past), dtype=bool))
         rows, cols = np.nonzero(ok)
@@ -94,9 +100,11 @@ def group_cost(llm: LLM, rounds: int = 5, reps: int = 30) -> str:
         times = []
         with torch.no_grad():
             for _ in range(reps):
-                t0 = time.thread_time()
+                t0 = clock()
                 runner._call(ids, pos, ok, None, past, rows, cols)
-                times.append(time.thread_time() - t0)
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(clock() - t0)
         return statistics.median(times)
 
     per_group, per_pair = [], []
@@ -116,10 +124,15 @@ def group_cost(llm: LLM, rounds: int = 5, reps: int = 30) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    p.add_argument("--device")
+    p.add_argument("--group-cost-only", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)
-    llm = LLM()
+    llm = LLM(args.model, device=args.device)
     print(group_cost(llm), "\n")
+    if args.group_cost_only:
+        return
     prompts = [llm.encode_prompt(e.prompt) for e in TASKS["math"].load("heldout", 32)]
     # (row groups, pack calls with at least this share of padding; NEVER, 0.0: any padding)
     variants = [(False, NEVER), (False, 0.0), (False, PACK_MIN_PADDING), (True, 0.0),

@@ -95,9 +95,11 @@ class Runner:
     # scripts/engine_padding.py sets 2.0: never for padding alone).
     pack_min_padding = 0.1
     # Attention splits a call's rows into one more group when that saves more than this many
-    # (query, key) pairs: what another group's gathers and kernel calls cost on the embedded
-    # model, 5,400-12,100 pairs in four runs (`attention_groups`; scripts/engine_padding.py;
-    # BENCHMARKS.md, "Engine batching"). inf: one group.
+    # (query, key) pairs: what another group's gathers and kernel calls cost, measured for the
+    # embedded model on one CPU thread at 5,400-12,100 pairs in four runs (`attention_groups`;
+    # BENCHMARKS.md, "Engine batching"). A larger model pays more per pair, a GPU less per pair
+    # and relatively more per kernel: `scripts/engine_padding.py --model DIR --device D
+    # --group-cost-only` measures it there. inf: one group.
     group_cost = 8192.0
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
