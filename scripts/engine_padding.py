@@ -2,7 +2,7 @@
 and off, at engine concurrency 1 and 16.
 
     .venv/bin/python scripts/engine_padding.py [--rounds 2] [--model DIR] [--device D]
-        [--group-cost-only]
+        [--group-cost-only] [--group-cost-widths 128x4,512x8,1024x8]
 
 32 held-out math prompts at gen_length 256, all submitted to one Engine with max_running = the
 concurrency; useful tokens/s (up to the first EOS) over the wall time; cells interleaved over
@@ -16,7 +16,8 @@ attention group adds to a call (8 identical rows, 30 tokens and 100 stored keys 
 two and four groups: a cut that saves no pairs) over the time one more (query, key) pair adds
 (the same call with 300 stored keys), medians of rounds (thread CPU time; wall time after a
 synchronize on a GPU). Both costs depend on the model's shape and the device: --model and
---device measure another pair, and --group-cost-only stops there.
+--device measure another pair, and --group-cost-only stops there. --group-cost-widths measures
+it on random 4-layer LLaDA models of each d_model x n_heads instead, and stops.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import torch
 
 from unmask import LLM
 from unmask.api import useful_length
+from unmask.config import ModelConfig
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
 from unmask.engine import runner as runner_mod
 from unmask.engine.runner import Past, Runner, _pairs
 from unmask.kv import KVStore
+from unmask.models import build_model
 from unmask.suffix import make_suffix_policy
 from unmask.tasks import TASKS
 
@@ -76,8 +79,8 @@ def run(llm: LLM, prompts: list[list[int]], spec: str, concurrency: int,
             PAIRS[0] / PAIRS[1])
 
 
-def group_cost(llm: LLM, rounds: int = 5, reps: int = 30) -> str:
-    model, c = llm.model, llm.model.config
+def group_cost(model: torch.nn.Module, rounds: int = 5, reps: int = 30) -> str:
+    c = model.config
     params = DecodeParams.parse("fast", gen_length=256)
     runner = Runner(model, params, c.mask_token_id, c.eos_token_id, make_suffix_policy(params))
     weight = next(model.parameters())
@@ -127,10 +130,21 @@ def main() -> None:
     p.add_argument("--model", help="checkpoint folder (default: the embedded model)")
     p.add_argument("--device")
     p.add_argument("--group-cost-only", action="store_true")
+    p.add_argument("--group-cost-widths", help="e.g. 128x4,512x8: d_model x n_heads")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.group_cost_widths:
+        for width in args.group_cost_widths.split(","):
+            d, h = (int(v) for v in width.split("x"))
+            torch.manual_seed(0)
+            model = build_model(ModelConfig(
+                model_type="llada", d_model=d, n_heads=h, n_kv_heads=h, n_layers=4,
+                mlp_hidden_size=3 * d, vocab_size=2048, embedding_size=2048, mask_token_id=2,
+                eos_token_id=1, max_sequence_length=2048)).eval()
+            print(f"d_model {d}, {h} heads x {d // h}: {group_cost(model)}")
+        return
     llm = LLM(args.model, device=args.device)
-    print(group_cost(llm), "\n")
+    print(group_cost(llm.model), "\n")
     if args.group_cost_only:
         return
     prompts = [llm.encode_prompt(e.prompt) for e in TASKS["math"].load("heldout", 32)]

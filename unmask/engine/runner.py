@@ -95,12 +95,13 @@ class Runner:
     # scripts/engine_padding.py sets 2.0: never for padding alone).
     pack_min_padding = 0.1
     # Attention splits a call's rows into one more group when that saves more than this many
-    # (query, key) pairs: what another group's gathers and kernel calls cost, measured for the
-    # embedded model on one CPU thread at 5,400-12,100 pairs in four runs (`attention_groups`;
-    # BENCHMARKS.md, "Engine batching"). A larger model pays more per pair, a GPU less per pair
-    # and relatively more per kernel: `scripts/engine_padding.py --model DIR --device D
-    # --group-cost-only` measures it there. inf: one group.
-    group_cost = 8192.0
+    # (query, key) pairs: what another group's gathers and kernel calls cost. Measured on one
+    # CPU thread (`attention_groups`; BENCHMARKS.md, "Engine batching"): 5,400-12,100 pairs for
+    # the embedded model, 3,500-5,100 for random 4-layer models of d_model 512 and 1024, so a
+    # count of pairs carries over between widths; the cuts that matter (a refresh beside cached
+    # steps) save ~10^5. A GPU pays relatively more per kernel: `scripts/engine_padding.py
+    # --model DIR --device D --group-cost-only` measures it there. inf: one group.
+    group_cost = 4096.0
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
