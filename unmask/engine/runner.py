@@ -241,9 +241,14 @@ def attention_groups(n_tokens: np.ndarray, n_past: np.ndarray, group_cost: float
     whole = [np.arange(r)]
     if r < 2:
         return whole
+    one = _pairs(n_tokens, n_past)
+    # No grouping computes fewer pairs than the rows need: if all the padding is worth less
+    # than a group, no cut pays.
+    if one - int((n_tokens * (n_tokens + n_past)).sum()) <= group_cost:
+        return whole
     order = np.argsort(n_tokens, kind="stable")
     groups = [order]
-    costs = [_pairs(n_tokens[order], n_past[order])]
+    costs = [one]
     while len(groups) < 4:
         best = None
         for i, g in enumerate(groups):
