@@ -20,15 +20,11 @@ import torch
 from unmask import LLM
 from unmask.bench.tasks import load_task
 from unmask.decoding.params import DecodeParams
-from unmask.engine import Engine, SchedulerConfig
+from unmask.engine import decode
 
 
-def decode(llm: LLM, prompts: list[list[int]], params: DecodeParams, concurrency: int) -> list[tuple]:
-    engine = Engine(llm.model, SchedulerConfig(max_running=concurrency, max_queue=len(prompts)))
-    reqs = [engine.add_request(q, params) for q in prompts]
-    with torch.no_grad():
-        while engine.has_unfinished:
-            engine.step()
+def outcomes(llm: LLM, prompts: list[list[int]], params: DecodeParams, concurrency: int) -> list[tuple]:
+    reqs = decode(llm.model, params, prompts, max_running=concurrency)
     return [(r.token_ids, r.nfe, r.token_forwards) for r in reqs]
 
 
@@ -48,8 +44,8 @@ def main() -> None:
           "of which in tokens |\n|:---|:---|---:|---:|---:|")
     for spec in args.decoder or ["fast", "threshold,cache=entropy", "balanced"]:
         params = DecodeParams.parse(spec, gen_length=256)
-        one = decode(llm, prompts, params, 1)
-        many = decode(llm, prompts, params, args.concurrency)
+        one = outcomes(llm, prompts, params, 1)
+        many = outcomes(llm, prompts, params, args.concurrency)
         differ = sum(a != b for a, b in zip(one, many, strict=True))
         tokens = sum(a[0] != b[0] for a, b in zip(one, many, strict=True))
         print(f"| `{spec}` | {dtype} | {len(prompts)} | {differ} | {tokens} |", flush=True)

@@ -54,8 +54,8 @@ class Engine:
         self.batches: dict[Hashable, DecodeBatch] = {}
         self.requests: dict[str, Request] = {}  # waiting or running
         self._pending: list[StepEvent] = []  # events of aborts between steps
-        # Engine-wide NFE: forward passes, one per decoder batch per step that forwarded; a
-        # batch the runner splits over two model calls to save padding still counts once.
+        # Engine-wide NFE: forward passes, one per decoder batch per step that forwarded (the
+        # runner makes one model call for the batch, however its attention is grouped).
         self.model_calls = 0
         self.max_idle = 8  # decoders kept while they have no rows (_drop_idle)
         self.token_forwards = 0  # token positions those calls processed

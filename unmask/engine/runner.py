@@ -220,7 +220,8 @@ class Runner:
         grid = np.where(ok_g, at[g, :t_g], 0).reshape(-1)
         real = ok_g.reshape(-1)
         key_mask = ok_t[:, :t_g] if whole else ok_t[self._to_device(g), :t_g]
-        sub = past.take(g) if past is not None else None
+        # the whole call's stored keys are already trimmed to its longest row
+        sub = past if past is None or whole else past.take(g)
         return RowGroup(
             grid=self._to_device(grid), shape=(g.size, t_g),
             real=None if real.all() else self._to_device(np.flatnonzero(real)),
@@ -247,19 +248,18 @@ def attention_groups(n_tokens: np.ndarray, n_past: np.ndarray, group_cost: float
     if one - int((n_tokens * (n_tokens + n_past)).sum()) <= group_cost:
         return whole
     order = np.argsort(n_tokens, kind="stable")
-    groups = [order]
-    costs = [one]
+    # Each group with its cost and its best cut (found once per group): (saving, j).
+    groups, costs, cuts = [order], [one], [_best_cut(n_tokens[order], n_past[order], one)]
     while len(groups) < 4:
-        best = None
-        for i, g in enumerate(groups):
-            cut = _best_cut(n_tokens[g], n_past[g])
-            if cut is not None and (best is None or costs[i] - cut[1] - cut[2] > best[0]):
-                best = (costs[i] - cut[1] - cut[2], i, cut)
-        if best is None or best[0] <= group_cost:
+        i = max(range(len(groups)), key=lambda i: cuts[i][0])
+        saving, j = cuts[i]
+        if saving <= group_cost:
             break
-        _, i, (j, left, right) = best
         g = groups[i]
-        groups[i:i + 1], costs[i:i + 1] = [g[:j], g[j:]], [left, right]
+        halves = [g[:j], g[j:]]
+        pairs = [_pairs(n_tokens[h], n_past[h]) for h in halves]
+        groups[i:i + 1], costs[i:i + 1] = halves, pairs
+        cuts[i:i + 1] = [_best_cut(n_tokens[h], n_past[h], c) for h, c in zip(halves, pairs, strict=True)]
     return whole if len(groups) == 1 else groups
 
 
@@ -268,15 +268,16 @@ def _pairs(t: np.ndarray, k: np.ndarray) -> int:
     return int(t.size * t.max() * (t.max() + k.max()))
 
 
-def _best_cut(t: np.ndarray, k: np.ndarray) -> tuple[int, int, int] | None:
-    """The cut j of rows (t, k) into [:j] and [j:] with the fewest pairs: (j, left, right)."""
+def _best_cut(t: np.ndarray, k: np.ndarray, cost: int) -> tuple[int, int]:
+    """The cut j of rows (t, k), `cost` pairs as one batch, into [:j] and [j:] with the fewest
+    pairs: (pairs saved, j); (0, 0) for a single row."""
     n = t.size
     if n < 2:
-        return None
+        return 0, 0
     lt, lk = np.maximum.accumulate(t), np.maximum.accumulate(k)  # longest of rows [:j+1]
     rt, rk = np.maximum.accumulate(t[::-1])[::-1], np.maximum.accumulate(k[::-1])[::-1]
     j = np.arange(1, n)
     left = j * lt[:-1] * (lt[:-1] + lk[:-1])
     right = (n - j) * rt[1:] * (rt[1:] + rk[1:])
     i = int((left + right).argmin())
-    return i + 1, int(left[i]), int(right[i])
+    return cost - int(left[i] + right[i]), i + 1
