@@ -248,18 +248,20 @@ def attention_groups(n_tokens: np.ndarray, n_past: np.ndarray, group_cost: float
     if one - int((n_tokens * (n_tokens + n_past)).sum()) <= group_cost:
         return whole
     order = np.argsort(n_tokens, kind="stable")
-    # Each group with its cost and its best cut (found once per group): (saving, j).
-    groups, costs, cuts = [order], [one], [_best_cut(n_tokens[order], n_past[order], one)]
+    # Each group with its best cut, found once per group: (pairs saved, j, left, right).
+    groups, cuts = [order], [_best_cut(n_tokens[order], n_past[order], one)]
     while len(groups) < 4:
-        i = max(range(len(groups)), key=lambda i: cuts[i][0])
-        saving, j = cuts[i]
+        i = 0
+        for n, cut in enumerate(cuts):  # the first of the largest savings
+            if cut[0] > cuts[i][0]:
+                i = n
+        saving, j, left, right = cuts[i]
         if saving <= group_cost:
             break
         g = groups[i]
-        halves = [g[:j], g[j:]]
-        pairs = [_pairs(n_tokens[h], n_past[h]) for h in halves]
-        groups[i:i + 1], costs[i:i + 1] = halves, pairs
-        cuts[i:i + 1] = [_best_cut(n_tokens[h], n_past[h], c) for h, c in zip(halves, pairs, strict=True)]
+        groups[i:i + 1] = [g[:j], g[j:]]
+        cuts[i:i + 1] = [_best_cut(n_tokens[g[:j]], n_past[g[:j]], left),
+                         _best_cut(n_tokens[g[j:]], n_past[g[j:]], right)]
     return whole if len(groups) == 1 else groups
 
 
@@ -268,16 +270,16 @@ def _pairs(t: np.ndarray, k: np.ndarray) -> int:
     return int(t.size * t.max() * (t.max() + k.max()))
 
 
-def _best_cut(t: np.ndarray, k: np.ndarray, cost: int) -> tuple[int, int]:
+def _best_cut(t: np.ndarray, k: np.ndarray, cost: int) -> tuple[int, int, int, int]:
     """The cut j of rows (t, k), `cost` pairs as one batch, into [:j] and [j:] with the fewest
-    pairs: (pairs saved, j); (0, 0) for a single row."""
+    pairs: (pairs saved, j, pairs of [:j], pairs of [j:]); nothing saved for a single row."""
     n = t.size
     if n < 2:
-        return 0, 0
+        return 0, 0, cost, 0
     lt, lk = np.maximum.accumulate(t), np.maximum.accumulate(k)  # longest of rows [:j+1]
     rt, rk = np.maximum.accumulate(t[::-1])[::-1], np.maximum.accumulate(k[::-1])[::-1]
     j = np.arange(1, n)
     left = j * lt[:-1] * (lt[:-1] + lk[:-1])
     right = (n - j) * rt[1:] * (rt[1:] + rk[1:])
     i = int((left + right).argmin())
-    return cost - int(left[i] + right[i]), i + 1
+    return cost - int(left[i] + right[i]), i + 1, int(left[i]), int(right[i])
