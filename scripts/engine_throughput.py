@@ -43,6 +43,7 @@ from unmask.api import LLM, useful_length
 from unmask.bench.tasks import load_task
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
+from unmask.engine import decode as decode_all
 from unmask.kv import Frame, KVStore
 
 
@@ -276,9 +277,7 @@ def short_prompts(llm: LLM, decoder: str, n: int, gen_length: int, max_steps: in
     steps: a workload without a tail of long requests."""
     pool = [llm.encode_prompt(e.prompt) for e in load_task("math", 4 * n).examples]
     params = DecodeParams.parse(decoder, gen_length=gen_length)
-    engine = Engine(llm.model, SchedulerConfig(max_running=16, max_queue=len(pool)))
-    reqs = [engine.add_request(p, params) for p in pool]
-    engine.run()
+    reqs = decode_all(llm.model, params, pool, max_running=16)
     short = [p for p, r in zip(pool, reqs, strict=True) if r.steps <= max_steps][:n]
     if len(short) < n:
         raise SystemExit(f"only {len(short)} of {len(pool)} prompts take <= {max_steps} steps")
