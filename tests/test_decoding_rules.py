@@ -88,12 +88,14 @@ def decode(fn: LogitFn, spec: str, prompts: list[list[int]], gen_length: int = 1
 
 
 def canvases(model: FakeModel, prompt: list[int], final: list[int]) -> list[list[int]]:
-    """The canvas each forward saw (single unpadded row), then the final canvas."""
+    """The canvas each forward saw (a single row, its real tokens: a call pads them to a
+    canonical count), then the final canvas."""
     out = []
     for ids, pos, ok in model.calls:
-        assert ids.shape[0] == 1 and bool(ok.all())
-        assert pos[0].tolist() == list(range(ids.shape[1]))
-        out.append(ids[0].tolist())
+        assert ids.shape[0] == 1
+        ids, pos = ids[0][ok[0]], pos[0][ok[0]]
+        assert pos.tolist() == list(range(ids.shape[0]))
+        out.append(ids.tolist())
     return out + [prompt + final]
 
 

@@ -155,9 +155,11 @@ class _Half(Sequence):
 
 @dataclass
 class RowGroup:
-    """Rows of a packed call whose attention runs as one padded batch (`Frame.groups`), padded
-    only to their own longest row: a refresh row (~100 tokens, no stored keys) beside cached
-    rows (~30 tokens, ~200 stored keys) would otherwise pad every row to both.
+    """Rows of a packed call whose attention runs as one padded batch (`Frame.groups`): rows of
+    one canonical shape (`unmask.engine.runner.shape_groups`), each padded to that shape, which
+    depends on the row alone, so the kernels round a row's attention alike in any batch; and a
+    refresh row (~100 tokens, no stored keys) beside cached rows (~30 tokens, ~200 stored keys)
+    does not pad them to both.
 
     grid: (G*T_g,) the packed index of each (row, column) place of the group's G rows, row-major;
         padding places hold any real token (masked out as keys, their queries' outputs dropped).
@@ -165,8 +167,8 @@ class RowGroup:
     real: (n_g,) the places in grid of the group's real tokens (None: every place is real).
     out_at: (n_g,) their packed index (None: the group is every row of the call, in order, so
         its real tokens are already in packed order).
-    frame: the group's rows unpacked: key_mask (G, T_g), and past and past_mask (G, K_g) trimmed
-        to the group's longest stored context.
+    frame: the group's rows unpacked: key_mask (G, T_g), and past and past_mask (G, K_g) at the
+        group's canonical count of stored keys.
     """
 
     grid: Tensor
@@ -182,8 +184,9 @@ class Frame:
 
     key_mask: (B, T) bool, which forwarded tokens are keys (False: batch padding).
     packed: the model's inputs are the key_mask's True tokens only, packed row after row as one
-        (1, N) sequence, so projections and MLPs skip the padding; attention gathers them into
-        padded rows, one `RowGroup` at a time (`groups`), and packs its output back.
+        (1, N) sequence (a call of few tokens adds zeros after them, which no row attends
+        with), so projections and MLPs skip the padding; attention gathers them into padded
+        rows, one `RowGroup` at a time (`groups`), and packs its output back.
     past / past_mask: optional stored keys and values (B rows, K positions each; `KVStore.gather`) and its
         (B, K) bool mask of positions to attend to in addition (unpacked frames; a packed
         frame's groups have their own).
@@ -226,18 +229,19 @@ class Frame:
             if g.out_at is None:
                 out = o
             else:
-                if out is None:
-                    out = o.new_empty(tokens[0].shape[0], *o.shape[1:])
+                if out is None:  # zeros where no group writes (tokens added for size only)
+                    out = o.new_zeros(tokens[0].shape[0], *o.shape[1:])
                 out.index_copy_(0, g.out_at, o)
         return out.transpose(0, 1)[None]  # (1, H, N, D)
 
     def rows(self, t: Tensor) -> Tensor:
         """A packed call's input (1, N, ...) as (B, T, ...) rows, zeros at padding (for code
-        that looks at a call's inputs per row: spies, test models); unpacked input as is."""
+        that looks at a call's inputs per row: spies, test models); unpacked input as is. Tokens
+        past the rows' own (a call of few tokens gets more, `unmask.engine.runner`) are left out."""
         if not self.packed:
             return t
         out = t.new_zeros(*self.key_mask.shape, *t.shape[2:])
-        out[self.key_mask] = t[0]
+        out[self.key_mask] = t[0, : int(self.key_mask.sum())]
         return out
 
     def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

@@ -20,14 +20,57 @@ from unmask.decoding.rules import score
 from unmask.kv import Frame, KVStore, RowGroup
 from unmask.suffix import SuffixPolicy
 
+# A row's shape in a model call depends on the row alone, whoever shares the call, because the
+# CPU kernels round a row's results differently with the shapes around it (BENCHMARKS.md, "Batch
+# invariance at the bit level"): flash attention with the padding of its keys and queries,
+# matrix products with how many rows they get. So each row's attention runs padded to a
+# canonical shape (`canonical_tokens`, `canonical_keys`) among rows of that shape only
+# (`shape_groups`), and every matrix product gets at least MIN_ROWS rows.
+MIN_ROWS = 16  # fp32 products of fewer rows round differently: <= 3 here (AVX2), < 8 on AVX-512
+TOKEN_STEP = 16  # forwarded tokens are padded to a multiple of this
+KEY_STEP = 16  # stored keys up to KEY_STEP * 4 to a multiple of this, then to 2^j or 1.5 * 2^j
 
-def _compact(flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(R, S) bool -> the flagged slots of each row, in slot order, padded to the longest row's
-    count N: (R, N) slot indices and (R, N) bool (False: padding)."""
-    n = int(flags.sum(-1).max()) if flags.size else 0
+
+def canonical_tokens(n: np.ndarray) -> np.ndarray:
+    """(R,) the query count each row's attention runs at: n (R,) forwarded tokens rounded up to
+    a multiple of TOKEN_STEP (at least one step, so a call has >= MIN_ROWS tokens)."""
+    return np.maximum(-(-n // TOKEN_STEP), 1) * TOKEN_STEP
+
+
+def canonical_keys(n: np.ndarray) -> np.ndarray:
+    """(R,) the stored-key count each row's attention runs at, for n (R,) stored keys: 0 for
+    none; a multiple of KEY_STEP up to 4 steps; above, the next of 2^j and 1.5 * 2^j, so rows of
+    similar contexts share a shape (at most half of a row's stored keys are padding)."""
+    small = -(-n // KEY_STEP) * KEY_STEP
+    power = np.left_shift(1, np.frexp(np.maximum(n - 1, 1))[1]).astype(n.dtype)  # 2^j >= n
+    large = np.where(power * 3 // 4 >= n, power * 3 // 4, power)
+    return np.where(n <= 4 * KEY_STEP, small, large)
+
+
+def shape_groups(t_hat: np.ndarray, k_hat: np.ndarray) -> list[np.ndarray]:
+    """Rows of one call grouped by canonical shape (t_hat, k_hat: (R,) each), each group in row
+    order; one group: every row, in order."""
+    r = t_hat.shape[0]
+    key = t_hat * (int(k_hat.max(initial=0)) + 1) + k_hat
+    if r < 2 or (key == key[0]).all():
+        return [np.arange(r)]
+    _, inverse, counts = np.unique(key, return_inverse=True, return_counts=True)
+    order = np.argsort(inverse, kind="stable")
+    return np.split(order, np.cumsum(counts)[:-1])
+
+
+def _compact(flags: np.ndarray, canonical) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(R, S) bool -> the flagged slots of each row, in slot order, padded to the widest row's
+    canonical count W: (R, W) slot indices (slot 0 past the canvas), (R, W) bool (False:
+    padding), and (R,) each row's count and canonical count."""
+    n = flags.sum(-1)
+    shape = canonical(n)
+    w = int(shape.max()) if n.size else 0
     # Flagged slots first, in slot order: a stable sort of the "not flagged" flag.
-    idx = np.argsort(~flags, axis=-1, kind="stable")[:, :n]
-    return idx, flags[np.arange(flags.shape[0])[:, None], idx]
+    idx = np.argsort(~flags, axis=-1, kind="stable")[:, :w]
+    if idx.shape[1] < w:
+        idx = np.pad(idx, ((0, 0), (0, w - idx.shape[1])))
+    return idx, np.arange(w)[None, :] < n[:, None], n, shape
 
 
 @dataclass
@@ -43,18 +86,21 @@ class StoreRead:
 @dataclass
 class Past:
     """What a call reads from the store: store row `rows[i]` at positions `pos[i]` (R, K) for
-    each of its rows; mask (R, K) False where a row has fewer positions than K."""
+    each of its rows; mask (R, K) False where a row has fewer positions than K; n (R,) each
+    row's count and shape (R,) its canonical count (`canonical_keys`; K is the largest)."""
 
     store: KVStore
     rows: np.ndarray
     pos: np.ndarray
     mask: np.ndarray
+    n: np.ndarray
+    shape: np.ndarray
 
     def take(self, index: np.ndarray) -> Past:
-        """The rows `index`, their slots trimmed to their own longest count."""
-        mask = self.mask[index]
-        k = int(mask.sum(-1).max())
-        return Past(self.store, self.rows[index], self.pos[index, :k], mask[:, :k])
+        """The rows `index`, all of one canonical count, their slots cut to it."""
+        k = int(self.shape[index[0]])
+        return Past(self.store, self.rows[index], self.pos[index, :k], self.mask[index, :k],
+                    self.n[index], self.shape[index])
 
     def frame(self, key_mask: Tensor) -> Frame:
         """An unpacked frame of these rows (key_mask: their (R, T) forwarded tokens), or of no
@@ -90,18 +136,9 @@ class Forwarded:
 
 class Runner:
     # Calls whose padding is at least this share of their padded tokens go packed, as do calls
-    # whose attention runs in several row groups. Packing gathers q/k/v into rows in every
-    # layer, which costs more than little padding saves (BENCHMARKS.md, "Engine batching";
-    # scripts/engine_padding.py sets 2.0: never for padding alone).
+    # whose rows attend in several shape groups. Packing gathers q/k/v into rows in every
+    # layer, which costs more than little padding saves (BENCHMARKS.md, "Engine batching").
     pack_min_padding = 0.1
-    # Attention splits a call's rows into one more group when that saves more than this many
-    # (query, key) pairs: what another group's gathers and kernel calls cost. Measured on one
-    # CPU thread (`attention_groups`; BENCHMARKS.md, "Engine batching"): 5,400-12,100 pairs for
-    # the embedded model, 3,500-5,100 for random 4-layer models of d_model 512 and 1024, so a
-    # count of pairs carries over between widths; the cuts that matter (a refresh beside cached
-    # steps) save ~10^5. A GPU pays relatively more per kernel: `scripts/engine_padding.py
-    # --model DIR --device D --group-cost-only` measures it there. inf: one group.
-    group_cost = 4096.0
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
@@ -137,7 +174,8 @@ class Runner:
             src[:, :-1] = predict[:, 1:]
             src[np.arange(r), np.maximum(block_start - 1, 0)] = True
             active = active | (src & visible)
-        idx, ok = _compact(active)  # (R, T) the slots to forward, padded
+        # (R, T) the slots to forward, padded to the widest row's canonical count
+        idx, ok, n_tokens, t_hat = _compact(active, canonical_tokens)
         rows_of = np.arange(r)[:, None]
         ids = x[rows_of, idx]
         past = self._past(visible & ~active, store)
@@ -148,8 +186,8 @@ class Runner:
         ids_t = self._to_device(ids)
         embeds = self.suffix.embeds(self.model, ids, idx, ok, prev_token,
                                     block_start + self.params.block_length, ids_t)
-        logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok, embeds, past,
-                                rows, cols)
+        logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok, n_tokens,
+                                       t_hat, embeds, past, rows, cols)
         u = None
         if noise is not None:
             offset = np.clip(tslots - block_start[rows], 0, noise.shape[1] - 1)
@@ -170,116 +208,78 @@ class Runner:
     @staticmethod
     def _past(cached: np.ndarray, read: StoreRead | None) -> Past | None:
         """The stored positions each row attends to besides its forwarded tokens: its visible
-        slots not recomputed that hold K/V, in slot order, padded to the longest row's count K.
-        Attention then costs what a row sees, not the canvas width."""
+        slots not recomputed that hold K/V, in slot order, padded to the largest canonical count
+        K (`canonical_keys`). Attention then costs what a row sees, not the canvas width."""
         if read is None:
             return None
-        slots, mask = _compact(cached & read.valid)  # (R, K)
+        slots, mask, n, k_hat = _compact(cached & read.valid, canonical_keys)  # (R, K)
         if slots.shape[1] == 0:
             return None
         # Padding entries (mask False) may point anywhere: clip them into the store.
         pos = np.clip(slots - read.pad[:, None], 0, read.store.shape[1] - 1)
-        return Past(read.store, read.rows, pos, mask)
+        return Past(read.store, read.rows, pos, mask, n, k_hat)
 
-    def _call(self, ids: Tensor, pos: Tensor, ok: np.ndarray, embeds: Tensor | None,
-              past: Past | None, rows: np.ndarray,
+    def _call(self, ids: Tensor, pos: Tensor, ok: np.ndarray, n_tokens: np.ndarray,
+              t_hat: np.ndarray, embeds: Tensor | None, past: Past | None, rows: np.ndarray,
               cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray | None]:
         """The model call: logits (N, V) at (rows, cols), each layer's fresh (k, v) (`Frame.fresh`)
         and, packed, each token's index among the packed ones ((R, T); None: unpacked). Only the
         scored positions get the LM head (~10% of a forward on the embedded model).
 
-        Rows with padding go packed: the model's projections and MLPs, most of a forward, then
-        skip the padded tokens, and attention runs per group of rows of similar shape
-        (`attention_groups`), each padded to its own longest row and stored context."""
+        ids, pos, ok: (R, T) the forwarded tokens, T the widest canonical count; n_tokens and
+        t_hat (R,) each row's count and canonical count. Each row attends at its canonical shape
+        among the rows of that shape (`shape_groups`). One group with little padding runs as
+        padded rows; otherwise the call goes packed: projections and MLPs skip the padding, and
+        attention runs per group, gathered into its rows."""
         r, t = ids.shape
-        n_tokens = ok.sum(-1)
-        n_past = past.mask.sum(-1) if past is not None else np.zeros(r, dtype=np.int64)
-        groups = attention_groups(n_tokens, n_past, self.group_cost)
-        padding = r * t - int(n_tokens.sum())
+        k_hat = past.shape if past is not None else np.zeros(r, dtype=np.int64)
+        groups = shape_groups(t_hat, k_hat)
+        n = int(n_tokens.sum())
         ok_t = self._to_device(ok)
-        if len(groups) == 1 and (padding == 0 or padding < self.pack_min_padding * r * t):
+        if len(groups) == 1 and r * t - n < self.pack_min_padding * r * t:
             frame = Frame(key_mask=ok_t) if past is None else past.frame(ok_t)
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
-                                logits_at=(self._to_device(rows), self._to_device(cols)))
-            return logits, frame.fresh, None
+                                logits_at=self._at_least(rows, cols))
+            return logits[: rows.size], frame.fresh, None
         at = (np.cumsum(ok.reshape(-1)) - 1).reshape(r, t)  # (R, T) packed index of each token
+        extra = max(MIN_ROWS - n, 0)  # tokens that no row attends with, for the products' sake
+        whole = len(groups) == 1 and not extra
         frame = Frame(key_mask=ok_t, packed=True,
-                      groups=[self._group(g, len(groups) == 1, at, ok, n_tokens, ok_t, past)
-                              for g in groups])
-        logits = self.model(ids[ok_t][None], pos[ok_t][None], frame=frame,
-                            embeds=None if embeds is None else embeds[ok_t][None],
-                            logits_at=(torch.zeros(rows.size, dtype=torch.long, device=self.device),
-                                       self._to_device(at[rows, cols])))
-        return logits, frame.fresh, at
+                      groups=[self._group(g, whole, at, ok, t_hat, ok_t, past) for g in groups])
+        logits = self.model(self._packed(ids[ok_t], extra), self._packed(pos[ok_t], extra),
+                            frame=frame,
+                            embeds=None if embeds is None else self._packed(embeds[ok_t], extra),
+                            logits_at=self._at_least(np.zeros_like(rows), at[rows, cols]))
+        return logits[: rows.size], frame.fresh, at
+
+    def _at_least(self, rows: np.ndarray, cols: np.ndarray) -> tuple[Tensor, Tensor]:
+        """The LM head's (rows, cols) on the device, repeating the first position up to MIN_ROWS
+        (a few positions would round differently; the repeats are dropped)."""
+        if 0 < rows.size < MIN_ROWS:
+            rows, cols = (np.concatenate([a, np.repeat(a[:1], MIN_ROWS - a.size)])
+                          for a in (rows, cols))
+        return self._to_device(rows), self._to_device(cols)
+
+    @staticmethod
+    def _packed(t: Tensor, extra: int) -> Tensor:
+        """Packed tokens (N, ...) as the model's (1, N + extra, ...) input, the extra ones zeros."""
+        if extra:
+            t = torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+        return t[None]
 
     def _group(self, g: np.ndarray, whole: bool, at: np.ndarray, ok: np.ndarray,
-               n_tokens: np.ndarray, ok_t: Tensor, past: Past | None) -> RowGroup:
-        """Rows g of a packed call as one attention batch (whole: g is every row, in order)."""
-        t_g = int(n_tokens[g].max())
+               t_hat: np.ndarray, ok_t: Tensor, past: Past | None) -> RowGroup:
+        """Rows g (one canonical shape) of a packed call as one attention batch (whole: g is every
+        row, in order, and the call has no extra tokens)."""
+        t_g = int(t_hat[g[0]])
         ok_g = ok[g, :t_g]  # real tokens come first in each row (`_compact`)
         grid = np.where(ok_g, at[g, :t_g], 0).reshape(-1)
         real = ok_g.reshape(-1)
         key_mask = ok_t[:, :t_g] if whole else ok_t[self._to_device(g), :t_g]
-        # the whole call's stored keys are already trimmed to its longest row
+        # a single group's stored keys are already at its canonical count
         sub = past if past is None or whole else past.take(g)
         return RowGroup(
             grid=self._to_device(grid), shape=(g.size, t_g),
             real=None if real.all() else self._to_device(np.flatnonzero(real)),
             out_at=None if whole else self._to_device(grid[real]),
             frame=Frame(key_mask=key_mask) if sub is None else sub.frame(key_mask))
-
-
-def attention_groups(n_tokens: np.ndarray, n_past: np.ndarray, group_cost: float) -> list[np.ndarray]:
-    """Rows of one call in groups that attend as separate padded batches (at most 4).
-
-    A padded batch costs rows x T x (T + K) (query, key) pairs for its longest row's T tokens
-    and K stored keys; a refresh row (many tokens, no stored keys) beside cached rows (few
-    tokens, many stored keys) pads every row to both. Rows sorted by token count are cut
-    greedily where a cut saves the most pairs, while it saves more than `group_cost` (the fixed
-    cost of another group: its gathers and kernel calls, in pairs). One group: every row, in
-    order."""
-    r = n_tokens.shape[0]
-    whole = [np.arange(r)]
-    if r < 2:
-        return whole
-    one = _pairs(n_tokens, n_past)
-    # No grouping computes fewer pairs than the rows need: if all the padding is worth less
-    # than a group, no cut pays.
-    if one - int((n_tokens * (n_tokens + n_past)).sum()) <= group_cost:
-        return whole
-    order = np.argsort(n_tokens, kind="stable")
-    # Each group with its best cut, found once per group: (pairs saved, j, left, right).
-    groups, cuts = [order], [_best_cut(n_tokens[order], n_past[order], one)]
-    while len(groups) < 4:
-        i = 0
-        for n, cut in enumerate(cuts):  # the first of the largest savings
-            if cut[0] > cuts[i][0]:
-                i = n
-        saving, j, left, right = cuts[i]
-        if saving <= group_cost:
-            break
-        g = groups[i]
-        groups[i:i + 1] = [g[:j], g[j:]]
-        cuts[i:i + 1] = [_best_cut(n_tokens[g[:j]], n_past[g[:j]], left),
-                         _best_cut(n_tokens[g[j:]], n_past[g[j:]], right)]
-    return whole if len(groups) == 1 else groups
-
-
-def _pairs(t: np.ndarray, k: np.ndarray) -> int:
-    """(query, key) pairs of rows with t tokens and k stored keys as one padded batch."""
-    return int(t.size * t.max() * (t.max() + k.max()))
-
-
-def _best_cut(t: np.ndarray, k: np.ndarray, cost: int) -> tuple[int, int, int, int]:
-    """The cut j of rows (t, k), `cost` pairs as one batch, into [:j] and [j:] with the fewest
-    pairs: (pairs saved, j, pairs of [:j], pairs of [j:]); nothing saved for a single row."""
-    n = t.size
-    if n < 2:
-        return 0, 0, cost, 0
-    lt, lk = np.maximum.accumulate(t), np.maximum.accumulate(k)  # longest of rows [:j+1]
-    rt, rk = np.maximum.accumulate(t[::-1])[::-1], np.maximum.accumulate(k[::-1])[::-1]
-    j = np.arange(1, n)
-    left = j * lt[:-1] * (lt[:-1] + lk[:-1])
-    right = (n - j) * rt[1:] * (rt[1:] + rk[1:])
-    i = int((left + right).argmin())
-    return cost - int(left[i] + right[i]), i + 1, int(left[i]), int(right[i])
