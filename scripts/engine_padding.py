@@ -45,7 +45,7 @@ def counted_call(self, ids, pos, ok, n_tokens, t_hat, embeds, past, rows, cols):
     groups = shape_groups(t_hat, k_hat)
     n = int(n_tokens.sum())
     r, t = ok.shape
-    unpacked = len(groups) == 1 and r * t - n < self.pack_min_padding * r * t
+    unpacked = self.unpacked(len(groups), r, t, n)
     COUNTS["pairs"] += int((t_hat * (t_hat + k_hat)).sum())
     COUNTS["needed"] += int((n_tokens * (n_tokens + n_past)).sum())
     COUNTS["groups"] += len(groups)

@@ -9,6 +9,7 @@ scores come back in one copy each (three per call: token, confidence, entropy).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +60,8 @@ def shape_groups(t_hat: np.ndarray, k_hat: np.ndarray) -> list[np.ndarray]:
     return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _compact(flags: np.ndarray, canonical) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _compact(flags: np.ndarray, canonical: Callable[[np.ndarray], np.ndarray],
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(R, S) bool -> the flagged slots of each row, in slot order, padded to the widest row's
     canonical count W: (R, W) slot indices (slot 0 past the canvas), (R, W) bool (False:
     padding), and (R,) each row's count and canonical count."""
@@ -128,10 +130,7 @@ class Forwarded:
     ok: np.ndarray  # (R, T) bool, False for batch padding
     refresh: np.ndarray  # (R,) bool, the row was a full forward
     visible: np.ndarray  # (R, S) bool, slots that took part (forwarded or read from the store)
-
-    @property
-    def n_tokens(self) -> np.ndarray:  # (R,) token-forwards per row
-        return self.ok.sum(-1)
+    n_tokens: np.ndarray  # (R,) token-forwards per row (ok's count)
 
 
 class Runner:
@@ -203,7 +202,7 @@ class Runner:
         conf[rows, tslots] = sc.conf.cpu().numpy()
         ent[rows, tslots] = sc.entropy.cpu().numpy()
         fresh[rows, tslots] = True
-        return Forwarded(token, conf, ent, fresh, kv, kv_at, idx, ids, ok, refresh, visible)
+        return Forwarded(token, conf, ent, fresh, kv, kv_at, idx, ids, ok, refresh, visible, n_tokens)
 
     @staticmethod
     def _past(cached: np.ndarray, read: StoreRead | None) -> Past | None:
@@ -236,7 +235,7 @@ class Runner:
         groups = shape_groups(t_hat, k_hat)
         n = int(n_tokens.sum())
         ok_t = self._to_device(ok)
-        if len(groups) == 1 and r * t - n < self.pack_min_padding * r * t:
+        if self.unpacked(len(groups), r, t, n):
             frame = Frame(key_mask=ok_t) if past is None else past.frame(ok_t)
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=self._at_least(rows, cols))
@@ -251,6 +250,11 @@ class Runner:
                             embeds=None if embeds is None else self._packed(embeds[ok_t], extra),
                             logits_at=self._at_least(np.zeros_like(rows), at[rows, cols]))
         return logits[: rows.size], frame.fresh, at
+
+    def unpacked(self, n_groups: int, r: int, t: int, n: int) -> bool:
+        """Whether a call of r rows x t places holding n real tokens, whose rows attend in
+        n_groups shape groups, runs as padded rows (else packed)."""
+        return n_groups == 1 and r * t - n < self.pack_min_padding * r * t
 
     def _at_least(self, rows: np.ndarray, cols: np.ndarray) -> tuple[Tensor, Tensor]:
         """The LM head's (rows, cols) on the device, repeating the first position up to MIN_ROWS
