@@ -6,9 +6,10 @@
 
 The --n held-out math prompts (gen_length 256) are all submitted to one Engine with
 max_running 1 and again with max_running = --concurrency; a request differs when its tokens,
-NFE or token-forwards differ between the two. The tests hold this at zero on tiny models and on
-the embedded model in float32; this script measures it where they do not look (another dtype,
-another model, more prompts). Prints markdown on stdout.
+NFE or token-forwards differ between the two. The tests hold this at zero on tiny models (bit
+for bit, float32 and bfloat16) and on the embedded model (float32, and 16 prompts in bfloat16);
+this script measures it where they do not look (another model, more prompts). Prints markdown
+on stdout.
 """
 
 from __future__ import annotations

@@ -115,6 +115,21 @@ def test_batch_invariance_embedded_model(spec: str) -> None:
     assert [outcome(r) for r in reqs] == solo
 
 
+def test_batch_invariance_embedded_model_bfloat16() -> None:
+    """The embedded model in bfloat16, whose near-ties are common: 16 held-out math prompts at
+    concurrency 16 give each request what concurrency 1 gives, bit for bit in its decisions.
+    With row groups padded to their longest row (before the canonical shapes) two of these 16
+    came out differently (held-out prompts 47 and 50; BENCHMARKS.md, "Engine batching")."""
+    from unmask import LLM
+    from unmask.bench.tasks import load_task
+
+    llm = LLM(dtype="bfloat16")
+    ids = [llm.encode_prompt(e.prompt) for e in load_task("math", 56).examples[40:56]]
+    p = DecodeParams.parse("fast", gen_length=256)
+    one = [outcome(r) for r in decode(llm.model, p, ids, max_running=1)]
+    assert [outcome(r) for r in decode(llm.model, p, ids, max_running=16)] == one
+
+
 # --- events ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", ["static-1", "freedave,draft_steps=4", "threshold,cache=entropy,"
                                   "early_exit=true", "fast"])
