@@ -22,14 +22,16 @@ from unmask.kv import Frame, KVStore, RowGroup
 from unmask.suffix import SuffixPolicy
 
 # A row's shape in a model call depends on the row alone, whoever shares the call, because the
-# CPU kernels round a row's results differently with the shapes around it (BENCHMARKS.md, "Batch
-# invariance at the bit level"): flash attention with the padding of its keys and queries,
-# matrix products with how many rows they get. So each row's attention runs padded to a
-# canonical shape (`canonical_tokens`, `canonical_keys`) among rows of that shape only
+# CPU kernels round a row's results differently with the shapes around it (BENCHMARKS.md,
+# "Engine batching", canonical shapes): flash attention with the padding of its keys and
+# queries, matrix products with how many rows they get. So each row's attention runs padded to
+# a canonical shape (`canonical_tokens`, `canonical_keys`) among rows of that shape only
 # (`shape_groups`), and every matrix product gets at least MIN_ROWS rows.
-MIN_ROWS = 16  # fp32 products of fewer rows round differently: <= 3 here (AVX2), < 8 on AVX-512
+MIN_ROWS = 16  # fp32 products of 1-3 rows rounded differently on an AVX2 EPYC, of < 8 on a Xeon
 TOKEN_STEP = 16  # forwarded tokens are padded to a multiple of this
 KEY_STEP = 16  # stored keys up to KEY_STEP * 4 to a multiple of this, then to 2^j or 1.5 * 2^j
+# A call of padded rows has at least one row of TOKEN_STEP places: enough rows for its products.
+assert TOKEN_STEP >= MIN_ROWS
 
 
 def canonical_tokens(n: np.ndarray) -> np.ndarray:
@@ -41,7 +43,7 @@ def canonical_tokens(n: np.ndarray) -> np.ndarray:
 def canonical_keys(n: np.ndarray) -> np.ndarray:
     """(R,) the stored-key count each row's attention runs at, for n (R,) stored keys: 0 for
     none; a multiple of KEY_STEP up to 4 steps; above, the next of 2^j and 1.5 * 2^j, so rows of
-    similar contexts share a shape (at most half of a row's stored keys are padding)."""
+    similar contexts share a shape (its padding at most half the row's own count)."""
     small = -(-n // KEY_STEP) * KEY_STEP
     power = np.left_shift(1, np.frexp(np.maximum(n - 1, 1))[1]).astype(n.dtype)  # 2^j >= n
     large = np.where(power * 3 // 4 >= n, power * 3 // 4, power)
