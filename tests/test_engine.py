@@ -469,11 +469,11 @@ def test_shape_groups_in_any_order_change_nothing(spec: str, monkeypatch) -> Non
     inner, split = runner_mod.shape_groups, []
 
     def halves(t_hat, k_hat):  # each group's later rows first, as a group of its own
-        out = []
-        for g in inner(t_hat, k_hat)[::-1]:
+        groups, out = inner(t_hat, k_hat), []
+        for g in groups[::-1]:
             g = g[::-1].copy()
             out += [g[: g.size // 2], g[g.size // 2 :]] if g.size >= 2 else [g]
-        split.append(len(out) > len(inner(t_hat, k_hat)))
+        split.append(len(out) > len(groups))
         return out
 
     monkeypatch.setattr(runner_mod, "shape_groups", halves)

@@ -184,8 +184,8 @@ class Frame:
 
     key_mask: (B, T) bool, which forwarded tokens are keys (False: batch padding).
     packed: the model's inputs are the key_mask's True tokens only, packed row after row as one
-        (1, N) sequence (a call of few tokens adds zeros after them, which no row attends
-        with), so projections and MLPs skip the padding; attention gathers them into padded
+        (1, N) sequence (a call of few tokens adds `extra` zeros after them, which no row
+        attends with), so projections and MLPs skip the padding; attention gathers them into padded
         rows, one `RowGroup` at a time (`groups`), and packs its output back.
     past / past_mask: optional stored keys and values (B rows, K positions each; `KVStore.gather`) and its
         (B, K) bool mask of positions to attend to in addition (unpacked frames; a packed
@@ -201,6 +201,7 @@ class Frame:
     attn_mask: Tensor | None = None
     packed: bool = False
     groups: list[RowGroup] | None = None
+    extra: int = 0  # packed: tokens after the rows' own, which no group attends with
     fresh: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     _mask: Tensor | None = field(default=None, repr=False)  # the keys' mask, once built
     _mask_built: bool = field(default=False, repr=False)
@@ -229,19 +230,20 @@ class Frame:
             if g.out_at is None:
                 out = o
             else:
-                if out is None:  # zeros where no group writes (tokens added for size only)
-                    out = o.new_zeros(tokens[0].shape[0], *o.shape[1:])
+                if out is None:  # the extra tokens, which no group writes, get zeros
+                    shape = (tokens[0].shape[0], *o.shape[1:])
+                    out = o.new_zeros(shape) if self.extra else o.new_empty(shape)
                 out.index_copy_(0, g.out_at, o)
         return out.transpose(0, 1)[None]  # (1, H, N, D)
 
     def rows(self, t: Tensor) -> Tensor:
         """A packed call's input (1, N, ...) as (B, T, ...) rows, zeros at padding (for code
-        that looks at a call's inputs per row: spies, test models); unpacked input as is. Tokens
-        past the rows' own (a call of few tokens gets more, `unmask.engine.runner`) are left out."""
+        that looks at a call's inputs per row: spies, test models); unpacked input as is. The
+        `extra` tokens are left out."""
         if not self.packed:
             return t
         out = t.new_zeros(*self.key_mask.shape, *t.shape[2:])
-        out[self.key_mask] = t[0, : int(self.key_mask.sum())]
+        out[self.key_mask] = t[0, : t.shape[1] - self.extra]
         return out
 
     def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

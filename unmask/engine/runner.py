@@ -245,7 +245,7 @@ class Runner:
         at = (np.cumsum(ok.reshape(-1)) - 1).reshape(r, t)  # (R, T) packed index of each token
         extra = max(MIN_ROWS - n, 0)  # tokens that no row attends with, for the products' sake
         whole = len(groups) == 1 and not extra
-        frame = Frame(key_mask=ok_t, packed=True,
+        frame = Frame(key_mask=ok_t, packed=True, extra=extra,
                       groups=[self._group(g, whole, at, ok, t_hat, ok_t, past) for g in groups])
         logits = self.model(self._packed(ids[ok_t], extra), self._packed(pos[ok_t], extra),
                             frame=frame,
