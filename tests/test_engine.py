@@ -455,6 +455,19 @@ def test_canonical_shapes() -> None:
     assert [g.tolist() for g in shape_groups(np.array([16, 16]), np.array([0, 0]))] == [[0, 1]]
 
 
+def test_packing_is_for_the_padding_it_saves() -> None:
+    """A call goes packed when packing saves >= 10% of its padded places: a row of at most
+    MIN_ROWS tokens saves none (its products run on MIN_ROWS rows either way), so it runs
+    padded, without the gathers."""
+    from unmask.engine.runner import MIN_ROWS, Runner
+
+    unpacked = Runner.__new__(Runner).unpacked  # (n_groups, rows, places a row, real tokens)
+    assert unpacked(1, 1, 16, 1) and unpacked(1, 1, 16, MIN_ROWS)
+    assert not unpacked(1, 1, 32, 20) and unpacked(1, 1, 32, 29)
+    assert not unpacked(1, 2, 16, 20) and unpacked(1, 2, 16, 30)
+    assert not unpacked(2, 1, 16, 16)  # several shape groups: always packed
+
+
 @pytest.mark.parametrize("spec", ["threshold,cache=entropy,entropy_tau=0.5", "fast",
                                   "freedave,cache=dual", "threshold,suffix=structured,inject=0.5"])
 def test_shape_groups_in_any_order_change_nothing(spec: str, monkeypatch) -> None:

@@ -136,9 +136,10 @@ class Forwarded:
 
 
 class Runner:
-    # Calls whose padding is at least this share of their padded tokens go packed, as do calls
-    # whose rows attend in several shape groups. Packing gathers q/k/v into rows in every
-    # layer, which costs more than little padding saves (BENCHMARKS.md, "Engine batching").
+    # Calls whose padding packing would save is at least this share of their padded tokens go
+    # packed, as do calls whose rows attend in several shape groups. Packing gathers q/k/v into
+    # rows in every layer, which costs more than little padding saves (BENCHMARKS.md, "Engine
+    # batching").
     pack_min_padding = 0.1
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
@@ -255,8 +256,10 @@ class Runner:
 
     def unpacked(self, n_groups: int, r: int, t: int, n: int) -> bool:
         """Whether a call of r rows x t places holding n real tokens, whose rows attend in
-        n_groups shape groups, runs as padded rows (else packed)."""
-        return n_groups == 1 and r * t - n < self.pack_min_padding * r * t
+        n_groups shape groups, runs as padded rows (else packed). Packing saves the places
+        beyond the max(n, MIN_ROWS) tokens its products would run on: none for a row of at
+        most MIN_ROWS tokens, which then skips the gathers."""
+        return n_groups == 1 and r * t - max(n, MIN_ROWS) < self.pack_min_padding * r * t
 
     def _at_least(self, rows: np.ndarray, cols: np.ndarray) -> tuple[Tensor, Tensor]:
         """The LM head's (rows, cols) on the device, repeating the first position up to MIN_ROWS
