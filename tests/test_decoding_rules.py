@@ -405,3 +405,18 @@ def test_grammar_names_are_the_registries() -> None:
     assert params.SUFFIXES == tuple(suffix.POLICIES)
     assert params.MIDDLE_RULES == tuple(suffix.MIDDLE_RULES)
     assert set(params.REFERENCE_METHOD) <= set(params.METHODS)
+
+
+def test_candidates_rank_before_non_candidates_whatever_their_score() -> None:
+    """A candidate scored -inf (or NaN) still ranks after the other candidates and before every
+    non-candidate: with a -inf fill it tied with the slots before the block and lost to them by
+    position, so a step whose scores were all -inf committed nothing."""
+    from unmask.decoding.rules import candidate_ranks, select_top
+
+    conf = np.array([[0.9, -np.inf, -np.inf, 0.5, np.nan, 0.7]], dtype=np.float32)
+    cand = np.array([[False, True, True, True, True, False]])
+    ranks = candidate_ranks(conf, cand)
+    assert ranks[0, 3] == 0 and {ranks[0, 1], ranks[0, 2]} == {1, 2}
+    assert ranks[0, cand[0]].max() < ranks[0, ~cand[0]].min()
+    assert select_top(np.full((1, 6), -np.inf, dtype=np.float32), cand, np.array([2])).tolist() == \
+        [[False, True, True, False, False, False]]

@@ -274,6 +274,18 @@ def test_bad_requests() -> None:
     eng.add_request([5], params("static-1"), request_id="x")
     with pytest.raises(InputError, match="already in use"):
         eng.add_request([5], params("static-1"), request_id="x")
+    with pytest.raises(InputError, match="list of token ids"):
+        eng.add_request(torch.tensor([5, 6]), params("static-1"))  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="vocabulary"):
+        eng.add_request([True, 5], params("static-1"))  # True would be token 1
+    with pytest.raises(InputError, match="request_id must be a string"):
+        eng.add_request([5], params("static-1"), request_id=5)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match="reason"):
+        eng.abort("x", reason="bogus")
+    assert eng.requests["x"].status == "waiting"  # a refused abort changes nothing
+    for bad in ({"max_running": True}, {"max_queue": True}, {"max_slots": False}):
+        with pytest.raises(InputError, match="integer"):
+            SchedulerConfig(**bad)
 
 
 # --- progress and failures --------------------------------------------------------------------------

@@ -52,7 +52,29 @@ def test_knobs_change_the_output_and_freedave_stays_exact(kind: str) -> None:
     ("static-1,temperature=1,top_p=0", "top_p"), ("static-1,temperature=1,top_k=-1", "top_k"),
     ("threshold,alg_temp=0.5", "alg_temp"), ("freedave++,alg_temp=0.5", "alg_temp"),
     ("static-1,alg_temp=nan", "alg_temp"), ("static-1,alg_temp=inf", "alg_temp"),
+    # threshold and draft_conf compare probabilities; these ranking scores are not ones
+    ("threshold,remasking=entropy", "remasking=entropy"), ("balanced,remasking=entropy", "entropy"),
+    ("freedave,alg_temp=0.5,draft_conf=0.5", "draft_conf"),
+    ("freedave,remasking=entropy,draft_conf=0.1", "draft_conf"),
+    ("fast,threshold=0.5,threshold=0.9", "set twice"), ("static-1,seed=1,seed=1", "set twice"),
 ])
 def test_knobs_are_validated(spec: str, match: str) -> None:
     with pytest.raises(SpecError, match=match):
         DecodeParams.parse(spec)
+
+
+@pytest.mark.parametrize("spec", ["static-1,alg_temp=1e-300", "freedave,alg_temp=1e-300",
+                                  "static,steps=8,alg_temp=1e-45"])
+def test_a_tiny_alg_temp_ranks_by_confidence(spec: str) -> None:
+    """alg_temp -> 0 is ranking by confidence alone: it must not overflow the score to -inf for
+    every position (the step then committed nothing, an error)."""
+    u = torch.rand(5, 21, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(5, 20, generator=torch.Generator().manual_seed(0))
+    tiny = score(logits, "low_confidence", 0.0, u, [], alg_temp=1e-300)
+    assert torch.isfinite(tiny.conf).all()
+    assert torch.equal(tiny.conf, score(logits, "low_confidence", 0.0, None, []).conf.log())
+    model = peaky_model("llada", 0, 4.0, VOCAB, MASK, EOS)
+    params = DecodeParams.parse(spec, gen_length=32, block_length=8)
+    out = decode(model, params, PROMPTS, mask_id=MASK, eos_id=EOS)
+    assert [r.finish_reason for r in out] != ["error"] * len(out)
+    assert all(r.finish_reason in ("eos", "length") for r in out)

@@ -361,3 +361,23 @@ def test_fast_preset_composes_the_three_methods(kind: str) -> None:
     for r in out:
         assert len(r.token_ids) == GEN and MASK not in r.token_ids
         assert r.nfe >= 1 and r.token_forwards >= r.nfe
+
+
+@pytest.mark.parametrize("rule", ["even", "decay", "grid"])
+@pytest.mark.parametrize("region", ["suffix_local", "suffix_middle", "suffix_tail"])
+def test_regions_larger_than_the_canvas_keep_what_the_canvas_width_keeps(rule: str,
+                                                                          region: str) -> None:
+    """Any region size the spec allows (10**24 included: not a numpy integer) keeps the slots
+    that a size of the canvas width keeps; it used to allocate terabytes or overflow."""
+    base = {"suffix_local": 4, "suffix_middle": 3, "suffix_tail": 2}
+    s = 40
+    slots, ends = torch.arange(s), torch.tensor([8, 16, 24, 32, 40])
+    huge = DecodeParams(suffix="structured", suffix_rule=rule, gen_length=32, block_length=8,
+                        **{**base, region: 10**24})
+    width = huge.replace(**{region: s})
+    assert torch.equal(keep_mask(huge, slots, ends), keep_mask(width, slots, ends))
+    if region == "suffix_local":
+        assert keep_mask(huge.replace(suffix="window"), slots, ends).all()
+    out = decode(tiny_model("llada"),
+                 f"threshold,suffix=structured,suffix_rule={rule},{region}={10**24}")
+    assert all(MASK not in r.token_ids for r in out)

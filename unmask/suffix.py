@@ -67,10 +67,16 @@ class Full(SuffixPolicy):
         return None  # nothing is dropped, so there is nothing to carry
 
 
+def _within(n: int, slots: np.ndarray) -> int:
+    """A region size n (any int the spec allows) at most the canvas width: a larger region keeps
+    the same slots, and numpy cannot hold every Python int."""
+    return min(n, slots.shape[0])
+
+
 class Window(SuffixPolicy):
     def keep(self, slots: np.ndarray, row_start: np.ndarray, block_end: np.ndarray,
              row_end: np.ndarray) -> np.ndarray:
-        local_end = np.minimum(block_end + self.params.suffix_local, row_end)
+        local_end = np.minimum(block_end + _within(self.params.suffix_local, slots), row_end)
         return slots[None, :] < local_end[:, None]
 
 
@@ -78,8 +84,8 @@ class Structured(SuffixPolicy):
     def keep(self, slots: np.ndarray, row_start: np.ndarray, block_end: np.ndarray,
              row_end: np.ndarray) -> np.ndarray:
         p = self.params
-        local_end = block_end + p.suffix_local  # (R,)
-        tail_start = np.maximum(row_end - p.suffix_tail, row_start)  # (R,)
+        local_end = block_end + _within(p.suffix_local, slots)  # (R,)
+        tail_start = np.maximum(row_end - _within(p.suffix_tail, slots), row_start)  # (R,)
         s = slots[None, :]
         keep = (s < local_end[:, None]) | (s >= tail_start[:, None])
         if p.suffix_middle > 0:
@@ -93,7 +99,7 @@ def grid(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start: n
     stride = the row's positions before the tail // N_mid). The picks do not move with the block,
     so a K/V cache keeps them from one block to the next instead of computing new ones; the price
     is that fewer than N_mid remain as the block advances into the grid."""
-    n = p.suffix_middle
+    n = _within(p.suffix_middle, slots)
     stride = np.maximum((mid_end - row_start) // n, 1)[:, None]  # (R, 1), in the row's positions
     back = mid_end[:, None] - 1 - slots[None, :]  # (R, S) distance below the tail
     on_grid = (back >= 0) & (back % stride == 0) & (back < n * stride)
@@ -109,7 +115,7 @@ def spread(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start:
     gaps evenly; `decay` (f_i squared) keeps more positions next to the block. The fractions are
     float32, so the picks are those the torch version of this rule made.
     """
-    n = p.suffix_middle
+    n = _within(p.suffix_middle, slots)
     width = np.maximum(mid_end - mid_start, 0)  # (R,)
     i = np.arange(n)  # (n,)
     frac = (i.astype(np.float32) + np.float32(0.5)) / np.float32(n)

@@ -105,11 +105,20 @@ class DecodeParams:
                             "set temperature > 0 or drop them")
         if not (self.alg_temp >= 0 and math.isfinite(self.alg_temp)):
             raise SpecError(f"alg_temp must be a finite number >= 0, got {self.alg_temp}")
-        if self.alg_temp > 0 and self.method in ("threshold", "freedave++"):
-            raise SpecError("alg_temp randomises which positions commit, which a confidence "
-                            "threshold cannot use: use it with static, static-1 or freedave")
         if not 0 < self.threshold <= 1:
             raise SpecError(f"threshold must be in (0, 1], got {self.threshold}")
+        # threshold and draft_conf compare a probability; these scores are not one (remasking
+        # entropy ranks by -entropy <= 0; alg_temp by log-scores plus noise), so they would
+        # never pass and the decoder would quietly commit one token a step.
+        unbounded = ("remasking=entropy" if self.remasking == "entropy"
+                     else "alg_temp > 0" if self.alg_temp > 0 else None)
+        if unbounded and self.method in ("threshold", "freedave++"):
+            raise SpecError(f"{unbounded} ranks by a score that is not a probability, which a "
+                            "confidence threshold cannot use: use it with static, static-1 or "
+                            "freedave")
+        if unbounded and self.draft_conf > 0:
+            raise SpecError(f"draft_conf is a probability, and {unbounded} ranks by a score "
+                            "that is not one: drop draft_conf")
         if self.draft_steps < 1:
             raise SpecError(f"draft_steps must be >= 1, got {self.draft_steps}")
         if not 0 <= self.draft_conf <= 1:
@@ -172,6 +181,7 @@ class DecodeParams:
             raise SpecError(f"unknown decoder {name!r}; valid: {', '.join(METHODS + tuple(PRESETS))}")
         values.update(defaults)
         types = {f.name: f.type for f in fields(cls)}
+        written: set[str] = set()
         for pair in pairs:
             key, sep, raw = pair.partition("=")
             key = key.strip()
@@ -179,6 +189,9 @@ class DecodeParams:
                 raise SpecError(f"malformed {pair!r} in decoder spec; expected key=value")
             if key not in SPEC_KEYS:
                 raise SpecError(f"unknown decoder key {key!r}; valid: {', '.join(SPEC_KEYS)}")
+            if key in written:
+                raise SpecError(f"{key} is set twice in the decoder spec {spec!r}; keep one")
+            written.add(key)
             value = _convert(key, raw.strip(), types[key])
             if key in explicit and explicit[key] != value:
                 raise SpecError(f"{key} is set twice: {key}={raw.strip()} in the decoder spec and "

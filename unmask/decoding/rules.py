@@ -40,8 +40,9 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
     (always the mask token: committing it would commit nothing; EOS when asked); ids past the
     vocabulary are ignored, and a tensor of ids must hold none. top_p / top_k
     restrict the sampled token to the smallest set with probability >= top_p / the k likeliest.
-    alg_temp > 0: the ranking score is log(conf) / alg_temp + Gumbel noise, so ranking draws
-    positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp). with_entropy=False
+    alg_temp > 0: the ranking score is log(conf) + alg_temp * Gumbel noise (alg_temp times
+    log(conf) / alg_temp + Gumbel), so ranking draws positions in proportion to
+    conf ** (1 / alg_temp) (Dream's alg_temp). with_entropy=False
     skips the entropy (zeros) when nothing reads it: an O(V) pass per position saved.
     """
     if isinstance(suppress, Tensor):
@@ -84,7 +85,9 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
         assert noise_u is not None
         gumbel = -torch.log(-torch.log(noise_u[:, -1].clamp(1e-300, 1 - 1e-16)))
         base = conf.clamp_min(1e-30).log() if remasking != "entropy" else conf
-        conf = (base / alg_temp + gumbel.float())
+        # base / alg_temp + gumbel, times alg_temp: the same order, and a tiny alg_temp cannot
+        # overflow it to -inf for every position.
+        conf = base + (alg_temp * gumbel).float()
     return Scored(token, conf, entropy)
 
 
@@ -134,8 +137,12 @@ def rank(conf: np.ndarray) -> np.ndarray:
 
 def candidate_ranks(conf: np.ndarray, candidates: np.ndarray) -> np.ndarray:
     """(B, S) rank of each candidate among its row's candidates (`rank`'s order); the k best
-    candidates of a row are those ranked below k, for any k (FreeDave's drafts rank once)."""
-    return rank(np.where(candidates, conf, np.float32(NEG_INF)))
+    candidates of a row are those ranked below k, for any k (FreeDave's drafts rank once).
+    Non-candidates rank after every candidate, even one scored -inf or NaN: they are NaN, which
+    a sort puts last, and a candidate's NaN is -inf (fmax ignores NaN); a -inf fill would tie
+    with such a candidate and win by position."""
+    neg_inf = np.float32(NEG_INF)
+    return rank(np.where(candidates, np.fmax(conf, neg_inf), np.float32(np.nan)))
 
 
 def select_top(conf: np.ndarray, candidates: np.ndarray, k: np.ndarray) -> np.ndarray:

@@ -52,6 +52,7 @@ class StepResult:
     stalled: np.ndarray  # (R,) bool a row that had predictions committed nothing
     finished: np.ndarray  # (R,) bool rows done after this step
     masked: np.ndarray  # (R, G) bool generated slots still [MASK] after the step
+    model_call: bool  # the step ran a model call (for some draft: maybe not the accepted one)
 
 
 class Decoder:
@@ -112,7 +113,7 @@ class Decoder:
         finished, masked_after = self._finish(
             b, masked_after, None if exit_ready is None else exit_ready[chosen])
         return StepResult(before, drafted, forwarded, refreshed, kept, start, stalled, finished,
-                          masked_after)
+                          masked_after, fw is not None)
 
     # --- pieces ------------------------------------------------------------------------------
     def _gen_masked(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
@@ -142,8 +143,10 @@ class Decoder:
         schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
         n0 = np.where(hp, self.method.rule.count(conf, cand, schedule), 0)
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
-        # unlikely to pass verification.
-        n_max = ((conf >= self.method.draft_conf) & cand).sum(-1)
+        # unlikely to pass verification. draft_conf 0 filters nothing, whatever the ranking
+        # score's range (negative entropy, alg_temp's log-scores).
+        dc = self.method.draft_conf
+        n_max = (((conf >= dc) & cand) if dc > 0 else cand).sum(-1)
         rows = np.arange(len(b))
         ranks = candidate_ranks(conf, cand)  # draft k commits the n0 + k best candidates
         drafts = []
@@ -244,10 +247,11 @@ class Decoder:
                 start: np.ndarray, exit_ready: np.ndarray | None) -> np.ndarray:
         """Index (into d) of the accepted draft of each row, by the chain rule. Drafts 0..R-1
         are the rows' own rule steps, in row order; further drafts follow."""
-        r, n = len(b), self.method.n_drafts
+        r = len(b)
         rows = np.arange(r)
         if d.x.shape[0] == r:  # one draft per row: the rule's step, always accepted
             return rows
+        n = int(d.k.max()) + 1  # the drafts made, not draft_steps: at most a block's candidates
         # target_j = draft_j plus one reference step from draft_j's own predictions.
         target = d.x.copy()
         if fw is not None:

@@ -66,11 +66,17 @@ class Engine:
         """Queue a request; it joins the running batch at the next step."""
         if not isinstance(params, DecodeParams):
             raise InputError(f"params must be a DecodeParams, got {type(params).__name__}")
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise InputError(f"prompt_ids must be a list of token ids, got "
+                             f"{type(prompt_ids).__name__}")
         if not prompt_ids:
             raise InputError("empty prompt: give the model something to answer")
-        if not all(isinstance(t, int) and 0 <= t < self.model.config.embedding_size
-                   for t in prompt_ids):
+        # bool is an int to Python, but True as token id 1 is a mistake, not a token
+        if not all(isinstance(t, int) and not isinstance(t, bool)
+                   and 0 <= t < self.model.config.embedding_size for t in prompt_ids):
             raise InputError("prompt token ids must be integers in the model's vocabulary")
+        if request_id is not None and not isinstance(request_id, str):
+            raise InputError(f"request_id must be a string, got {type(request_id).__name__}")
         total = len(prompt_ids) + params.gen_length
         if total > self.max_sequence_length:
             raise InputError(f"prompt ({len(prompt_ids)} tokens) + gen_length ({params.gen_length}) "
@@ -87,6 +93,8 @@ class Engine:
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a waiting or running request now (reason `abort`, or `stop` when the caller saw a
         stop string). Its event comes with the next `step()`. False if it is not in the engine."""
+        if reason not in ("abort", "stop"):
+            raise InputError(f"an abort's reason is 'abort' or 'stop', got {reason!r}")
         req = self.requests.get(request_id)
         if req is None:
             return False
@@ -155,7 +163,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
             log.exception("a decoder step failed; its %d requests fail with it", len(b))
             return self._fail(b, f"{type(e).__name__}: {e}")
-        if res.forwarded.any():
+        if res.model_call:
             self.model_calls += 1
         self.token_forwards += int(b.tok_fw.sum()) - tok_fw_before
         events = self._events(dec, b, res)

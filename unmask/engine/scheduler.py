@@ -27,12 +27,16 @@ class SchedulerConfig:
     max_slots: int | None = None  # padded canvas slots held at once; None = unbounded
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.max_running, int) and self.max_running >= 1):
+        if not (_is_int(self.max_running) and self.max_running >= 1):
             raise InputError(f"max_running must be an integer >= 1, got {self.max_running!r}")
         for key in ("max_queue", "max_slots"):
             v = getattr(self, key)
-            if v is not None and not (isinstance(v, int) and v >= 0):
+            if v is not None and not (_is_int(v) and v >= 0):
                 raise InputError(f"{key} must be an integer >= 0 or None, got {v!r}")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # True is not a count
 
 
 class Scheduler:
