@@ -322,3 +322,20 @@ def test_freedave_exact_under_block_recompute_masked(cache: str) -> None:
     spec = f"cache={cache},block_recompute=masked"
     assert tokens(decode(m, f"exact,{spec}", prompts, 32, 16)) == \
         tokens(decode(m, f"static-1,{spec}", prompts, 32, 16))
+
+
+def test_a_rows_drafts_are_capped_by_their_logits() -> None:
+    """All drafts of a row go through one call, each scoring up to block_length positions over
+    the vocabulary: their count is capped by DRAFT_LOGITS (a spec with draft_steps=1024 at
+    block_length 1024 was killed for memory), from the spec and model alone."""
+    from unmask.engine.decoder import DRAFT_LOGITS, Decoder
+
+    m = tiny_model("llada")
+    def drafts(spec: str, block: int) -> int:
+        p = DecodeParams.parse(spec, gen_length=block, block_length=block)
+        return Decoder(m, p, MASK, EOS).n_drafts
+
+    assert drafts("freedave,draft_steps=4", 8) == 4
+    cap = drafts("freedave,draft_steps=100000", 1024)
+    assert cap == 1 + DRAFT_LOGITS // (1024 * VOCAB) and cap < 100000
+    assert drafts(f"freedave,draft_steps={10**9}", 2 ** 40 // VOCAB) == 2  # always one draft

@@ -25,6 +25,8 @@ from unmask.engine.batch import DecodeBatch
 from unmask.engine.runner import Forwarded, Runner, StoreRead
 from unmask.suffix import make_suffix_policy
 
+DRAFT_LOGITS = 1 << 26  # logits a row's drafts may make a step (256 MiB in float32)
+
 
 @dataclass
 class Drafts:
@@ -63,6 +65,13 @@ class Decoder:
         self.model, self.params = model, params
         self.mask_id, self.eos_id = mask_id, eos_id
         self.method = make_method(params)
+        # All of a row's drafts go through one model call, each scoring up to block_length
+        # positions over the vocabulary: a row's drafts are capped so their logits stay within
+        # DRAFT_LOGITS values. The cap depends on the spec and the model only, never on the
+        # batch, and fewer drafts change no token (FreeDave is lossless), only the speed.
+        vocab = model.config.vocab_size
+        self.n_drafts = min(self.method.n_drafts,
+                            1 + max(DRAFT_LOGITS // (params.block_length * vocab), 1))
         self.cache = make_cache_policy(params)
         self.suffix = make_suffix_policy(params)
         self.runner = Runner(model, params, mask_id, eos_id, self.suffix)
@@ -150,7 +159,7 @@ class Decoder:
         rows = np.arange(len(b))
         ranks = candidate_ranks(conf, cand)  # draft k commits the n0 + k best candidates
         drafts = []
-        for k in range(self.method.n_drafts):
+        for k in range(self.n_drafts):
             sel, kept = (ranks < (n0 + k)[:, None]) & cand, rows  # draft 0: every row's rule step
             if k:
                 keep = (n0 + k <= n_max) & hp
@@ -265,7 +274,16 @@ class Decoder:
         kid[d.parent, d.k] = np.arange(d.x.shape[0])
         valid = kid >= 0
         safe = np.maximum(kid, 0)
-        eq = (target[safe][:, :, None, :] == d.x[safe][:, None, :, :]).all(-1)  # (R, n, n)
+        # A row's drafts commit one more position each, so a target can equal only the draft
+        # with its count of commits: one canvas comparison per draft, not per pair of drafts
+        # ((R, n, S), not (R, n, n, S): gigabytes for a large block and draft_steps).
+        filled = (d.x != self.mask_id).sum(-1)[safe]  # (R, n)
+        same_count = ((target != self.mask_id).sum(-1)[safe][:, :, None] == filled[:, None, :]) \
+            & valid[:, None, :]  # (R, n, n)
+        j_of = same_count.argmax(-1)  # (R, n) the one draft a target may equal
+        eq = np.zeros((r, n, n), dtype=bool)
+        eq[rows[:, None], np.arange(n)[None, :], j_of] = same_count.any(-1) & (
+            target[safe] == d.x[safe[rows[:, None], j_of]]).all(-1)
         # A draft at which early exit stops the reference ends the chain there too.
         stop = (exit_ready[safe] & valid) if exit_ready is not None else np.zeros_like(valid)
         j = np.arange(n)
