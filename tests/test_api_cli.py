@@ -326,6 +326,33 @@ def test_spec_and_flag_conflict_is_an_error(capsys) -> None:
     assert DecodeParams.parse("static-1,gen_length=64", gen_length=256).gen_length == 64  # a default
 
 
+def test_every_decoder_key_flag_is_explicit_only_when_typed() -> None:
+    """eval/bench's --block-length and --seed, and trace's --gen-length and --block-length, used to
+    be spec defaults: a spec key silently beat the typed flag. A flag named after a decoder key
+    defaults to None in every command, so that parse_decoder can tell typed from unset."""
+    import argparse
+
+    from unmask.cli import DECODER_FLAGS, build_parser, parse_decoder
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    found = set()
+    for command, parser in sub.choices.items():
+        if command in ("train", "bench-serve"):  # their --seed is a run's seed, not a decoder key
+            continue
+        for action in parser._actions:
+            if action.dest in DECODER_FLAGS:
+                assert action.default is None, f"{command} --{action.dest} has a default"
+                found.add((command, action.dest))
+    assert found >= {("generate", "gen_length"), ("generate", "block_length"),
+                     ("trace", "gen_length"), ("trace", "block_length"), ("eval", "block_length"),
+                     ("eval", "seed"), ("bench", "gen_length"), ("bench", "seed")}
+    typed = argparse.Namespace(gen_length=None, block_length=64, seed=None)
+    with pytest.raises(SpecError, match="block_length is set twice"):
+        parse_decoder("threshold,block_length=16", typed)
+    p = parse_decoder("threshold,seed=3", typed, gen_length=128, block_length=32, seed=0)
+    assert (p.gen_length, p.block_length, p.seed) == (128, 64, 3)  # the spec beats a default
+
+
 def test_generate_shows_progress_on_a_terminal(monkeypatch) -> None:
     import io
 

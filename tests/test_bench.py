@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import types
 from pathlib import Path
@@ -15,6 +16,7 @@ from unmask.bench.tasks import BenchExample, gsm8k_check, gsm8k_prediction, load
 from unmask.checkpoint import save_checkpoint
 from unmask.cli import main
 from unmask.config import ModelConfig
+from unmask.decoding.params import DecodeParams
 from unmask.models import build_model
 from unmask.tasks import math as math_task
 from unmask.training.tokenizer import build_tokenizer, save_tokenizer
@@ -123,6 +125,62 @@ def test_user_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str])
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("unmask: error: ") and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["eval", "--gen-length", "64", "--block-length", "64", "--decoder", "threshold,block_length=16"],
+     "block_length is set twice: block_length=16 in the decoder spec and 64 outside it"),
+    (["eval", "--seed", "5", "--decoder", "threshold,seed=3,temperature=1"],
+     "seed is set twice: seed=3 in the decoder spec and 5 outside it"),
+    (["bench", "--block-length", "8", "--decoder", "static-1", "--decoder", "static-1,block_length=16"],
+     "block_length is set twice"),
+    (["bench", "--seed", "1", "--decoder", "static-1,seed=2"], "seed is set twice"),
+])
+def test_typed_flag_against_spec_key_is_an_error(argv: list[str], needle: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """These used to run silently with the spec's value (and eval's JSON recorded --seed's)."""
+    assert main([*argv, "--task", "math", "--n", "2"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def _reparsed(command: str) -> list[DecodeParams]:
+    """The decoders the recorded command line runs, parsed as the CLI parses them."""
+    from unmask.bench.cli import _parse_decoders
+    from unmask.cli import build_parser
+
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    return _parse_decoders(args.decoder if isinstance(args.decoder, list) else [args.decoder], args)
+
+
+def test_reports_record_each_decoders_block_length_and_seed(tiny_model: Path, tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Flags left unset: each spec keeps its keys, the reports say which each decoder used and
+    the recorded command reproduces them (a --block-length 32 there would now be 'set twice')."""
+    js, md = tmp_path / "b.json", tmp_path / "b.md"
+    specs = ["threshold,block_length=16,seed=3,temperature=1", "static-1"]
+    rc = main(["bench", "--model", str(tiny_model), "--task", "math", "--n", "2", "--warmup", "0",
+               "--gen-length", "32", "--threads", "1", "--decoder", specs[0], "--decoder", specs[1],
+               "--json", str(js), "--markdown", str(md)])
+    assert rc == 0
+    doc = json.loads(js.read_text())
+    assert [(r["block_length"], r["seed"]) for r in doc["results"]] == [(16, 3), (32, 0)]
+    assert doc["block_length"] is None and doc["seed"] == 0  # no shared block; prompts' seed
+    assert "--block-length" not in doc["command"] and "--seed" not in doc["command"]
+    assert [(d.block_length, d.seed) for d in _reparsed(doc["command"])] == [(16, 3), (32, 0)]
+    assert "gen_length 32, block_length 16/32, n 2" in md.read_text()
+
+    # Typed flags: every decoder uses them, and the reports and command say so.
+    capsys.readouterr()
+    rc = main(["eval", "--model", str(tiny_model), "--task", "math", "--n", "2", "--gen-length",
+               "32", "--block-length", "16", "--seed", "5", "--threads", "1",
+               "--decoder", "threshold,temperature=1", "--json", str(js)])
+    assert rc == 0
+    doc = json.loads(js.read_text())
+    (r,) = doc["results"]
+    assert (doc["block_length"], doc["seed"], r["block_length"], r["seed"]) == (16, 5, 16, 5)
+    assert "--block-length 16" in doc["command"] and "--seed 5" in doc["command"]
+    assert [(d.block_length, d.seed) for d in _reparsed(doc["command"])] == [(16, 5)]
 
 
 def test_humaneval_needs_package(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -103,6 +103,13 @@ def test_cli_trace(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     (["--out", "/nonexistent/x.gif"], "does not exist"),
     (["--out", "{tmp}/x.gif", "--decoder", "nope"], "unknown decoder 'nope'"),
     (["--out", "{tmp}/x.gif", "--gen-length", "30"], "gen_length"),
+    # a typed flag and a spec key that disagree: the spec used to win silently
+    (["--out", "{tmp}/x.gif", "--gen-length", "32", "--decoder", "fast,gen_length=64"],
+     "gen_length is set twice: gen_length=64 in the decoder spec and 32 outside it"),
+    (["--out", "{tmp}/x.gif", "--block-length", "8", "--decoder", "static-1,block_length=16"],
+     "block_length is set twice"),
+    # the JSON events used to overwrite the replay
+    (["--out", "{tmp}/x.html", "--json", "{tmp}/x.html"], "two output flags name the same file"),
 ])
 def test_cli_trace_bad_input(args: list[str], needle: str, tmp_path: Path,
                              capsys: pytest.CaptureFixture) -> None:
@@ -115,3 +122,65 @@ def test_cli_trace_bad_input(args: list[str], needle: str, tmp_path: Path,
 def test_cli_trace_empty_prompt(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["trace", " ", "--out", str(tmp_path / "x.gif")]) == 2
     assert "empty prompt" in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("failure", ["stall", "raise"])
+def test_cli_trace_reports_a_failed_decode(failure: str, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture) -> None:
+    """A request that ends in error after a few steps, as a step that commits nothing (the
+    engine's stall check; non-finite scores did it) or a forward that raises (the engine fails
+    the batch). trace used to exit 0 with an empty summary, and after a stall its `done` counted
+    the [MASK]s left on the canvas as useful text."""
+    import torch
+
+    import unmask.api as api
+    from unmask.engine.decoder import Decoder
+
+    calls = 0
+    if failure == "stall":
+        real_step = Decoder.step
+
+        def stalls_at_step_4(self: Decoder, *args: object, **kwargs: object) -> object:
+            nonlocal calls
+            calls += 1
+            res = real_step(self, *args, **kwargs)
+            if calls == 4:
+                res.stalled[:] = True
+            return res
+
+        monkeypatch.setattr(Decoder, "step", stalls_at_step_4)
+    else:
+        real_load = api.load_model
+
+        def fails_after_three_forwards(*args: object, **kwargs: object) -> torch.nn.Module:
+            model = real_load(*args, **kwargs)
+
+            def hook(module: torch.nn.Module, inputs: object, logits: torch.Tensor) -> None:
+                nonlocal calls
+                calls += 1
+                if calls > 3:
+                    raise FloatingPointError("the logits are NaN")
+
+            model.register_forward_hook(hook)
+            return model
+
+        monkeypatch.setattr(api, "load_model", fails_after_three_forwards)
+    png, js = tmp_path / "t.png", tmp_path / "t.json"
+    # As `generate` fails such a request (LLM.generation): an error from unmask, exit code 1.
+    with pytest.raises(RuntimeError, match=r"request lane-0 \(static-1\) failed in the engine: "):
+        main(["trace", PROMPT, "--decoder", "static-1", "--gen-length", "32", "--block-length",
+              "16", "--out", str(png), "--json", str(js), "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "static-1: " in out and ": failed: " in out and "wrote " in out  # written, to debug it
+    (lane,) = lanes_of(json.loads(js.read_text()))
+    done, steps = lane["done"], lane["steps"]
+    assert done["finish_reason"] == "error" and done["error"]
+    committed = {p: t for s in steps for p, t in zip(s["positions"], s["ids"], strict=True)}
+    assert 0 < len(committed) < 32
+    mask = LLM().config.mask_token_id
+    assert mask not in done["token_ids"]  # never-committed positions are null, as for an abort
+    assert [t for t in done["token_ids"] if t is not None] == [committed[p] for p in sorted(committed)]
+    assert done["useful"] <= len(committed) and done["text"] == steps[-1]["text"]
+    assert png.is_file()

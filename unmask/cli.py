@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import fields
+from typing import Any
 
 from unmask.decoding.params import DEFAULT_DECODER, METHODS, PRESETS, DecodeParams
 from unmask.errors import InputError, UnmaskError
@@ -64,17 +65,37 @@ def decoder_names() -> str:
 
 
 def add_decode_arguments(p: argparse.ArgumentParser, default: str = DEFAULT_DECODER) -> None:
-    defaults = {f.name: f.default for f in fields(DecodeParams)}
     p.add_argument("--decoder", default=default,
                    help=f"decoder spec NAME[,key=value]* (default: {default}); NAME is one of the "
                         f"{decoder_names()}; keys in README")
-    p.add_argument("--gen-length", type=positive, default=None,
-                   help=f"generated positions L (a spec that also sets gen_length must agree; "
-                        f"default: the spec's gen_length, else "
-                        f"{defaults['gen_length']})")
-    p.add_argument("--block-length", type=positive, default=None,
-                   help=f"semi-AR block length (default: the spec's block_length, else "
-                        f"{defaults['block_length']})")
+    add_length_arguments(p)
+
+
+def add_length_arguments(p: argparse.ArgumentParser, gen_length: int | None = None,
+                         block_length: int | None = None) -> None:
+    """--gen-length and --block-length, unset by default (see DECODER_FLAGS); their help names
+    the command's defaults (None: DecodeParams')."""
+    defaults = {f.name: f.default for f in fields(DecodeParams)}
+    for flag, key, what, value in (("--gen-length", "gen_length", "generated positions L", gen_length),
+                                   ("--block-length", "block_length", "semi-AR block length",
+                                    block_length)):
+        p.add_argument(flag, type=positive, default=None,
+                       help=f"{what} (a spec that also sets {key} must agree; default: the spec's "
+                            f"{key}, else {defaults[key] if value is None else value})")
+
+
+# Flags whose argparse dest is a decoder key. They default to None so that a value the user typed
+# can be told from one left unset: typed, it is explicit (a spec key that disagrees is an error,
+# as neither may silently lose); unset, the command's own default applies and the spec's keys win.
+DECODER_FLAGS = ("gen_length", "block_length", "seed")
+
+
+def parse_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> DecodeParams:
+    """``spec`` with the command's decoder-key flags (those of DECODER_FLAGS that ``args`` has)
+    as explicit values when typed, and ``defaults`` (the command's defaults) under the spec.
+    A command whose flag of one of these names is not a decoder key must not pass its args."""
+    typed = {key: getattr(args, key) for key in DECODER_FLAGS if getattr(args, key, None) is not None}
+    return DecodeParams.parse(spec, explicit=typed, **defaults)
 
 
 def check_prompts(prompts: list[str]) -> None:
@@ -95,8 +116,7 @@ def check_prompts(prompts: list[str]) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = DecodeParams.parse(args.decoder, explicit=dict(gen_length=args.gen_length,
-                                                            block_length=args.block_length))
+    params = parse_decoder(args.decoder, args)
     check_prompts(args.prompts)
     from unmask.api import LLM
 

@@ -20,7 +20,9 @@ import argparse
 import html
 import json
 import math
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,28 +94,38 @@ class Lane:
 
     def _done(self, ev: StepEvent) -> dict[str, Any]:
         r = self.request
-        ids = r.token_ids if r.token_ids is not None else self.ids
-        text, useful = self.text(list(ids))
+        # A failed request's token_ids is its canvas as the failure left it, [MASK]s included:
+        # only what the steps committed is text (None = never committed, as for an abort).
+        failed = ev.finished == "error" or r.token_ids is None
+        ids: list[int | None] = list(self.ids) if failed else list(r.token_ids)
+        text, useful = self.text(ids)
         seconds = r.seconds
         return {"event": "done", "lane": self.index, "finish_reason": ev.finished,
-                "error": ev.error, "text": text, "token_ids": list(ids), "steps": self.steps,
+                "error": ev.error, "text": text, "token_ids": ids, "steps": self.steps,
                 "nfe": ev.nfe, "token_forwards": ev.token_forwards, "decided": ev.decided,
                 "tpf": ev.decided / ev.nfe if ev.nfe else 0.0, "useful": useful,
                 "seconds": round(seconds, 6), "tps": useful / seconds if seconds > 0 else 0.0}
 
 
 # --- recording -----------------------------------------------------------------------------------
-def record(llm: LLM, prompt: str, specs: list[str], gen_length: int | None = None,
+def record(llm: LLM, prompt: str, specs: Sequence[str | DecodeParams], gen_length: int | None = None,
            block_length: int | None = None, chat: bool = True) -> dict[str, Any]:
-    """Decode `prompt` with each decoder spec side by side (one engine, trace=True) and return
-    the trace: {"prompt", "model", "events": [layout..., step/done...]}."""
+    """Decode `prompt` with each decoder (a spec or DecodeParams) side by side (one engine,
+    trace=True) and return the trace: {"prompt", "model", "events": [layout..., step/done...]}.
+    gen_length / block_length apply to the spec strings, as values set outside the spec: a spec
+    that sets one to another value is a SpecError."""
     import torch
 
     from unmask.engine import Engine, SchedulerConfig
 
     if not specs:
         raise InputError("give at least one decoder spec")
-    params = [DecodeParams.parse(s, gen_length=gen_length, block_length=block_length) for s in specs]
+    lengths = dict(gen_length=gen_length, block_length=block_length)
+    if any(isinstance(s, DecodeParams) for s in specs) and any(v is not None for v in lengths.values()):
+        raise InputError("gen_length / block_length apply to decoder spec strings; set them in "
+                         "the DecodeParams instead")
+    params = [s if isinstance(s, DecodeParams) else DecodeParams.parse(s, explicit=lengths)
+              for s in specs]
     ids = llm.encode_prompt(prompt, chat=chat)
     engine = Engine(llm.model, SchedulerConfig(max_running=len(params)))
     lanes = {}
@@ -318,7 +330,7 @@ WRITERS = {".html": write_html, ".gif": write_gif, ".png": write_png}
 
 # --- the command ---------------------------------------------------------------------------------
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
-    from unmask.cli import add_model_arguments, positive
+    from unmask.cli import add_length_arguments, add_model_arguments
 
     p.add_argument("prompt", metavar="PROMPT", help="the prompt (chat template applied)")
     p.add_argument("--decoder", action="append", default=None, metavar="SPEC",
@@ -326,38 +338,46 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path,
                    help="output file: .html (a self-contained replay), .gif (animated), "
                         ".png (the final frame)")
-    p.add_argument("--gen-length", type=positive, default=None, help="generated positions L")
-    p.add_argument("--block-length", type=positive, default=None, help="semi-AR block length")
+    add_length_arguments(p)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", type=Path, default=None, help="also write the raw events as JSON")
     add_model_arguments(p)
 
 
 def run_trace(args: argparse.Namespace) -> int:
-    from unmask.bench.cli import check_output_path
-    from unmask.cli import check_prompts
+    from unmask.bench.cli import check_outputs
+    from unmask.cli import check_prompts, parse_decoder
 
     out = Path(args.out)
     if out.suffix.lower() not in WRITERS:
         raise InputError(f"--out {out}: unknown format {out.suffix or '(none)'!r}; valid: "
                          f"{', '.join(FORMATS)}")
-    check_output_path(str(out), "--out")
-    if args.json is not None:
-        check_output_path(str(args.json), "--json")
-    specs = args.decoder or ["static-1"]
-    for spec in specs:
-        DecodeParams.parse(spec, gen_length=args.gen_length, block_length=args.block_length)
+    check_outputs(args, ("out", "json"))
+    # Parsed before the model loads, so that a bad spec or a spec/flag conflict fails fast.
+    params = [parse_decoder(spec, args) for spec in args.decoder or ["static-1"]]
     check_prompts([args.prompt])
     from unmask.api import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    trace = record(llm, args.prompt, specs, args.gen_length, args.block_length, chat=not args.raw)
+    trace = record(llm, args.prompt, params, chat=not args.raw)
+    # Written even when a lane failed: the steps up to a failure are what one debugs it with.
     WRITERS[out.suffix.lower()](trace, out)
     if args.json is not None:
         Path(args.json).write_text(json.dumps(trace) + "\n")
+    failed = []
     for lane in lanes_of(trace):
-        done = lane["done"]
-        print(f"{lane['layout']['decoder']}: {done['steps']} steps, NFE {done['nfe']}, "
-              f"TPF {done['tpf']:.2f}, {done['seconds']:.2f} s: {done['text']!r}")
+        lay, done = lane["layout"], lane["done"]
+        result = (f"failed: {done['error']}" if done["finish_reason"] == "error"
+                  else repr(done["text"]))
+        print(f"{lay['decoder']}: {done['steps']} steps, NFE {done['nfe']}, "
+              f"TPF {done['tpf']:.2f}, {done['seconds']:.2f} s: {result}")
+        if done["finish_reason"] == "error":
+            failed.append(f"request {lay['request_id']} ({lay['decoder']}) failed in the engine: "
+                          f"{done['error']}")
     print(f"wrote {out} ({n_frames(trace)} frames)")
+    if failed:
+        # As `generate` does (LLM.generation): a request the engine failed is not the caller's
+        # input error but unmask's, so exit 1 with its traceback rather than a result.
+        sys.stdout.flush()
+        raise RuntimeError("; ".join(failed))
     return 0

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unmask.cli import add_model_arguments, positive
+from unmask.cli import add_length_arguments, add_model_arguments, parse_decoder, positive
 from unmask.decoding.params import DecodeParams
 from unmask.errors import InputError
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 DEFAULT_GEN_LENGTH = 256
 DEFAULT_BLOCK_LENGTH = 32
+DEFAULT_SEED = 0
 
 
 def _non_negative(text: str) -> int:
@@ -47,15 +48,13 @@ def _add_common(p: argparse.ArgumentParser, n_default: int, batch_default: int) 
     p.add_argument("--list-tasks", action="store_true", help="list the tasks and exit")
     p.add_argument("--n", type=positive, default=n_default,
                    help=f"number of prompts (default: {n_default})")
-    p.add_argument("--gen-length", type=positive, default=None,
-                   help=f"generated positions L (default: the specs' gen_length, else "
-                        f"{DEFAULT_GEN_LENGTH}; a spec that also sets it must agree)")
-    p.add_argument("--block-length", type=positive, default=DEFAULT_BLOCK_LENGTH,
-                   help=f"semi-AR block length (default: {DEFAULT_BLOCK_LENGTH})")
+    add_length_arguments(p, DEFAULT_GEN_LENGTH, DEFAULT_BLOCK_LENGTH)
     p.add_argument("--batch-size", type=positive, default=batch_default,
                    help=f"prompts per model call (default: {batch_default})")
-    p.add_argument("--seed", type=int, default=0,
-                   help="selects the task's prompts and the decoders' sampling seed (default: 0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"selects the task's prompts and the decoders' sampling seed (default: "
+                        f"{DEFAULT_SEED}; a spec's own seed key then sets its sampling seed, and "
+                        f"one that disagrees with a typed --seed is an error)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
     p.add_argument("--samples", default=None, metavar="FILE",
                    help="write each decoder's output for each prompt as JSON lines (prompt, "
@@ -95,15 +94,25 @@ def _print_tasks() -> int:
 
 
 def _parse_decoders(specs: list[str], args: argparse.Namespace) -> list[DecodeParams]:
-    decoders = [DecodeParams.parse(s, explicit=dict(gen_length=args.gen_length),
-                                   gen_length=DEFAULT_GEN_LENGTH, block_length=args.block_length,
-                                   seed=args.seed) for s in specs]
+    decoders = [parse_decoder(s, args, gen_length=DEFAULT_GEN_LENGTH,
+                              block_length=DEFAULT_BLOCK_LENGTH, seed=DEFAULT_SEED) for s in specs]
     lengths = {d.gen_length for d in decoders}
     if len(lengths) > 1:
         # Outputs of different lengths are never token-identical, and TPS over different
         # canvases is not a like-for-like comparison.
         raise InputError(f"all decoders must share one gen_length; got {sorted(lengths)}")
     return decoders
+
+
+def prompt_seed(args: argparse.Namespace) -> int:
+    """The seed that selects the task's prompts (a decoder's sampling seed can differ: its spec's)."""
+    return DEFAULT_SEED if args.seed is None else args.seed
+
+
+def shared(decoders: list[DecodeParams], key: str) -> Any:
+    """The value of ``key`` that every decoder has, or None when they differ."""
+    values = {getattr(d, key) for d in decoders}
+    return values.pop() if len(values) == 1 else None
 
 
 def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> str:
@@ -117,10 +126,16 @@ def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> st
     argv += ["--task", args.task]
     for s in specs:
         argv += ["--decoder", s]
-    gen_length = _parse_decoders(specs, args)[0].gen_length
-    argv += ["--n", str(args.n), "--gen-length", str(gen_length),
-             "--block-length", str(args.block_length), "--batch-size", str(args.batch_size),
-             "--seed", str(args.seed)]
+    # A flag's value goes in only when every decoder used it: then it agrees with any spec that
+    # sets the key too. When they differ, no flag was typed (it would have been explicit for all),
+    # so leaving it out reproduces the run: each spec's own value, else the command's default.
+    decoders = _parse_decoders(specs, args)
+    argv += ["--n", str(args.n), "--gen-length", str(decoders[0].gen_length)]
+    if shared(decoders, "block_length") is not None:
+        argv += ["--block-length", str(shared(decoders, "block_length"))]
+    argv += ["--batch-size", str(args.batch_size)]
+    if shared(decoders, "seed") == prompt_seed(args):  # --seed sets the prompts' seed as well
+        argv += ["--seed", str(prompt_seed(args))]
     if command == "bench":
         argv += ["--warmup", str(args.warmup)]
     if args.threads:
@@ -153,7 +168,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     if not args.task:
         raise InputError("--task is required (see --list-tasks)")
     decoders = _parse_decoders(specs, args)  # before loading anything: a bad spec fails fast
-    task = load_task(args.task, args.n, seed=args.seed,
+    task = load_task(args.task, args.n, seed=prompt_seed(args),
                      allow_code_execution=args.allow_code_execution,
                      stratify=getattr(args, "stratify", False))
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
@@ -173,7 +188,8 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     if args.samples:
         _write_samples(args.samples, task, decoders, samples)
     refs = reference_indices(decoders)
-    results = [{"decoder": d.spec, **m, "reference": None if r is None else decoders[r].spec}
+    results = [{"decoder": d.spec, **m, "reference": None if r is None else decoders[r].spec,
+                "block_length": d.block_length, "seed": d.seed}
                for d, m, r in zip(decoders, summarize(samples, references=refs,
                                                       early_exit=early_exit_baseline(decoders)),
                                   refs, strict=True)]
@@ -190,9 +206,9 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
         "model": str(args.model) if args.model else "embedded default model",
         "task": args.task,
         "gen_length": decoders[0].gen_length,
-        "block_length": decoders[0].block_length,
+        "block_length": shared(decoders, "block_length"),  # None: per decoder, in its result
         "batch_size": args.batch_size,
-        "seed": args.seed,
+        "seed": prompt_seed(args),  # the prompts'; each result has its decoder's sampling seed
         "metric": task.metric,
         "wall_seconds": wall,  # the whole run, warm-up included
         "results": results,

@@ -125,8 +125,10 @@ def _aligned(headers: Sequence[str], rows: Sequence[Sequence[str]], left: set[in
 def markdown_section(doc: dict[str, Any], command: str, metric: str = "accuracy") -> str:
     """A self-describing BENCHMARKS.md section: what ran, where, how to rerun, the table."""
     n = doc["results"][0]["n"] if doc["results"] else 0
-    head = (f"### {doc['task']} — gen_length {doc['gen_length']}, block_length "
-            f"{doc['block_length']}, n {n}")
+    block = doc["block_length"]
+    if block is None:  # decoders with different block lengths (each result records its own)
+        block = "/".join(str(b) for b in sorted({r["block_length"] for r in doc["results"]}))
+    head = f"### {doc['task']} — gen_length {doc['gen_length']}, block_length {block}, n {n}"
     meta = (f"Model `{doc['model']}`; machine: {machine_line(doc['machine'])}. "
             f"Baseline (speedup 1x, exact-match reference): `{doc['results'][0]['decoder']}`.")
     parts = [head, meta, f"Command: `{command}`", markdown_table(doc["results"], metric)]
