@@ -1,13 +1,19 @@
 """`unmask serve`: an OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn).
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Requests join the engine's running batch at its next step and leave when done
-(continuous batching); each request's tokens are those it would get alone (batch invariance).
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and
+/v1/models/{id}), GET /health, GET /metrics. Requests join the engine's running batch at its
+next step and leave when done (continuous batching); each request's tokens are those it would
+get alone (batch invariance).
 
 A completion's canvas is `max_tokens` rounded up to the decoder's block_length; the text ends at
 the first EOS (finish_reason "stop") or at the canvas end ("length"). A stop string cuts the text
 before it, and decoding stops as soon as it is committed. Streaming sends the committed prefix
 as it grows: text is never retracted or reordered.
+
+Tokenizing and chat templating run on a worker thread: their cost grows with the prompt, and on
+the event loop one long prompt would stall every stream and /health. Bounds keep that cost and a
+request's footprint in the engine finite: a body size (413), prompts per request, characters per
+prompt (a longer prompt could not fit max_sequence_length tokens) and chat messages (400s).
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from unmask.api import LLM, useful_length
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
@@ -38,12 +48,18 @@ from unmask.server.metrics import ServerMetrics
 from unmask.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    Unsupported,
+    FieldError,
     _Common,
     error_body,
 )
 
 log = logging.getLogger("unmask.server")
+
+# Request bodies past this are refused (413) before they are read: JSON parsing and validation
+# run on the event loop (about 5 ms per MB of text, 50 ms per MB of token ids). Valid requests
+# are far smaller: 64 prompts at the default model's character limit are 4.3 MB of ASCII, and
+# 64 prompts of 2,048 token ids under 1 MB.
+MAX_BODY_BYTES = 8 << 20
 
 
 @dataclass
@@ -54,9 +70,13 @@ class ServerConfig:
     max_slots: int | None = None
     model_name: str | None = None  # the id /v1/models reports (default: the folder's name)
     retry_after: int = 1  # seconds, sent with 429
+    max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is a 413
 
     def __post_init__(self) -> None:
         DecodeParams.parse(self.decoder)  # a bad default spec fails at startup, not per request
+        n = self.max_body_bytes
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):  # True is no size
+            raise InputError(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
 
 
 @dataclass
@@ -66,6 +86,7 @@ class ServerState:
     engine: EngineThread
     metrics: ServerMetrics
     model_name: str
+    chars_per_token: int  # the most characters one token can stand for (_check_prompt_chars)
     draining: bool = False
     started: float = field(default_factory=time.time)
 
@@ -75,6 +96,62 @@ class APIError(Exception):
                  param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.kind, self.param, self.headers = status, kind, param, headers
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 before the app parses it.
+
+    A declared Content-Length is checked before anything is read. A chunked body (no length) is
+    read here up to the limit and handed on as one message, or refused once it passes it."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                await self._refuse(f"of {length} bytes ", scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if "chunked" not in headers.get("transfer-encoding", "").lower():
+            await self.app(scope, receive, send)  # no body
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._refuse("", scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks),
+                                "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()  # after the body: the disconnect the handlers watch for
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, size: str, scope: Scope, receive: Receive, send: Send) -> None:
+        mib = self.limit / (1 << 20)
+        response = JSONResponse(error_body(
+            f"request body {size}exceeds this server's limit of {self.limit} bytes "
+            f"({mib:g} MiB)", "invalid_request_error"), 413)
+        await response(scope, receive, send)
 
 
 # --- text of a decode in progress --------------------------------------------------------------
@@ -158,7 +235,12 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         metrics.running.set(engine.n_running)
 
     thread = EngineThread(engine, on_step)
-    state = ServerState(llm, config, thread, metrics, config.model_name or llm.path.name)
+    # A vocabulary entry is at least as long as the text its token decodes to (byte-level BPE:
+    # one character per byte; SentencePiece: one per character; WordPiece adds "##"), so no
+    # token covers more characters than the longest entry.
+    chars_per_token = max(len(t) for t in llm.tokenizer.get_vocab())
+    state = ServerState(llm, config, thread, metrics, config.model_name or llm.path.name,
+                        chars_per_token)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -170,10 +252,28 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="unmask", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for diffusion language models")
     app.state.unmask = state
+    app.add_middleware(BodyLimit, limit=config.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(error_body(str(e), e.kind, e.param), e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        # The router's own errors (no such route, a method the route lacks), in the OpenAI error
+        # body every other error has, so a client's error handling sees one shape.
+        where = f"{request.method} {request.url.path}"
+        if e.status_code == 404:
+            message = (f"Invalid URL ({where}): no such route; GET /openapi.json lists this "
+                       f"server's routes")
+        elif e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow", "")
+            message = f"method {request.method} is not allowed for {request.url.path}" + (
+                f"; allowed: {allowed}" if allowed else "")
+        else:
+            message = f"{where}: {e.detail}"
+        kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind), e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -206,22 +306,37 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_name, "object": "model", "created": int(state.started),
+                "owned_by": "unmask"}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model",
-                                            "created": int(state.started), "owned_by": "unmask"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # :path: an id may contain "/" (org/name)
+    async def model(model: str) -> dict:
+        if model != state.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                                f"{state.model_name!r}", param="model")
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts = _check(state, body)
-        ids = [_encode(llm, p, chat=False) for p in prompts]
+        _check_capacity(state, len(prompts), "prompts")
+        ids = []
+        for i, p in enumerate(prompts):
+            ids.append(await run_in_threadpool(_encode, llm, p, False, body.prompt_field(i)))
+            if await request.is_disconnected():  # tokenizing many long prompts takes seconds
+                return Response(status_code=499)
         return await _respond(state, body, ids, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check(state, body)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        ids = [_encode_chat(llm, messages)]
+        ids = [await run_in_threadpool(_encode_chat, llm, messages)]
         return await _respond(state, body, ids, request, chat=True)
 
     from unmask.server.live import add_live_routes  # it imports this module's helpers
@@ -230,6 +345,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
 
 def _check(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
+    """Refuse what can be refused before tokenizing; a completion's prompts."""
     if state.draining:
         raise APIError(503, "the server is shutting down", "server_error")
     if body.model is not None and body.model != state.model_name:
@@ -237,21 +353,60 @@ def _check(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
                             f"{state.model_name!r}", param="model")
     try:
         body.check_supported()
-    except Unsupported as e:
+    except FieldError as e:
         raise APIError(400, str(e), param=e.field) from None
-    return body.prompts() if isinstance(body, CompletionRequest) else []
+    if isinstance(body, CompletionRequest):
+        prompts = body.prompts()
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                _check_prompt_chars(state, len(p), body.prompt_field(i))
+        return prompts
+    if isinstance(body, ChatCompletionRequest):
+        n = state.llm.config.max_sequence_length
+        if len(body.messages) > n:  # each message renders to a token or more (its role marker)
+            raise APIError(400, f"{len(body.messages)} messages cannot fit the model's "
+                                f"max_sequence_length {n} tokens; the limit is {n} messages",
+                           param="messages")
+        _check_prompt_chars(state, sum(len(m.content) + len(m.name or "") for m in body.messages),
+                            "messages")
+    return []
 
 
-def _encode(llm: LLM, prompt: str | list[int], chat: bool) -> list[int]:
+def _check_prompt_chars(state: ServerState, chars: int, field: str) -> None:
+    """Refuse a prompt too long to fit max_sequence_length tokens, by its characters: cheap, where
+    tokenizing it would cost time in proportion to its length."""
+    n = state.llm.config.max_sequence_length
+    limit = n * state.chars_per_token
+    if chars > limit:
+        raise APIError(400, f"{field} has {chars} characters; the limit is {limit} "
+                            f"(max_sequence_length {n} tokens x {state.chars_per_token} "
+                            f"characters, the longest token in the vocabulary)", param=field)
+
+
+def _check_capacity(state: ServerState, n: int, what: str) -> None:
+    """A request of n engine requests that the engine could never hold at once is a 400 (a 429
+    would ask the client to retry something that cannot succeed)."""
+    c = state.config
+    if n > c.max_running + c.max_queue:
+        most = c.max_running + c.max_queue
+        raise APIError(400, f"{n} {what} in one request can never be admitted together: this "
+                            f"server holds at most {most} requests (--max-running "
+                            f"{c.max_running} decoding + --max-queue {c.max_queue} waiting); send "
+                            f"at most {most} per request")
+
+
+def _encode(llm: LLM, prompt: str | list[int], chat: bool, field: str = "prompt") -> list[int]:
+    """Token ids of a prompt (blocking: call it off the event loop, with run_in_threadpool)."""
     if isinstance(prompt, list):  # token ids: the engine checks them (non-empty, in the vocabulary)
         return prompt
     try:
         return llm.encode_prompt(prompt, chat=chat)
     except UnmaskError as e:
-        raise APIError(400, str(e), param="prompt") from None
+        raise APIError(400, str(e), param=field) from None
 
 
 def _encode_chat(llm: LLM, messages: list[dict]) -> list[int]:
+    """Token ids of a chat through the template (blocking: call it off the event loop)."""
     tok = llm.tokenizer
     if not tok.chat_template:
         raise APIError(400, "this checkpoint has no chat template; use /v1/completions",
@@ -322,12 +477,18 @@ async def _respond(state: ServerState, body: _Common, ids: list[list[int]], requ
     runs: list[_Run] = []
     try:
         for i, p in enumerate(ids):
+            # Each submit waits for the engine's step in flight: a client that leaves while a
+            # list is being submitted must stop the rest, not leave them to be decoded.
+            if await request.is_disconnected():
+                break
             h = await _submit(state, p, params)
             runs.append(_Run(i, h, TextStream(state.llm, params.gen_length, body.stop), len(p)))
     except BaseException:
-        for r in runs:
-            state.engine.abort(r.request.request_id)
+        _abort(state, runs)
         raise
+    if len(runs) < len(ids):
+        _abort(state, runs)
+        return Response(status_code=499)
     rid = runs[0].request.request_id
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -402,6 +563,14 @@ async def _events(state: ServerState, run: _Run, request: Request) -> AsyncItera
         if not done:
             run.outcome = "abort"
             state.engine.abort(run.request.request_id)
+
+
+def _abort(state: ServerState, runs: list[_Run]) -> None:
+    """Abort runs that were submitted but will not be read (and count them)."""
+    for r in runs:
+        state.engine.abort(r.request.request_id)
+        r.outcome = "abort"
+        _finish_metrics(state, r)
 
 
 def _first(run: _Run) -> None:

@@ -23,11 +23,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import Field
+from starlette.concurrency import run_in_threadpool
 
 from unmask.decoding.params import METHODS, PRESETS, DecodeParams, to_spec
-from unmask.server.app import APIError, ServerState, _check, _encode, _submit, request_params
+from unmask.server.app import (
+    APIError,
+    ServerState,
+    _check,
+    _check_capacity,
+    _check_prompt_chars,
+    _encode,
+    _submit,
+    request_params,
+)
 from unmask.server.async_engine import Handle
-from unmask.server.protocol import Unsupported, _Common, error_body
+from unmask.server.protocol import Unsupported, _Common, check_text, error_body
 from unmask.trace import STATIC, Lane
 
 MAX_LANES = 4
@@ -48,6 +58,7 @@ class TraceRequest(_Common):
             raise Unsupported("stop", "stop strings are not supported by the trace stream")
         if self.decoders is not None and self.decoder is not None:
             raise Unsupported("decoder", "give either decoder or decoders")
+        check_text(self.prompt, "prompt")
 
 
 def add_live_routes(app: FastAPI, state: ServerState) -> None:
@@ -66,7 +77,9 @@ def add_live_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/unmask/trace")
     async def trace(body: TraceRequest, request: Request) -> StreamingResponse:
         _check(state, body)
+        _check_prompt_chars(state, len(body.prompt), "prompt")
         specs = body.decoders or [body.decoder or state.config.decoder]
+        _check_capacity(state, len(specs), "decoder lanes")
         params = []
         for i, spec in enumerate(specs):
             try:
@@ -74,7 +87,7 @@ def add_live_routes(app: FastAPI, state: ServerState) -> None:
             except APIError as e:
                 which = f"decoder {i + 1} ({spec!r})" if len(specs) > 1 else f"decoder {spec!r}"
                 raise APIError(e.status, f"{which}: {e}", e.kind, f"decoders[{i}]") from None
-        ids = _encode(state.llm, body.prompt, chat=body.chat)
+        ids = await run_in_threadpool(_encode, state.llm, body.prompt, body.chat)
         handles: list[Handle] = []
         try:
             for p in params:

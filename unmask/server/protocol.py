@@ -7,11 +7,30 @@ field; unknown fields are refused too. `decoder` (our spec grammar) is the one e
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from unmask.errors import InputError
+
+# Prompts per completion request. Each is its own engine request, submitted one engine round
+# trip at a time (a round trip waits for the step in flight), so a long list keeps its handler
+# submitting for seconds; 64 covers evaluation harnesses' batches, and a larger batch can be
+# split over several requests, which the engine batches together all the same.
+MAX_PROMPTS = 64
+
+# JSON's \uXXXX escapes can spell half of a UTF-16 surrogate pair on its own: Python keeps it in
+# the str, but it is not a character, and the tokenizer (a UTF-8 codec) fails on it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, field: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate), naming the field."""
+    m = _SURROGATE.search(text)
+    if m is not None:
+        raise FieldError(field, f"{field} is not valid Unicode text: it contains a lone surrogate "
+                                f"(U+{ord(m.group()):04X}) at character {m.start()}")
 
 
 class StreamOptions(BaseModel):
@@ -65,6 +84,8 @@ class _Common(BaseModel):
             raise Unsupported("logit_bias", "logit biases are not implemented")
         if self.stream_options is not None and not self.stream:
             raise Unsupported("stream_options", "stream_options needs stream=true")
+        for stop in self.stop or []:
+            check_text(stop, "stop")
 
 
 class CompletionRequest(_Common):
@@ -76,14 +97,29 @@ class CompletionRequest(_Common):
     suffix: str | None = None
 
     def prompts(self) -> list[str] | list[list[int]]:
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+        if self._single():
             return [self.prompt]
         return list(self.prompt)
 
+    def prompt_field(self, i: int) -> str:
+        """The field that holds prompt i, for error messages: `prompt` or `prompt[i]`."""
+        return "prompt" if self._single() else f"prompt[{i}]"
+
+    def _single(self) -> bool:
+        return isinstance(self.prompt, str) or bool(self.prompt and isinstance(self.prompt[0], int))
+
     def check_supported(self) -> None:
         super().check_supported()
-        if not self.prompts():
+        prompts = self.prompts()
+        if not prompts:
             raise Unsupported("prompt", "prompt must not be an empty list")
+        if len(prompts) > MAX_PROMPTS:
+            raise FieldError("prompt", f"{len(prompts)} prompts in one request; the limit is "
+                                       f"{MAX_PROMPTS} per request (send the rest in further "
+                                       f"requests)")
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                check_text(p, self.prompt_field(i))
         if self.echo:
             raise Unsupported("echo", "echo is not supported")
         if self.best_of not in (None, 1):
@@ -118,18 +154,29 @@ class ChatCompletionRequest(_Common):
             raise Unsupported("response_format", "only plain text responses are supported")
         if self.top_logprobs:
             raise Unsupported("top_logprobs", "log-probabilities are not returned")
+        for i, m in enumerate(self.messages):
+            check_text(m.content, f"messages[{i}].content")
+            if m.name is not None:
+                check_text(m.name, f"messages[{i}].name")
         if self.max_completion_tokens is not None:
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise Unsupported("max_completion_tokens", "differs from max_tokens")
             self.max_tokens = self.max_completion_tokens
 
 
-class Unsupported(InputError):
+class FieldError(InputError):
+    """A request field with a value the server refuses; `field` names it (the error's param)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class Unsupported(FieldError):
     """A request field the server refuses (it would otherwise be silently ignored)."""
 
     def __init__(self, field: str, why: str) -> None:
-        super().__init__(f"unsupported value for field {field!r}: {why}")
-        self.field = field
+        super().__init__(field, f"unsupported value for field {field!r}: {why}")
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:

@@ -1,0 +1,240 @@
+"""`unmask serve`'s limits and error shapes, against live servers on 127.0.0.1: what a request
+may ask for (prompts, characters, messages, body bytes, lanes against the engine's capacity),
+text that is not Unicode, unknown routes, and that neither a long prompt list nor a slow
+tokenization outlives its client or stalls the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from helpers import LiveServer
+
+from unmask import LLM
+from unmask.engine import Engine
+from unmask.server.app import MAX_BODY_BYTES, ServerConfig, build_app
+from unmask.server.protocol import MAX_PROMPTS
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def server(llm: LLM):
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold"))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def small(llm: LLM):
+    """A server that holds two requests at most: one decoding, one waiting."""
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold", max_running=1,
+                                                max_queue=1))) as s:
+        yield s
+
+
+def post_json(url: str, body: dict, timeout: float = 60) -> httpx.Response:
+    """POST with json.dumps's ASCII escapes, so lone surrogates travel as JSON writes them."""
+    return httpx.post(url, content=json.dumps(body).encode(), timeout=timeout,
+                      headers={"content-type": "application/json"})
+
+
+def error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
+
+
+def wait_idle(server: LiveServer, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while server.engine.has_unfinished:
+        assert time.monotonic() < deadline, "the engine is still busy"
+        time.sleep(0.02)
+
+
+# --- prompts per request, and the engine's capacity ------------------------------------------------
+def test_prompt_list_over_the_limit_is_400(server: LiveServer) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                   json={"prompt": [[5, 6, 7]] * (MAX_PROMPTS + 1), "max_tokens": 8})
+    err = error(r, 400)
+    assert err["param"] == "prompt" and f"the limit is {MAX_PROMPTS}" in err["message"]
+    assert not server.engine.has_unfinished
+
+
+def test_client_leaving_during_submission_stops_it(server: LiveServer, monkeypatch) -> None:
+    """Each prompt of a list is one engine round trip, which waits for the step in flight: a
+    client that leaves while they are submitted gets the rest dropped and the rest aborted."""
+    real_step, real_add = Engine.step, Engine.add_request
+    added = []
+
+    def slow_step(self):
+        time.sleep(0.05)
+        return real_step(self)
+
+    def add(self, *a, **kw):
+        added.append(1)
+        return real_add(self, *a, **kw)
+
+    monkeypatch.setattr(Engine, "step", slow_step)
+    monkeypatch.setattr(Engine, "add_request", add)
+    body = {"prompt": [[5, 6, 7]] * MAX_PROMPTS, "max_tokens": 32, "decoder": "static-1"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
+    # Submitting all 64 takes >= 64 steps (3.2 s); the client left after 0.5 s.
+    wait_idle(server, 1.5)
+    assert len(added) < MAX_PROMPTS / 2
+
+
+def test_more_prompts_than_the_engine_holds_is_400_not_429(small: LiveServer) -> None:
+    """--max-running 1 --max-queue 1: three prompts could never be admitted together (a 429
+    would have the client retry forever); two can."""
+    r = httpx.post(f"{small.url}/v1/completions", timeout=60,
+                   json={"prompt": [[5, 6, 7]] * 3, "max_tokens": 8})
+    msg = error(r, 400)["message"]
+    assert "at most 2" in msg and "--max-running 1" in msg and "--max-queue 1" in msg
+    r = httpx.post(f"{small.url}/v1/unmask/trace", timeout=60,
+                   json={"prompt": "hi", "decoders": ["threshold", "fast", "exact"]})
+    assert "at most 2" in error(r, 400)["message"]
+    ok = httpx.post(f"{small.url}/v1/completions", timeout=60,
+                    json={"prompt": [[5, 6, 7]] * 2, "max_tokens": 8})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+# --- sizes: body bytes, prompt characters, messages -------------------------------------------------
+def test_oversized_body_is_413(server: LiveServer) -> None:
+    big = {"prompt": "hello world " * 1_000_000, "max_tokens": 32}  # 12 MB
+    r = httpx.post(f"{server.url}/v1/completions", json=big, timeout=60)
+    assert str(MAX_BODY_BYTES) in error(r, 413)["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(MAX_BODY_BYTES // 100_000 + 1):
+            yield b" " * 100_000
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert str(MAX_BODY_BYTES) in error(r, 413)["message"]
+
+    def small_chunks():  # a chunked body under the limit reaches the route whole
+        yield b'{"prompt": [5, 6, 7], '
+        yield b'"max_tokens": 8}'
+
+    r = httpx.post(f"{server.url}/v1/completions", content=small_chunks(), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_prompt_too_many_characters_is_400(server: LiveServer, llm: LLM) -> None:
+    """A prompt with more characters than max_sequence_length tokens could cover is refused
+    before it is tokenized, saying the limit."""
+    state = server.app.state.unmask
+    limit = llm.config.max_sequence_length * state.chars_per_token
+    text = "x" * (limit + 1)
+    for path, body, param in (
+            ("/v1/completions", {"prompt": text}, "prompt"),
+            ("/v1/completions", {"prompt": ["hi", text]}, "prompt[1]"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]},
+             "messages"),
+            ("/v1/unmask/trace", {"prompt": text}, "prompt")):
+        err = error(httpx.post(server.url + path, json=body, timeout=60), 400)
+        assert err["param"] == param and f"the limit is {limit}" in err["message"], err
+    n = llm.config.max_sequence_length
+    msgs = [{"role": "user", "content": "hi"}] * (n + 1)
+    err = error(httpx.post(f"{server.url}/v1/chat/completions", json={"messages": msgs},
+                           timeout=60), 400)
+    assert err["param"] == "messages" and f"the limit is {n} messages" in err["message"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 8}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}),
+    ("/v1/unmask/trace", {"prompt": "hi", "max_tokens": 8}),
+], ids=["completions", "chat", "trace"])
+def test_tokenizing_does_not_block_the_event_loop(server: LiveServer, llm: LLM, monkeypatch,
+                                                   path: str, body: dict) -> None:
+    """While one request's prompt is being tokenized (made slow here), /health answers."""
+    real = llm.tokenizer.encode
+    started = threading.Event()
+
+    def slow(*a, **kw):
+        started.set()
+        time.sleep(1.0)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", slow)
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(httpx.post(server.url + path, json=body,
+                                                              timeout=60)))
+    t.start()
+    try:
+        assert started.wait(10)
+        t0 = time.perf_counter()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert time.perf_counter() - t0 < 0.5
+    finally:
+        t.join(60)
+    assert out and out[0].status_code == 200, out
+
+
+def test_client_leaving_during_tokenization_stops_it(server: LiveServer, llm: LLM,
+                                                     monkeypatch) -> None:
+    real, calls = llm.tokenizer.encode, []
+
+    def slow(*a, **kw):
+        calls.append(1)
+        time.sleep(0.4)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", slow)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", timeout=0.3,
+                   json={"prompt": ["one", "two", "three", "four", "five"], "max_tokens": 8})
+    time.sleep(1.5)  # all five would take 2 s
+    assert len(calls) <= 2
+    assert not server.engine.has_unfinished
+
+
+# --- text that is not Unicode ---------------------------------------------------------------------
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("/v1/completions", {"prompt": ["fine", "\udfff"]}, "prompt[1]"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["\ud800"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi \ud800"}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "\udc00"}]},
+     "messages[0].name"),
+    ("/v1/unmask/trace", {"prompt": "\ud800"}, "prompt"),
+], ids=["prompt", "prompt-list", "stop", "chat-content", "chat-name", "trace"])
+def test_lone_surrogate_is_400(server: LiveServer, path: str, body: dict, param: str) -> None:
+    err = error(post_json(server.url + path, body), 400)
+    assert err["param"] == param
+    assert "not valid Unicode text" in err["message"] and "lone surrogate" in err["message"]
+
+
+# --- routes ---------------------------------------------------------------------------------------
+def test_unknown_route_and_method_are_openai_errors(server: LiveServer) -> None:
+    err = error(httpx.get(f"{server.url}/v1/nope", timeout=10), 404)
+    assert "GET /v1/nope" in err["message"] and err["type"] == "invalid_request_error"
+    r = httpx.delete(f"{server.url}/v1/completions", timeout=10)
+    err = error(r, 405)
+    assert "DELETE" in err["message"] and "/v1/completions" in err["message"]
+    assert r.headers["allow"] == "POST"
+    with pytest.raises(openai.NotFoundError) as e:  # the client's own view of a 404
+        server.client().post("/nope", cast_to=object)
+    assert "/v1/nope" in e.value.body["message"]
+
+
+def test_models_retrieve(server: LiveServer) -> None:
+    client = server.client()
+    m = client.models.retrieve("default_model")
+    assert (m.id, m.object, m.owned_by) == ("default_model", "model", "unmask")
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["param"] == "model" and "'gpt-4' does not exist" in e.value.body["message"]
