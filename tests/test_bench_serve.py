@@ -10,8 +10,8 @@ import pytest
 from helpers import LiveServer
 
 from unmask.api import LLM
-from unmask.bench.serve import arrival_offsets, max_tokens_order, percentile
-from unmask.cli import main
+from unmask.bench.serve import arrival_offsets, max_tokens_order, percentile, plan_cells
+from unmask.cli import build_parser, main
 from unmask.server.app import ServerConfig, build_app
 
 
@@ -98,6 +98,49 @@ def test_poisson_arrivals_are_seeded(url, tmp_path):
     reqs = sorted(cell["requests"], key=lambda r: r["index"])
     assert [r["offset"] for r in reqs] == arrival_offsets(6, 20.0, seed=7)
     assert all(r["sent"] >= r["offset"] for r in reqs)
+
+
+def test_spec_gen_length_wins_over_the_default_max_tokens(url, tmp_path):
+    """A spec that sets gen_length and no typed --max-tokens: the requests go without max_tokens
+    (the server refuses a request's own spec with a max_tokens that disagrees) and the report
+    records the spec's length."""
+    doc = _run(tmp_path, "--url", url, "--n", "2", "--concurrency", "2",
+               "--decoder", "threshold,gen_length=32", "--warmup", "1")
+    (cell,) = doc["cells"]
+    _check_cell(cell)
+    assert [r["max_tokens"] for r in cell["requests"]] == [32, 32]
+    assert "--max-tokens" not in doc["command"]  # typed, it would have to agree with every spec
+
+
+def _plan(*argv: str):
+    return plan_cells(build_parser().parse_args(["bench-serve", *argv]))
+
+
+def test_typed_max_tokens_against_a_spec_gen_length():
+    """Typed, --max-tokens is explicit: after the server's rounding up to block_length it must
+    agree with a spec's gen_length; the default yields to it."""
+    (cell,) = _plan("--decoder", "threshold,gen_length=64", "--max-tokens", "40")  # 40 -> 64
+    assert cell.gen_lengths == (None,)  # sent, and the server takes it
+    (cell,) = _plan("--decoder", "threshold,gen_length=64")
+    assert cell.gen_lengths == (64,)
+    cells = _plan("--decoder", "threshold,gen_length=64", "--decoder", "threshold")
+    assert [c.gen_lengths for c in cells] == [(64,), (None,)]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--decoder", "threshold,gen_length=64", "--max-tokens", "32"],
+     "--max-tokens 32 conflicts with gen_length=64 in --decoder 'threshold,gen_length=64': the "
+     "server would refuse every request; drop --max-tokens"),
+    (["--decoder", "threshold", "--decoder", "static-1,gen_length=64", "--max-tokens", "64,100"],
+     "--max-tokens 100 (asks for gen_length 128 at block_length 32) conflicts with gen_length=64"),
+    (["--decoder", "static,steps=4"], "--max-tokens 256 (the default) does not fit --decoder "
+                                      "'static,steps=4': steps (4) must be in 1..256"),
+], ids=["conflict", "conflict-after-rounding", "default-does-not-fit"])
+def test_max_tokens_a_spec_refuses_is_refused_before_sending(argv, needle, capsys):
+    """Nothing listens at the URL: the error comes before any request."""
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--n", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unmask: error: ") and err.count("\n") == 1 and needle in err, err
 
 
 def test_helpers():

@@ -225,10 +225,29 @@ def test_slot_budget_waits_and_refuses() -> None:
 
 
 def test_queue_limit() -> None:
+    """max_queue counts the requests that wait: 1 decoding + 1 waiting here, a third is refused."""
     eng = engine(model("llada"), max_running=1, max_queue=1)
     eng.add_request([5], params("static-1", 8))
+    eng.add_request([6], params("static-1", 8))
     with pytest.raises(QueueFull):
-        eng.add_request([6], params("static-1", 8))
+        eng.add_request([7], params("static-1", 8))
+
+
+def test_queue_limit_zero_still_serves_what_fits() -> None:
+    """max_queue 0: what the next step admits is taken (it refused everything, since a request
+    enters through the queue); what would have to wait is refused, by rows or by slots."""
+    eng = engine(model("llada"), max_running=2, max_queue=0, max_slots=40)
+    a = eng.add_request([5] * 4, params("static-1", 8))  # 12 slots
+    with pytest.raises(QueueFull):  # with a: 2 rows x (4 + 32) = 72 > 40 slots
+        eng.add_request([6], params("static-1", 32))
+    b = eng.add_request([6], params("static-1", 8))  # 2 rows x 12 = 24 slots
+    with pytest.raises(QueueFull):  # a third row
+        eng.add_request([7], params("static-1", 8))
+    eng.run()
+    assert a.finish_reason in ("eos", "length") and b.finish_reason in ("eos", "length")
+    c = eng.add_request([7], params("static-1", 8))  # the rows are free again
+    eng.run()
+    assert c.finish_reason in ("eos", "length")
 
 
 def test_abort_waiting_and_running() -> None:

@@ -17,7 +17,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import openai
@@ -26,7 +29,7 @@ from helpers import LiveServer
 
 from unmask.api import LLM
 from unmask.server.app import ServerConfig, build_app
-from unmask.server.ray_serve import HTTPHead, HTTPRequest, asgi_call, free_port, merge_metrics
+from unmask.server.ray_serve import HTTPHead, HTTPRequest, asgi_call, asgi_read, free_port, merge_metrics
 
 PROMPTS = ["What is 12 + 34?", "What is 47 + 38?", "Sort 5, 2, 9.", "What is 7 * 8?"]
 # (decoder, temperature, seed, max_tokens, stop): greedy and seeded sampling, a stop string
@@ -103,6 +106,92 @@ def test_merge_metrics_labels_each_replica() -> None:
     assert got[("unmask_requests_total", (("outcome", "stop"), ("replica", "engine-0")))] == 2
     assert got[("unmask_requests_total", (("outcome", "stop"), ("replica", "engine-1")))] == 3
     assert "_created" not in merged
+
+
+class _FakeEngine:
+    """An engine replica's handle that answers every request 200 `{}` and keeps its body."""
+
+    deployment_name = "engine-0"
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.http = self  # handle.options(stream=True).http.remote(req)
+
+    def options(self, **_: Any) -> _FakeEngine:
+        return self
+
+    def remote(self, req: HTTPRequest) -> AsyncIterator[HTTPHead | bytes]:
+        self.bodies.append(req.body)
+
+        async def reply() -> AsyncIterator[HTTPHead | bytes]:
+            yield HTTPHead(200, [(b"content-type", b"application/json")])
+            yield b"{}"
+
+        return reply()
+
+
+@pytest.fixture
+def ingress(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _FakeEngine]:
+    """The ingress's FastAPI app, on an Ingress with a fake engine handle and a 64-byte body
+    limit, found the way Serve finds it on a replica: no cluster."""
+    from ray import serve
+
+    from unmask.server.ray_serve import Ingress, ingress_api
+
+    engine = _FakeEngine()
+    replica = Ingress.func_or_class.__bases__[0]([engine], 64)  # the class under Serve's wrapper
+    monkeypatch.setattr(serve, "get_replica_context", lambda: SimpleNamespace(servable_object=replica))
+    return ingress_api, engine
+
+
+def _body_in_chunks(app: Any, chunks: list[bytes], read: list[int]) -> Any:
+    """`app`, sent the request body as these chunks; `read` gets the size of each one it reads."""
+    async def call(scope: dict, receive: Any, send: Any) -> None:
+        todo = list(chunks)
+
+        async def chunk() -> dict:
+            if not todo:
+                return await receive()
+            read.append(len(todo[0]))
+            return {"type": "http.request", "body": todo.pop(0), "more_body": bool(todo)}
+
+        await app(scope, chunk, send)
+    return call
+
+
+@pytest.mark.parametrize("length, chunks, want, reads", [
+    (65, [b"x" * 65], 413, 0),  # a Content-Length over the limit: refused before any read
+    (64, [b"x" * 64], 200, 1),
+    (None, [b"x" * 16] * 10, 413, 5),  # chunked: refused once it passes 64 bytes, not at the end
+    (None, [b"x" * 16] * 4, 200, 4),
+])
+def test_ingress_refuses_a_body_over_the_limit_before_reading_it(
+        ingress: tuple[Any, _FakeEngine], length: int | None, chunks: list[bytes], want: int,
+        reads: int) -> None:
+    app, engine = ingress
+    headers = [(b"content-length", str(length).encode()) if length is not None
+               else (b"transfer-encoding", b"chunked")]
+    read: list[int] = []
+    status, body = asyncio.run(asgi_read(_body_in_chunks(app, chunks, read),
+                                         HTTPRequest("POST", "/v1/completions", headers=headers)))
+    assert (status, len(read)) == (want, reads)
+    if want == 413:
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error"
+        assert "exceeds this server's limit of 64 bytes" in error["message"]
+        assert engine.bodies == []
+    else:
+        assert engine.bodies == [b"".join(chunks)]
+
+
+def test_ingress_router_errors_are_openai_errors(ingress: tuple[Any, _FakeEngine]) -> None:
+    app, engine = ingress
+    status, body = asyncio.run(asgi_read(app, HTTPRequest("OPTIONS", "/v1/completions")))
+    assert status == 405
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("method OPTIONS is not allowed for /v1/completions; allowed: ")
+    assert engine.bodies == []
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -345,6 +434,22 @@ def test_a_replica_killed_under_load_loses_no_request(cluster: RayCluster,
             break  # counters start again at 0 in the new process: it served this one
     else:
         pytest.fail("the restarted replica got no request")
+
+
+@pytest.mark.slow
+def test_ray_ingress_refuses_big_bodies_and_wrong_methods(cluster: RayCluster) -> None:
+    """The ingress's body limit and router errors on a live replica, behind Serve's proxy."""
+    limit, url = ServerConfig().max_body_bytes, f"{cluster.url}/v1/completions"
+    big = b"x" * (limit + 1)
+    for content in (big, iter([big[:limit], big[limit:]])):  # with a Content-Length, then chunked
+        r = httpx.post(url, content=content, headers={"content-type": "application/json"},
+                       timeout=60)
+        assert r.status_code == 413, r.text
+        assert f"limit of {limit} bytes" in r.json()["error"]["message"]
+    r = httpx.request("OPTIONS", url, timeout=30)
+    assert r.status_code == 405, r.text
+    assert r.json()["error"]["message"].startswith("method OPTIONS is not allowed")
+    assert httpx.get(f"{cluster.url}/v1/models", timeout=30).status_code == 200
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ import pytest
 from helpers import LiveServer
 
 from unmask import LLM
-from unmask.engine import Engine
+from unmask.decoding.params import DecodeParams
+from unmask.engine import Engine, Request
 from unmask.server.app import MAX_BODY_BYTES, ServerConfig, build_app
 from unmask.server.protocol import MAX_PROMPTS
 
@@ -29,6 +30,15 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def server(llm: LLM):
     with LiveServer(build_app(llm, ServerConfig(decoder="threshold"))) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def slotted(llm: LLM):
+    """--max-running 4 --max-queue 1 --max-slots 70: two 3-token prompts with a 32-token canvas
+    (2 x 35 slots) run at once, not three."""
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold", max_running=4, max_queue=1,
+                                                max_slots=70))) as s:
         yield s
 
 
@@ -106,6 +116,33 @@ def test_more_prompts_than_the_engine_holds_is_400_not_429(small: LiveServer) ->
     ok = httpx.post(f"{small.url}/v1/completions", timeout=60,
                     json={"prompt": [[5, 6, 7]] * 2, "max_tokens": 8})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+def test_prompts_past_the_slot_budget_are_400_not_429(slotted: LiveServer) -> None:
+    """Under --max-slots fewer than --max-running prompts run at once: four prompts are more than
+    the 2 that fit + 1 waiting, so the fourth would get a 429 that no retry cures."""
+    params = DecodeParams.parse("threshold,gen_length=32")
+    reqs = [Request([5, 6, 7], params) for _ in range(4)]
+    assert slotted.engine.scheduler.admitted_when_idle(reqs) == 2  # what the server counts by
+    body = {"prompt": [[5, 6, 7]] * 4, "max_tokens": 32}
+    with pytest.raises(openai.BadRequestError) as e:
+        slotted.client().completions.create(model="default_model", **body)
+    msg = e.value.body["message"]
+    assert "--max-slots 70" in msg and "runs 2 of them at once" in msg and "--max-queue 1" in msg
+    assert "send at most 3" in msg
+    assert not slotted.engine.has_unfinished  # refused before any was submitted
+    # Four decoder lanes, each its own batch of 2 + 32 slots: the same count per decoder group.
+    r = httpx.post(f"{slotted.url}/v1/unmask/trace", timeout=60,
+                   json={"prompt": "hi", "chat": False, "max_tokens": 32,
+                         "decoders": ["threshold", "static-1", "static", "freedave"]})
+    assert "send at most 3" in error(r, 400)["message"]
+    # A prompt that could not fit even alone keeps the engine's own message.
+    r = httpx.post(f"{slotted.url}/v1/completions", timeout=60,
+                   json={"prompt": [[5, 6, 7], [5] * 40], "max_tokens": 32})
+    assert "exceeds the engine's slot budget 70" in error(r, 400)["message"]
+    ok = slotted.client().completions.create(model="default_model", prompt=[[5, 6, 7]] * 3,
+                                             max_tokens=32)
+    assert len(ok.choices) == 3
 
 
 # --- sizes: body bytes, prompt characters, messages -------------------------------------------------

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from unmask.errors import InputError
+from unmask.errors import InputError, SpecError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_MAX_TOKENS = 256
@@ -81,10 +81,13 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", action="store_true",
                    help="with several --decoder: mix them in one run (request i gets decoder "
                         "i mod D) instead of one cell each")
-    p.add_argument("--max-tokens", type=_int_list, default=[DEFAULT_MAX_TOKENS], metavar="N[,N...]",
-                   help=f"max_tokens of each request (default: {DEFAULT_MAX_TOKENS}); several "
-                        "values are mixed in one run, in equal shares (seeded order), and "
-                        "reported per value")
+    # Unset by default, as the CLI's decoder-key flags (unmask.cli.DECODER_FLAGS): a typed value
+    # must agree with a spec's gen_length, the default yields to it.
+    p.add_argument("--max-tokens", type=_int_list, default=None, metavar="N[,N...]",
+                   help=f"max_tokens of each request (default: {DEFAULT_MAX_TOKENS}, or the "
+                        "gen_length a --decoder spec sets, which must agree with a typed value); "
+                        "several values are mixed in one run, in equal shares (seeded order), "
+                        "and reported per value")
     p.add_argument("--concurrency", type=_int_list, default=None, metavar="N[,N...]",
                    help="requests in flight at once (default: 1, or no cap with --rate); several "
                         "values: one cell each")
@@ -119,6 +122,12 @@ class Cell:
     server: Server
     decoders: tuple[str | None, ...]  # None: the server's default decoder
     concurrency: int | None  # None: no cap (Poisson arrivals only)
+    # Per decoder: the gen_length its spec decides (its requests go without max_tokens), or None
+    # (max_tokens decides). Empty: None for all.
+    gen_lengths: tuple[int | None, ...] = ()
+
+    def gen_length(self, decoder: int) -> int | None:
+        return self.gen_lengths[decoder] if self.gen_lengths else None
 
     @property
     def label(self) -> str:
@@ -137,8 +146,9 @@ class Job:
     index: int
     prompt: str
     decoder: str | None
-    max_tokens: int
+    max_tokens: int  # the length the request asks for (what the report records)
     offset: float
+    send_max_tokens: bool = True  # False: the decoder spec's own gen_length decides
 
 
 @dataclass
@@ -189,7 +199,49 @@ def plan_cells(args: argparse.Namespace) -> list[Cell]:
     groups = [tuple(decoders)] if args.mix else [(d,) for d in decoders]
     concs: list[int | None] = list(args.concurrency) if args.concurrency else (
         [None] if args.rate else [1])
-    return [Cell(s, g, c) for s in servers for g in groups for c in concs]
+    own = spec_gen_lengths(args.decoder or [], args.max_tokens)
+    return [Cell(s, g, c, tuple(own.get(d) for d in g)) for s in servers for g in groups
+            for c in concs]
+
+
+def spec_gen_lengths(specs: list[str], max_tokens: list[int] | None) -> dict[str, int]:
+    """The specs whose own gen_length decides their requests' length (sent without max_tokens).
+
+    The server takes a request's own spec with its max_tokens (rounded up to block_length) as
+    an explicit gen_length: a spec that sets another one is a 400 for every request. So, as the
+    CLI's flags (README, "a flag left out is only a default"): a typed --max-tokens (max_tokens
+    not None) that does not fit a spec is an error here, before anything is sent; the untyped
+    default yields to a spec's gen_length."""
+    from unmask.decoding.params import DecodeParams
+
+    own: dict[str, int] = {}
+    for spec in specs:
+        base = DecodeParams.parse(spec)
+        for m in max_tokens or [DEFAULT_MAX_TOKENS]:
+            rounded = math.ceil(m / base.block_length) * base.block_length  # request_params'
+            try:
+                DecodeParams.parse(spec, explicit={"gen_length": rounded})  # what the server does
+                continue
+            except SpecError as e:
+                error = e
+            try:  # a default loses to the spec's own key: what it gives is the spec's gen_length
+                written: int | None = DecodeParams.parse(spec, gen_length=rounded).gen_length
+            except SpecError:
+                written = None  # the spec sets none, and cannot take this one (e.g. its steps)
+            if written is not None and max_tokens is None:
+                own[spec] = written
+                break
+            flag = f"--max-tokens {m}" + ("" if max_tokens else " (the default)")
+            asks = f" (asks for gen_length {rounded} at block_length {base.block_length})" \
+                if rounded != m else ""
+            if written is not None:
+                raise InputError(f"{flag}{asks} conflicts with gen_length={written} in --decoder "
+                                 f"{spec!r}: the server would refuse every request; drop "
+                                 f"--max-tokens (the spec's gen_length decides) or make them "
+                                 f"agree")
+            raise InputError(f"{flag}{asks} does not fit --decoder {spec!r}: {error}; type a "
+                             f"--max-tokens it fits, or set gen_length in the spec")
+    return own
 
 
 def arrival_offsets(n: int, rate: float | None, seed: int) -> list[float]:
@@ -216,9 +268,18 @@ def max_tokens_order(n: int, values: list[int], seed: int) -> list[int]:
 
 def make_jobs(prompts: list[str], cell: Cell, args: argparse.Namespace) -> list[Job]:
     offsets = arrival_offsets(len(prompts), args.rate, args.seed)
-    tokens = max_tokens_order(len(prompts), args.max_tokens, args.seed)
-    return [Job(i, p, cell.decoders[i % len(cell.decoders)], tokens[i], offsets[i])
-            for i, p in enumerate(prompts)]
+    tokens = max_tokens_order(len(prompts), max_tokens_values(args), args.seed)
+    jobs = []
+    for i, p in enumerate(prompts):
+        k = i % len(cell.decoders)
+        own = cell.gen_length(k)
+        jobs.append(Job(i, p, cell.decoders[k], tokens[i] if own is None else own, offsets[i],
+                        send_max_tokens=own is None))
+    return jobs
+
+
+def max_tokens_values(args: argparse.Namespace) -> list[int]:
+    return args.max_tokens or [DEFAULT_MAX_TOKENS]
 
 
 def load_prompts(task: str, n: int, seed: int) -> list[str]:
@@ -231,8 +292,9 @@ def load_prompts(task: str, n: int, seed: int) -> list[str]:
 
 
 def request_body(job: Job, endpoint: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"max_tokens": job.max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+    if job.send_max_tokens:
+        body["max_tokens"] = job.max_tokens
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": job.prompt}]
     else:
@@ -418,12 +480,15 @@ async def warm_up(client: Any, cells: list[Cell], prompts: list[str],
                   args: argparse.Namespace) -> None:
     seen = set()
     for cell in cells:
-        for d in cell.decoders:
+        for k, d in enumerate(cell.decoders):
             if (cell.server, d) in seen:
                 continue
             seen.add((cell.server, d))
+            own = cell.gen_length(k)
             for i in range(args.warmup):
-                job = Job(-1, prompts[i % len(prompts)], d, max(args.max_tokens), 0.0)
+                job = Job(-1, prompts[i % len(prompts)], d,
+                          max(max_tokens_values(args)) if own is None else own, 0.0,
+                          send_max_tokens=own is None)
                 out = await send(client, cell.server.url, job, args.endpoint,
                                  time.perf_counter(), args.timeout)
                 if out.error:
@@ -560,7 +625,8 @@ def command_line(args: argparse.Namespace) -> str:
         argv += ["--decoder", d]
     if args.mix:
         argv.append("--mix")
-    argv += ["--max-tokens", ",".join(map(str, args.max_tokens))]
+    if args.max_tokens:  # typed only: typed, it would have to agree with a spec's gen_length
+        argv += ["--max-tokens", ",".join(map(str, args.max_tokens))]
     if args.concurrency:
         argv += ["--concurrency", ",".join(map(str, args.concurrency))]
     if args.rate:
@@ -585,7 +651,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     with_ratios(doc["cells"])
     doc = {"command": command_line(args), "task": args.task,
            "endpoint": args.endpoint, "n": args.n, "rounds": args.rounds, "rate": args.rate,
-           "max_tokens": args.max_tokens, "seed": args.seed, "started": started, **doc}
+           "max_tokens": max_tokens_values(args), "seed": args.seed, "started": started, **doc}
     print(markdown_table(doc["cells"]), end="")
     sys.stdout.flush()
     if args.json:

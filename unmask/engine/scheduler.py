@@ -54,10 +54,13 @@ class Scheduler:
                              f"{req.slots} slots exceeds the engine's slot budget {limit}")
 
     def add(self, req: Request) -> None:
+        """Queue `req`. max_queue counts the requests that must wait for a row or slots: one
+        that the next step admits does not wait, so max_queue 0 still serves whatever fits."""
         self.check_fits(req)
         limit = self.config.max_queue
         if limit is not None and len(self.waiting) >= limit:
-            raise QueueFull(f"queue full ({limit} waiting requests)")
+            if len(self.waiting) + 1 - self._admits(self.running, [*self.waiting, req]) > limit:
+                raise QueueFull(f"queue full ({limit} waiting requests)")
         self.waiting.append(req)
 
     def schedule(self) -> list[Request]:
@@ -72,6 +75,23 @@ class Scheduler:
             self.running[req.request_id] = req
             admitted.append(req)
         return admitted
+
+    def admitted_when_idle(self, reqs: list[Request]) -> int:
+        """How many of `reqs`, arriving in this order at an idle engine, would run at once (the
+        rest wait): what the row and slot budgets allow. It lets a caller tell a batch that
+        could never be held (more than this + max_queue) from one that must wait its turn.
+
+        Reads only the config and group_of, never this scheduler's queues, so any thread may
+        call it."""
+        return self._admits({}, reqs)
+
+    def _admits(self, running: dict[str, Request], reqs: list[Request]) -> int:
+        """How many of `reqs`, waiting in this order beside `running`, the next step admits (a
+        scheduler of its own runs `schedule`: one rule for admission)."""
+        sim = Scheduler(self.config, self.group_of)
+        sim.running = dict(running)
+        sim.waiting.extend(reqs)
+        return len(sim.schedule())
 
     def finish(self, req: Request) -> None:
         self.running.pop(req.request_id, None)

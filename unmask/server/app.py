@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from unmask.api import LLM, useful_length
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
 from unmask.engine import Engine, SchedulerConfig, StepEvent
+from unmask.engine import Request as EngineRequest
 from unmask.engine.scheduler import QueueFull
 from unmask.errors import InputError, UnmaskError
 from unmask.server.async_engine import EngineThread, Handle
@@ -154,6 +155,24 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
+async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """The router's own errors (no such route, a method the route lacks), in the OpenAI error
+    body every other error has, so a client's error handling sees one shape. Also the Ray
+    ingress's handler (ray_serve.py)."""
+    where = f"{request.method} {request.url.path}"
+    if e.status_code == 404:
+        message = (f"Invalid URL ({where}): no such route; GET /openapi.json lists this "
+                   f"server's routes")
+    elif e.status_code == 405:
+        allowed = (e.headers or {}).get("Allow", "")
+        message = f"method {request.method} is not allowed for {request.url.path}" + (
+            f"; allowed: {allowed}" if allowed else "")
+    else:
+        message = f"{where}: {e.detail}"
+    kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
+    return JSONResponse(error_body(message, kind), e.status_code, headers=e.headers)
+
+
 # --- text of a decode in progress --------------------------------------------------------------
 class TextStream:
     """The committed prefix of one request as text: what may be sent now, and when to stop.
@@ -258,22 +277,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(error_body(str(e), e.kind, e.param), e.status, headers=e.headers)
 
-    @app.exception_handler(HTTPException)
-    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
-        # The router's own errors (no such route, a method the route lacks), in the OpenAI error
-        # body every other error has, so a client's error handling sees one shape.
-        where = f"{request.method} {request.url.path}"
-        if e.status_code == 404:
-            message = (f"Invalid URL ({where}): no such route; GET /openapi.json lists this "
-                       f"server's routes")
-        elif e.status_code == 405:
-            allowed = (e.headers or {}).get("Allow", "")
-            message = f"method {request.method} is not allowed for {request.url.path}" + (
-                f"; allowed: {allowed}" if allowed else "")
-        else:
-            message = f"{where}: {e.detail}"
-        kind = "server_error" if e.status_code >= 500 else "invalid_request_error"
-        return JSONResponse(error_body(message, kind), e.status_code, headers=e.headers)
+    app.add_exception_handler(HTTPException, http_error)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
@@ -387,12 +391,39 @@ def _check_capacity(state: ServerState, n: int, what: str) -> None:
     """A request of n engine requests that the engine could never hold at once is a 400 (a 429
     would ask the client to retry something that cannot succeed)."""
     c = state.config
-    if n > c.max_running + c.max_queue:
-        most = c.max_running + c.max_queue
+    most = c.max_running + c.max_queue
+    if n > most:
         raise APIError(400, f"{n} {what} in one request can never be admitted together: this "
                             f"server holds at most {most} requests (--max-running "
                             f"{c.max_running} decoding + --max-queue {c.max_queue} waiting); send "
                             f"at most {most} per request")
+
+
+def _check_slots(state: ServerState, ids: list[list[int]], params: list[DecodeParams],
+                 what: str) -> None:
+    """_check_capacity once the prompts are tokenized: under --max-slots an idle server may run
+    fewer than --max-running of them at once, and past those and --max-queue waiting the rest
+    would get a 429 that no retry cures. Counted by the scheduler's own accounting, in the order
+    they are submitted."""
+    c = state.config
+    if c.max_slots is None:
+        return
+    scheduler = state.engine.engine.scheduler  # admitted_when_idle reads none of its queues
+    reqs = [EngineRequest(p, q) for p, q in zip(ids, params, strict=True)]
+    for r in reqs:  # one that could never run even alone: say so before submitting any
+        try:
+            scheduler.check_fits(r)
+        except InputError as e:
+            raise APIError(400, str(e)) from None
+    at_once = scheduler.admitted_when_idle(reqs)
+    most = at_once + c.max_queue
+    if len(reqs) > most:
+        raise APIError(400, f"{len(reqs)} {what} in one request can never be admitted together: "
+                            f"under --max-slots {c.max_slots} (each holds prompt + gen_length "
+                            f"slots, padded to the longest of its decoder batch) an idle server "
+                            f"runs {at_once} of them at once, and --max-queue {c.max_queue} more "
+                            f"can wait; send at most {most} per request, or shorter prompts or "
+                            f"max_tokens")
 
 
 def _encode(llm: LLM, prompt: str | list[int], chat: bool, field: str = "prompt") -> list[int]:
@@ -474,6 +505,7 @@ class _Run:
 async def _respond(state: ServerState, body: _Common, ids: list[list[int]], request: Request,
                    chat: bool) -> Response:
     params = request_params(state.config, body)
+    _check_slots(state, ids, [params] * len(ids), "prompts")
     runs: list[_Run] = []
     try:
         for i, p in enumerate(ids):

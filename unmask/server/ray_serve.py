@@ -9,7 +9,9 @@ Deployments of the Serve application "unmask":
 - `ingress`: the FastAPI ingress Serve's HTTP proxy sends every request to. It forwards the
   request's method, path, headers and body to the engine replica with the fewest requests in
   flight and streams the bytes back (SSE chunk by chunk). Routes, errors, streaming and stop
-  strings are app.py's: nothing is handled twice.
+  strings are app.py's: nothing is handled twice. The ingress does refuse a body over the
+  replicas' --max-body-bytes itself (app.py's BodyLimit), before reading it, as it would
+  otherwise hold the whole body in memory and send it on.
 
 Failover. When a replica dies before any byte of a response has left the ingress, the ingress
 sends the request to another replica; outputs are batch-invariant, so the client gets the tokens
@@ -48,8 +50,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from unmask.server.app import ServerConfig
+from unmask.server.app import BodyLimit, ServerConfig, http_error
 from unmask.server.protocol import error_body
 
 log = logging.getLogger("unmask.server")
@@ -267,7 +271,27 @@ class ReplicaPool:
             del self._probes[i]
 
 
+class ReplicaBodyLimit:
+    """app.py's BodyLimit (a body over the limit is a 413 before it is read), at the limit of the
+    ingress replica serving the request: serve.ingress freezes the app when this module is
+    imported, before build_ray_app knows the options. The replica is found the way Serve finds
+    its routes' `self`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # lifespan runs before the replica context exists
+            await self.app(scope, receive, send)
+            return
+        limit = serve.get_replica_context().servable_object.max_body_bytes
+        await BodyLimit(self.app, limit)(scope, receive, send)
+
+
 ingress_api = FastAPI(title="unmask on Ray Serve", version="0.1.0")
+ingress_api.add_middleware(ReplicaBodyLimit)
+# Wrong methods (and unknown routes) in app.py's OpenAI error body, not FastAPI's {"detail": ...}.
+ingress_api.add_exception_handler(HTTPException, http_error)
 
 
 @ingress_api.exception_handler(Exception)
@@ -279,7 +303,8 @@ async def _internal(request: Request, e: Exception) -> JSONResponse:
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
 @serve.ingress(ingress_api)
 class Ingress:
-    def __init__(self, engines: list[DeploymentHandle]) -> None:
+    def __init__(self, engines: list[DeploymentHandle], max_body_bytes: int) -> None:
+        self.max_body_bytes = max_body_bytes  # the replicas' own limit (ReplicaBodyLimit)
         self.pool = ReplicaPool(engines)
         r = self.registry = CollectorRegistry()
         self.retries = Counter("unmask_ray_retries", "Requests sent again to another replica "
@@ -395,7 +420,7 @@ def build_ray_app(opts: RayServeOptions) -> serve.Application:
         for i in range(opts.replicas)]
     return Ingress.options(graceful_shutdown_timeout_s=opts.shutdown_timeout_s,
                            max_ongoing_requests=opts.replicas * opts.engine_capacity + 64,
-                           ).bind(engines)
+                           ).bind(engines, opts.server.max_body_bytes)
 
 
 def deploy(opts: RayServeOptions, host: str = "127.0.0.1", port: int = 8000,
