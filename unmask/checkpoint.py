@@ -89,7 +89,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise CheckpointError(f"model folder {folder} does not exist")
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise CheckpointError(f"model folder {folder} {what}")
     try:
         config = ModelConfig.load(folder)
     except ConfigError as e:
@@ -113,13 +114,26 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
             if tuple(t.shape) != tuple(expected[key].shape):
                 raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, config "
                                       f"expects {tuple(expected[key].shape)}")
+            if not t.is_floating_point():  # casting int/bool/complex weights gives silent garbage
+                raise CheckpointError(f"{file.name}: tensor {key!r} has dtype {t.dtype}; weights "
+                                      "must be floating point (float32, bfloat16, float16, ...)")
             state[key] = t.to(device=device, dtype=dtype)
+            if not _finite(state[key]):
+                raise CheckpointError(f"{file.name}: tensor {key!r} holds NaN or infinite values "
+                                      f"(in {dtype}); the checkpoint is damaged")
     missing = [k for k in expected if k not in state]
     if missing:
         raise CheckpointError(f"{folder}: missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     model.load_state_dict(state, assign=True)
     return model.eval()
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of t is finite. The sum (accumulated in float32, in t's dtype, no
+    copy of t) is NaN or inf whenever a value is; only then, or if a float16 sum overflows, is
+    the exact test run, which allocates a bool per value."""
+    return bool(t.sum().isfinite()) or bool(t.isfinite().all())
 
 
 def _resolve_dtype(config: ModelConfig, device: torch.device,
@@ -153,8 +167,9 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
             raise CheckpointError(f"{folder} has no *.safetensors weights")
         return dict.fromkeys(present)
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    # ValueError: bad JSON or UTF-8; RecursionError: absurd nesting
+    except (OSError, ValueError, RecursionError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index.name} is not a safetensors index (a JSON object with a "
                               f"weight_map): {e}") from e
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

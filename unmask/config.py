@@ -10,6 +10,7 @@ checkpoint asks for is silently ignored.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -20,6 +21,16 @@ from unmask.errors import ConfigError  # noqa: F401  (re-exported)
 MODEL_TYPES = ("llada", "Dream")
 # The dtypes a checkpoint can run in; the names are config.json's torch_dtype values.
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
+# Sanity bounds, orders of magnitude above any published model (LLaDA-8B: d_model 4096, 32 layers,
+# vocab 126,464). Past them even the empty (meta-device) model overflows torch's sizes or takes
+# hours to build, so a typo such as 10**12 is refused before anything is built.
+MAX_WIDTH = 1 << 20  # d_model, mlp_hidden_size, vocab_size, embedding_size, head counts
+MAX_LAYERS = 1 << 12
+# Keys a config.json must set: the reference fills absent ones with its own defaults (OLMo's,
+# Qwen2's), not ours, so an absent key would silently build a model the reference does not.
+# Absent LLaDA n_kv_heads / mlp_hidden_size are derived by the model file's `prepare`.
+REQUIRED = ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size",
+            "mask_token_id", "eos_token_id")
 
 
 @dataclass(frozen=True)
@@ -105,19 +116,27 @@ class ModelConfig:
         for f in fields(self):
             value, kind = getattr(self, f.name), str(f.type).removesuffix(" | None")
             if kind in ("int", "float", "bool"):
-                cast = {"int": int, "float": float, "bool": bool}[kind]
-                ok = isinstance(value, (int, float)) and not (kind == "int" and value != int(value))
                 if kind == "bool":
                     ok = isinstance(value, bool) or value in (0, 1)
+                else:  # true/false are not sizes; NaN and 1e999 (inf) are not numbers
+                    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+                          and math.isfinite(value) and not (kind == "int" and value != int(value)))
                 if not ok:
                     raise ConfigError(f"config key {f.name!r} must be {kind}, got {value!r}")
-                setattr(self, f.name, cast(value))
+                setattr(self, f.name, {"int": int, "float": float, "bool": bool}[kind](value))
 
     def _check_sizes(self) -> None:
         for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size",
                      "vocab_size", "embedding_size", "max_sequence_length"):
-            if int(getattr(self, name)) <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+            value = getattr(self, name)
+            # max_sequence_length sizes no tensor: it only bounds requests
+            limit = {"n_layers": MAX_LAYERS, "max_sequence_length": None}.get(name, MAX_WIDTH)
+            if value <= 0 or limit is not None and value > limit:
+                valid = "a positive integer" if limit is None else f"an integer in 1..{limit:,}"
+                raise ConfigError(f"{name} must be {valid}, got {value:,}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            if getattr(self, name) <= 0:  # a non-positive base or epsilon gives NaN activations
+                raise ConfigError(f"{name} must be a positive number, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -134,6 +153,12 @@ class ModelConfig:
             tok = getattr(self, name)
             if not 0 <= tok < self.embedding_size:
                 raise ConfigError(f"{name}={tok} is outside the embedding (0..{self.embedding_size - 1})")
+        if self.mask_token_id == self.eos_token_id:
+            raise ConfigError(f"mask_token_id and eos_token_id are both {self.eos_token_id}; the "
+                              "mask must be a token of its own")
+        if self.eos_token_id >= self.vocab_size:
+            raise ConfigError(f"eos_token_id={self.eos_token_id} is not in the vocabulary "
+                              f"(0..{self.vocab_size - 1}): the model could never predict it")
 
     def _check_choices(self, dream: bool) -> None:
         if self.torch_dtype not in TORCH_DTYPES:
@@ -184,7 +209,7 @@ class ModelConfig:
         if kind == "default":
             return 1.0
         if kind != "linear" or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
-                or factor <= 0:
+                or not 0 < factor < math.inf:
             raise ConfigError(f"config key 'rope_scaling' = {_show(s)} is not supported; unmask "
                               "builds null, default, or linear with a positive factor")
         return float(factor)
@@ -202,6 +227,11 @@ class ModelConfig:
         keys = json_keys(model_type)
         raw = keys.prepare(dict(raw)) if keys.prepare else dict(raw)
         to_field = keys.json_fields()
+        required = [k for k, f in to_field.items() if f in REQUIRED]
+        absent = [k for k in required if k not in raw]
+        if absent:
+            raise ConfigError(f"config.json has no {', '.join(map(repr, absent))}; model_type "
+                              f"{model_type} needs each of {', '.join(required)}")
         known = {to_field[k]: v for k, v in raw.items() if k in to_field}
         extra = {k: v for k, v in raw.items() if k not in to_field}
         try:
@@ -226,8 +256,11 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"{folder} has no config.json")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise ConfigError(f"{path} cannot be read: {e}") from e
+        # ValueError: bad JSON or bad UTF-8; RecursionError: absurdly deep nesting
+        except (ValueError, RecursionError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
         return cls.from_dict(raw)
 

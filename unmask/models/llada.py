@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from unmask.config import JsonKeys, ModelConfig
+from unmask.config import ConfigError, JsonKeys, ModelConfig
 from unmask.kv import Frame
 from unmask.models.layers import RMSNorm, attention, init_weights, rope_cos_sin, swiglu
 
@@ -91,11 +91,19 @@ def _prepare(raw: dict[str, Any]) -> dict[str, Any]:
     if raw.get("n_kv_heads") is None and raw.get("multi_query_attention") is None:
         raw["n_kv_heads"] = raw.get("n_heads")
     if raw.get("mlp_hidden_size") is None and "d_model" in raw:
-        raw["mlp_hidden_size"] = (raw.get("mlp_ratio") or 4) * raw["d_model"]
+        ratio, width = raw.get("mlp_ratio") or 4, raw["d_model"]
+        if not _is_number(ratio):
+            raise ConfigError(f"config key 'mlp_ratio' must be a number, got {ratio!r}")
+        # a bad d_model is named by ModelConfig's type check; "abc" * 4 would hide it
+        raw["mlp_hidden_size"] = ratio * width if _is_number(width) else None
     for key in ("embedding_size", "include_qkv_bias", "rope_full_precision"):
         if raw.get(key) is None:
             raw.pop(key, None)  # ModelConfig's None: the reference default
     return raw
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # Key names and meanings are those of the public LLaDA configuration file (OLMo's config).

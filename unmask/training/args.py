@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from unmask.errors import InputError
@@ -51,7 +53,65 @@ def parse_buckets(spec: str) -> tuple[CanvasBucket, ...]:
                              f"({e})") from e
     if not any(not b.tight for b in out):
         raise InputError(f"{spec!r}: at least one fixed LO-HI bucket is needed (it caps answer length)")
+    if not sum(b.weight for b in out) > 0:
+        raise InputError(f"{spec!r}: the bucket weights sum to 0; at least one must be positive")
     return tuple(out)
+
+
+def longest_canvas(buckets: tuple[CanvasBucket, ...]) -> int:
+    """The most response positions a batch can have: a tight batch's longest answer is capped by
+    the longest fixed canvas, and gets up to its bucket's hi extra EOS."""
+    fixed = max(b.hi for b in buckets if not b.tight)
+    return fixed + max((b.hi for b in buckets if b.tight), default=0)
+
+
+MAX_ROWS = 128  # rows of one batch (DataStream.max_batch)
+MAX_PROMPT = 512  # tokens of the longest prompt trained on (code prompts are cut there)
+# flag -> (whether a value is valid, what is valid); run before anything is built or written.
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "vocab_size": (lambda v: 261 <= v <= 1 << 20,
+                   "an integer in 261..1048576 (256 byte tokens and 5 special tokens come first)"),
+    "max_seq_len": (lambda v: v >= 1, "an integer >= 1"),
+    "max_steps": (lambda v: v >= 0, "an integer >= 0"),
+    "batch_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "lr": (lambda v: v > 0, "a number > 0"),
+    "warmup": (lambda v: 0 <= v < 1, "a fraction of progress in [0, 1)"),
+    "weight_decay": (lambda v: v >= 0, "a number >= 0"),
+    "grad_clip": (lambda v: v > 0, "a number > 0 (the gradient norm is clipped to it)"),
+    "code_frac": (lambda v: 0 <= v <= 1, "a share of batches in [0, 1]"),
+    "code_max_tokens": (lambda v: v >= 0, "an integer >= 0"),
+    "pad_weight": (lambda v: v >= 0, "a number >= 0"),
+    "digit_weight": (lambda v: v >= 0, "a number >= 0"),
+    "semi_ar": (lambda v: 0 <= v <= 1, "a share of rows in [0, 1]"),
+    "time_budget_min": (lambda v: v > 0, "a number of minutes > 0"),
+    "eval_every": (lambda v: v >= 1, "an integer >= 1"),
+    "eval_batches": (lambda v: v >= 1, "an integer >= 1"),
+    "solve_every": (lambda v: v >= 0, "an integer >= 0 (0: never)"),
+    "solve_n": (lambda v: v >= 0, "an integer >= 0"),
+    "ckpt_minutes": (lambda v: v >= 0, "a number of minutes >= 0"),
+    "log_every": (lambda v: v >= 1, "an integer >= 1"),
+    "seed": (lambda v: 0 <= v < 1 << 63, "an integer in 0..2**63-1"),
+}
+
+
+def check_train_args(args: argparse.Namespace) -> None:
+    """Refuse flag values that would crash, hang or silently train nonsense, naming the flag and
+    what is valid; the model's sizes are ModelConfig's to check."""
+    for name, (ok, valid) in _RANGES.items():
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise InputError(f"--{name.replace('_', '-')} must be {valid}, got {value}")
+    if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
+        raise InputError(f"--threads must be 'auto' or an integer >= 1, got {args.threads!r}")
+    canvas = longest_canvas(args.buckets)
+    if canvas > args.max_seq_len:
+        raise InputError(f"--buckets reach canvases of {canvas} positions, longer than --max-seq-len "
+                         f"{args.max_seq_len}: the model would be trained past its length")
+    # A batch holds at most MAX_ROWS rows, so more tokens only pile up unused examples.
+    most = MAX_ROWS * (MAX_PROMPT + canvas)
+    if args.batch_tokens > most:
+        raise InputError(f"--batch-tokens must be at most {most} with these --buckets ({MAX_ROWS} "
+                         f"rows of up to {MAX_PROMPT} + {canvas} tokens), got {args.batch_tokens}")
 
 
 def _buckets_arg(spec: str) -> tuple[CanvasBucket, ...]:

@@ -41,7 +41,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.errors import CheckpointError, InputError, UnmaskError
-from unmask.training.args import DEFAULT_BUCKETS, CanvasBucket, add_train_arguments, parse_buckets
+from unmask.training.args import (
+    DEFAULT_BUCKETS,
+    MAX_PROMPT,
+    MAX_ROWS,
+    CanvasBucket,
+    add_train_arguments,
+    check_train_args,
+    longest_canvas,
+    parse_buckets,
+)
 from unmask.training.tokenizer import EOS, MASK, format_prompt
 
 __all__ = ["DEFAULT_BUCKETS", "CanvasBucket", "add_train_arguments", "parse_buckets", "run_train"]
@@ -63,9 +72,15 @@ class TextEncoder:
     def __init__(self, tokenizer_file: str | Path) -> None:
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(str(tokenizer_file))
+        try:
+            self.tok = Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises its own exception type for a bad file
+            raise CheckpointError(f"{tokenizer_file} is not a readable tokenizer: {e}") from None
         self.eos_id = self.tok.token_to_id(EOS)
         self.mask_id = self.tok.token_to_id(MASK)
+        if self.eos_id is None or self.mask_id is None:
+            raise CheckpointError(f"{tokenizer_file} has no {EOS} or {MASK} token; unmask train "
+                                  "needs both (a tokenizer it trained has them)")
         self.vocab_size = self.tok.get_vocab_size()
 
     def digit_ids(self) -> tuple[int, ...]:
@@ -83,7 +98,7 @@ class DataStream:
     """Endless batches from the training splits (math + code), with a resumable RNG."""
 
     def __init__(self, enc: TextEncoder, *, split: str = "train", code_frac: float = 0.25,
-                 batch_tokens: int = 8192, max_batch: int = 128,
+                 batch_tokens: int = 8192, max_batch: int = MAX_ROWS,
                  buckets: tuple[CanvasBucket, ...] = DEFAULT_BUCKETS, seed: int = 0,
                  code_max_tokens: int = 0) -> None:
         from unmask.tasks import code as code_task
@@ -102,11 +117,11 @@ class DataStream:
             pairs = [(enc.prompt(c.prompt), enc.response(c.response))
                      for c in code_task.make_split(split, None, seed=0)]  # type: ignore[arg-type]
             cap = min(code_max_tokens, max_canvas) if code_max_tokens > 0 else max_canvas
-            self.code = [c for c in pairs if len(c[1]) <= cap and len(c[0]) <= 512]
+            self.code = [c for c in pairs if len(c[1]) <= cap and len(c[0]) <= MAX_PROMPT]
 
     def _example(self, max_resp: int, is_code: bool) -> tuple[list[int], list[int]]:
         """One (prompt ids, response ids incl. one EOS) pair whose response fits ``max_resp``."""
-        while True:
+        for _ in range(10_000):  # canvases shorter than every answer would loop forever
             if is_code:
                 p, r = self.code[self.rng.randrange(len(self.code))]
             else:
@@ -116,6 +131,8 @@ class DataStream:
                 p, r = self.enc.prompt(prob.prompt), self.enc.response(prob.response)
             if len(r) <= max_resp:
                 return p, r
+        raise InputError(f"no {'code' if is_code else 'math'} answer in 10,000 fits a canvas of "
+                         f"{max_resp} tokens; give --buckets longer canvases")
 
     def canvas_length(self) -> int | tuple[int, int]:
         """A canvas length, or for a tight bucket the (lo, hi) range of extra EOS."""
@@ -294,6 +311,46 @@ def _device(name: str) -> torch.device:
     return resolve_device(None if name == "auto" else name)
 
 
+def _check_out_paths(out: Path, tok_dir: Path, export: Path | None) -> None:
+    """Make the run folder and check the others before training, not after it."""
+    for flag, folder in (("--out", out), ("--tokenizer", tok_dir)):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InputError(f"{flag} {folder} cannot be used as a folder: {e}") from None
+    if export is None:
+        return
+    # _export replaces the folder: never one that holds anything but an earlier export.
+    if export.exists() and not (export.is_dir() and (not any(export.iterdir())
+                                                     or (export / "config.json").is_file())):
+        raise InputError(f"--export {export} exists and is not a model folder; it would be replaced: "
+                         "name a new folder or an earlier export")
+    try:
+        export.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--export {export}: its parent cannot be used as a folder: {e}") from None
+
+
+def _check_fits(config, tokens: int, device: torch.device) -> None:  # config: ModelConfig
+    """Refuse a model that cannot fit before allocating it (an allocation of many GB is killed by
+    the OS, not refused): float32 weights, gradients and two AdamW moments (16 bytes per
+    parameter) plus the float32 logits of one row of ``tokens`` positions (with their softmax
+    and gradient: 12 bytes per position per vocabulary entry). A lower bound, not a forecast."""
+    from unmask.models import build_model
+
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build_model(config).parameters())
+    need = 16 * n_params + 12 * tokens * config.vocab_size
+    if device.type == "cuda":
+        have = torch.cuda.get_device_properties(device).total_memory
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise InputError(f"a model of {n_params:,} parameters needs at least {need / 2**30:.1f} GiB to "
+                         f"train, more than the {have / 2**30:.1f} GiB of {device.type} memory here; "
+                         "use a smaller --d-model, --n-layers, --mlp-hidden, --vocab-size or --buckets")
+
+
 def _model_config(args: argparse.Namespace, enc: TextEncoder):  # -> ModelConfig
     from unmask.config import ModelConfig
 
@@ -449,14 +506,14 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     from unmask.tasks.math import make_split
     from unmask.training.tokenizer import train_tokenizer
 
+    check_train_args(args)
     console = Console(stderr=False)
     auto_threads = args.threads == "auto"
     torch.set_num_threads(2 if auto_threads else int(args.threads))
     device = _device(args.device)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
     tok_dir = Path(args.tokenizer) if args.tokenizer else out / "tokenizer"
+    _check_out_paths(out, tok_dir, Path(args.export) if args.export else None)
     if not (tok_dir / "tokenizer.json").is_file():
         console.print(f"training tokenizer (vocab {args.vocab_size}) -> {tok_dir}")
         train_tokenizer(tok_dir, vocab_size=args.vocab_size, seed=args.seed)
@@ -465,6 +522,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.manual_seed(args.seed)
     config = _model_config(args, enc)
+    _check_fits(config, longest_canvas(args.buckets) + MAX_PROMPT, device)
     model = build_model(config)
     model.init_weights()
     if args.init and not (args.resume and (out / "state.pt").is_file()):

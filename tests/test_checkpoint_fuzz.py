@@ -1,0 +1,179 @@
+"""Hostile and careless model folders and `unmask train` flags: each is refused up front with an
+UnmaskError naming what is wrong (CLI: exit 2), never a traceback, a hang or a huge allocation."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_model, tiny_tokenizer_dir
+from safetensors.torch import load_file, save_file
+
+from unmask.checkpoint import CheckpointError, load_model, save_checkpoint
+from unmask.errors import InputError, UnmaskError
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    save_checkpoint(tiny_model("llada"), tmp_path)
+    return tmp_path
+
+
+def _edit_config(folder: Path, **change) -> None:
+    raw = json.loads((folder / "config.json").read_text())
+    for k, v in change.items():
+        if v is ...:
+            raw.pop(k)
+        else:
+            raw[k] = v
+    (folder / "config.json").write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"n_layers": 10**12}, "n_layers must be an integer in 1..4,096"),  # was a multi-minute hang
+    ({"d_model": 10**12}, "d_model must be an integer in 1.."),  # was a RuntimeError
+    ({"mlp_hidden_size": 2**63}, "mlp_hidden_size"),  # was a TypeError
+    ({"vocab_size": True}, "'vocab_size' must be int, got True"),  # was loaded as vocab_size 1
+    ({"mask_token_id": True}, "'mask_token_id' must be int"),
+    ({"d_model": float("inf")}, "'d_model' must be int"),  # was an OverflowError
+    ({"rope_theta": 0}, "rope_theta must be a positive number"),  # were NaN logits, empty text
+    ({"rope_theta": float("nan")}, "'rope_theta' must be float"),
+    ({"rms_norm_eps": -1}, "rms_norm_eps must be a positive number"),
+    ({"mask_token_id": 1, "eos_token_id": 1}, "both 1"),  # was garbage output
+    ({"vocab_size": 50, "embedding_size": 300, "eos_token_id": 60}, "could never predict"),
+    ({"d_model": ...}, "config.json has no 'd_model'"),  # was unmask's default 256
+    ({"mask_token_id": ...}, "config.json has no 'mask_token_id'"),  # was id 2, silently
+    ({"mlp_hidden_size": None, "mlp_ratio": "x"}, "'mlp_ratio' must be a number"),
+])
+def test_bad_config_value_refused(folder: Path, change: dict, words: str) -> None:
+    _edit_config(folder, **change)
+    with pytest.raises(CheckpointError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("text", [b"\xff\xfe{}", b"[" * 100_000 + b"]" * 100_000])
+def test_config_json_not_utf8_or_too_deep(folder: Path, text: bytes) -> None:
+    (folder / "config.json").write_bytes(text)  # were UnicodeDecodeError / RecursionError
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_model(folder)
+
+
+def test_a_file_is_not_a_model_folder(folder: Path) -> None:
+    with pytest.raises(CheckpointError, match="is not a folder"):  # was "does not exist"
+        load_model(folder / "config.json")
+
+
+def _edit_weights(folder: Path, name: str, edit) -> None:
+    state = load_file(str(folder / "model.safetensors"))
+    state[name] = edit(state[name])
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+Q = "model.transformer.blocks.0.q_proj.weight"
+
+
+@pytest.mark.parametrize("edit", [lambda t: t.long(), lambda t: t > 0, lambda t: t.to(torch.complex64)],
+                         ids=["int64", "bool", "complex"])
+def test_non_float_weights_refused(folder: Path, edit) -> None:
+    _edit_weights(folder, Q, edit)  # were cast silently: int64 weights truncate to garbage
+    with pytest.raises(CheckpointError, match=f"{Q}.*must be floating point"):
+        load_model(folder)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", [None, "bfloat16", "float16"])
+def test_non_finite_weights_refused(folder: Path, value: float, dtype: str | None) -> None:
+    _edit_weights(folder, Q, lambda t: t.clone().index_fill_(0, torch.tensor([3]), value))
+    with pytest.raises(CheckpointError, match=f"{Q}.*NaN or infinite"):  # was empty output
+        load_model(folder, dtype=dtype)
+
+
+def test_valid_weights_in_other_float_dtypes_still_load(folder: Path) -> None:
+    ref = load_model(folder)
+    _edit_weights(folder, Q, lambda t: t.double())
+    assert torch.equal(load_model(folder).state_dict()[Q], ref.state_dict()[Q])
+
+
+# ------------------------------------------------------------------------------ unmask train
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+def _train(tok_dir: Path, out: Path, *extra: str) -> None:
+    from unmask.training.train import add_train_arguments, run_train
+
+    args = add_train_arguments(argparse.ArgumentParser()).parse_args([
+        "--tokenizer", str(tok_dir), "--out", str(out), "--d-model", "32", "--n-layers", "1",
+        "--n-heads", "2", "--mlp-hidden", "64", "--batch-tokens", "512", "--code-frac", "0",
+        "--eval-every", "1", "--eval-batches", "1", "--solve-every", "0", "--threads", "1",
+        "--max-steps", "1", *extra])
+    run_train(args)
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--eval-every", "0"], "--eval-every must be an integer >= 1"),  # were ZeroDivisionError
+    (["--log-every", "0"], "--log-every"),
+    (["--eval-batches", "0"], "--eval-batches"),
+    (["--batch-tokens", "0"], "--batch-tokens must be an integer >= 1"),  # was ValueError
+    (["--batch-tokens", str(10**12)], "--batch-tokens must be at most"),  # was a hang
+    (["--threads", "x"], "--threads must be 'auto' or an integer"),  # was ValueError
+    (["--lr", "nan"], "--lr must be a number > 0"),
+    (["--warmup", "2"], "--warmup"),  # were silently accepted
+    (["--grad-clip", "0"], "--grad-clip"),
+    (["--code-frac", "2"], "--code-frac"),
+    (["--weight-decay", "nan"], "--weight-decay"),  # was a NaN loss
+    (["--seed", str(2**70)], "--seed"),  # was an OverflowError
+    (["--vocab-size", str(10**9)], "--vocab-size"),  # was a Rust abort, after minutes
+    (["--max-seq-len", "8"], "longer than --max-seq-len 8"),  # trained past the model's length
+    (["--buckets", "100000000-100000000:1", "--max-seq-len", "200000000"], "GiB to train"),
+    (["--buckets", "0-0:1"], "no math answer in 10,000 fits a canvas of 0"),  # was a hang
+    (["--d-model", str(1 << 20)], "GiB to train"),  # was an allocation of 4 TiB
+    (["--n-layers", str(10**12)], "n_layers must be an integer in 1.."),  # was a hang
+])
+def test_train_bad_flags_refused(tok_dir: Path, tmp_path: Path, extra: list[str], words: str) -> None:
+    with pytest.raises(UnmaskError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        _train(tok_dir, tmp_path / "run", *extra)
+
+
+def test_train_bucket_weights_must_not_all_be_zero() -> None:
+    from unmask.training.train import parse_buckets
+
+    with pytest.raises(InputError, match="sum to 0"):  # was a ValueError from random.choices
+        parse_buckets("5-10:0")
+
+
+def test_train_unusable_paths_refused_before_training(tok_dir: Path, tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for extra, words in [(["--out", str(a_file)], "--out"),  # were FileExistsError, NotADirectoryError
+                         (["--export", str(a_file)], "--export"),  # after the whole run
+                         (["--tokenizer", str(a_file)], "--tokenizer")]:
+        with pytest.raises(InputError, match=words):
+            _train(tok_dir, tmp_path / "run", *extra)
+    assert not (tmp_path / "run" / "state.pt").exists()  # refused before training
+
+
+def test_train_export_never_deletes_a_folder_that_is_not_a_model(tok_dir: Path, tmp_path: Path) -> None:
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(InputError, match="not a model folder"):  # was shutil.rmtree'd
+        _train(tok_dir, tmp_path / "run", "--export", str(precious))
+    assert (precious / "notes.txt").read_text() == "keep me"
+    _train(tok_dir, tmp_path / "run", "--export", str(tmp_path / "new"))
+    _train(tok_dir, tmp_path / "run2", "--export", str(tmp_path / "new"))  # an earlier export: replaced
+    assert (tmp_path / "new" / "model.safetensors").is_file()
+
+
+def test_train_corrupt_tokenizer_named(tmp_path: Path) -> None:
+    bad = tmp_path / "tok"
+    bad.mkdir()
+    (bad / "tokenizer.json").write_text("{bad")
+    with pytest.raises(CheckpointError, match="not a readable tokenizer"):  # was a tokenizers Exception
+        _train(bad, tmp_path / "run")
