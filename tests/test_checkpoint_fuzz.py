@@ -177,3 +177,58 @@ def test_train_corrupt_tokenizer_named(tmp_path: Path) -> None:
     (bad / "tokenizer.json").write_text("{bad")
     with pytest.raises(CheckpointError, match="not a readable tokenizer"):  # was a tokenizers Exception
         _train(bad, tmp_path / "run")
+
+
+# --- tokenizer files and the chat template (unmask.api) --------------------------------------------
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    from helpers import tiny_model_dir
+
+    return tiny_model_dir(tmp_path)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("tokenizer.json", "{}"),  # was a tokenizers exception, exit 1
+    ("tokenizer.json", "not json"),
+    ("tokenizer_config.json", "[1, 2]"),  # was an AttributeError
+    ("tokenizer_config.json", '{"model_max_length": "x"}'),  # failed at the first encode
+])
+def test_damaged_tokenizer_files_are_named(model_dir: Path, name: str, text: str) -> None:
+    from unmask.api import LLM
+
+    (model_dir / name).write_text(text)
+    with pytest.raises(CheckpointError, match="tokenizer.json or tokenizer_config.json cannot be loaded"):
+        LLM(model_dir)
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path: Path) -> None:
+    """Tokens past the embedding used to fail every ordinary prompt as 'not in the model's
+    vocabulary'."""
+    from unmask.api import LLM
+
+    small = tiny_tokenizer_dir(tmp_path / "small")  # ~300 tokens
+    save_checkpoint(tiny_model("llada", vocab_size=200), small)
+    with pytest.raises(CheckpointError, match=r"the tokenizer has [\d,]+ tokens, more than the "
+                                              r"model's embedding_size 200"):
+        LLM(small)
+
+
+@pytest.mark.parametrize("template, words", [
+    ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+    ("{% for m in messages %}{{ m['content'] }", "TemplateSyntaxError"),  # a broken template
+    ("{{ messages[5]['content'] }}", "failed on these messages"),
+])
+def test_a_failing_chat_template_is_an_input_error(model_dir: Path, template: str, words: str,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    from unmask.api import LLM
+    from unmask.cli import main
+
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError, match=words):  # was jinja2's exception, or an IndexError
+        LLM(model_dir).encode_prompt("hi")
+    assert main(["generate", "--model", str(model_dir), "--gen-length", "8", "--block-length", "8",
+                 "hi"]) == 2
+    assert "chat_template" in capsys.readouterr().err
+    assert LLM(model_dir).encode_prompt("hi", chat=False)  # the raw prompt never reads it

@@ -275,3 +275,25 @@ def test_models_retrieve(server: LiveServer) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
     assert e.value.body["param"] == "model" and "'gpt-4' does not exist" in e.value.body["message"]
+
+
+def test_a_chat_template_that_raises_is_a_400(tmp_path) -> None:
+    """A template's own raise_exception (roles that must alternate, say) is about the messages:
+    a 400 carrying its message (it was a 500)."""
+    from helpers import tiny_model_dir
+
+    folder = tiny_model_dir(tmp_path)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% if messages[0]['role'] != 'user' %}"
+                            "{{ raise_exception('the first message must be the user\\'s') }}"
+                            "{% endif %}{{ messages[0]['content'] }}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with LiveServer(build_app(LLM(folder), ServerConfig(decoder="static-1"))) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60, json={
+            "max_tokens": 8, "messages": [{"role": "assistant", "content": "hi"}]})
+        e = error(r, 400)
+        assert "the first message must be the user's" in e["message"] and e["param"] == "messages"
+        ok = s.client().chat.completions.create(model=s.client().models.list().data[0].id,
+                                                max_tokens=8,
+                                                messages=[{"role": "user", "content": "hi"}])
+        assert ok.choices[0].finish_reason in ("stop", "length")

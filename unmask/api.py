@@ -46,7 +46,19 @@ def load_tokenizer(path: str | Path):
     folder = Path(path)
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"{folder} has no tokenizer.json")
-    return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        tok.encode("a", add_special_tokens=False)  # some bad settings fail only when used
+        return tok
+    # transformers and tokenizers raise many types for a damaged file (JSON, Rust, type errors)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{folder}: tokenizer.json or tokenizer_config.json cannot be "
+                              f"loaded ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else "no message"
 
 
 def resolve_device(name: str | torch.device | None) -> torch.device:
@@ -99,16 +111,35 @@ class LLM:
         self.model = load_model(self.path, self.device, dtype)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
+        # A token the embedding has no row for would be refused as "not in the vocabulary" on
+        # ordinary text: name the mismatch once, at load.
+        if len(self.tokenizer) > self.config.embedding_size:
+            raise CheckpointError(f"{self.path}: the tokenizer has {len(self.tokenizer):,} tokens, "
+                                  f"more than the model's embedding_size "
+                                  f"{self.config.embedding_size:,}; tokenizer and weights do not "
+                                  f"belong together")
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt.strip():
             raise InputError("empty prompt: give the model something to answer")
         tok = self.tokenizer
         if chat and tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                           add_generation_prompt=True, tokenize=False)
+            text = self.render_chat([{"role": "user", "content": prompt}])
             return tok.encode(text, add_special_tokens=False)
         return tok.encode(prompt, add_special_tokens=False)
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """Messages through the checkpoint's chat template, ready for the assistant's turn. A
+        template that fails (its own raise_exception, such as roles that must alternate, or a
+        broken template) is an InputError carrying its message."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
+        # jinja2's TemplateError, and whatever a template's expressions raise
+        except Exception as e:  # noqa: BLE001
+            raise InputError(f"the checkpoint's chat template (tokenizer_config.json's "
+                             f"chat_template) failed on these messages: {type(e).__name__}: "
+                             f"{_first_line(e)}") from None
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Text of generated tokens (special tokens dropped); the server streams prefixes of it."""

@@ -444,7 +444,10 @@ def _encode_chat(llm: LLM, messages: list[dict]) -> list[int]:
                        param="messages")
     if not any(m["content"].strip() for m in messages):
         raise APIError(400, "empty messages: give the model something to answer", param="messages")
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        text = llm.render_chat(messages)
+    except UnmaskError as e:
+        raise APIError(400, str(e), param="messages") from None
     return tok.encode(text, add_special_tokens=False)
 
 
