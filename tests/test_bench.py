@@ -17,6 +17,7 @@ from unmask.checkpoint import save_checkpoint
 from unmask.cli import main
 from unmask.config import ModelConfig
 from unmask.decoding.params import DecodeParams
+from unmask.errors import InputError, UnmaskError
 from unmask.models import build_model
 from unmask.tasks import math as math_task
 from unmask.training.tokenizer import build_tokenizer, save_tokenizer
@@ -377,3 +378,70 @@ def test_machine_info_date() -> None:
     from unmask.bench.report import machine_info
 
     assert machine_info("cpu")["date"].endswith("Z")
+
+
+# --- fuzzed inputs that used to hang, crash or be ignored ----------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--json", "--samples", "--markdown", "--plot"])
+def test_empty_output_path_is_an_error(flag: str, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """`--json ""` (say, an unset shell variable) used to run and write nothing."""
+    import unmask.bench.cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "measure", _no_run)
+    assert main(["bench", "--task", "math", "--decoder", "static-1", flag, ""]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} needs a file name" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("task", ["math", "math-strata"])
+def test_huge_n_is_an_error_not_a_hang(task: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--n 10**9 used to draw held-out prompts for days before the first model call (math-strata:
+    a RuntimeError traceback once a bucket ran dry)."""
+    assert main(["eval", "--task", task, "--n", str(10**9)]) == 2
+    assert "valid: 1 to 10000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, names", [
+    (b'{"question": 5, "answer": "#### 3"}', "must be text"),  # was an AttributeError
+    (b'{"question": "", "answer": "#### 3"}', ":1: 'question' is empty"),
+    (b'{"question": "q", "answer": "####"}', "has no number"),  # was scored wrong, silently
+    (b'{"question": "q", "answer": "#### abc"}', "has no number"),
+])
+def test_gsm8k_bad_rows_are_bad_input(tmp_path: Path, line: bytes, names: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "g.jsonl"
+    f.write_bytes(line + b"\n")
+    assert main(["eval", "--task", f"gsm8k:{f}"]) == 2
+    err = capsys.readouterr().err
+    assert names in err and len(err.strip().splitlines()) == 1
+
+
+def test_gsm8k_byte_order_mark_and_folder(tmp_path: Path) -> None:
+    f = tmp_path / "g.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"question": "what is 1 + 2?", "answer": "#### 3"}\n')
+    assert [ex.answer for ex in load_task(f"gsm8k:{f}", None).examples] == ["3"]
+    with pytest.raises(InputError, match="is a folder"):  # was: "does not exist"
+        load_task(f"gsm8k:{tmp_path}", None)
+
+
+def test_output_through_a_dangling_symlink_keeps_the_link(tmp_path: Path) -> None:
+    """The pre-run check used to create the link's target, then delete the user's link."""
+    from unmask.bench.cli import check_output_path
+
+    link = tmp_path / "report.json"
+    link.symlink_to(tmp_path / "out" / "real.json")  # its folder does not exist yet
+    with pytest.raises(InputError, match="out does not exist"):
+        check_output_path(str(link), "--json")
+    (tmp_path / "out").mkdir()
+    check_output_path(str(link), "--json")
+    assert link.is_symlink() and not (tmp_path / "out" / "real.json").exists()
+
+
+def test_an_empty_model_path_is_named() -> None:
+    """pretrained= (empty) read as '.', the working folder: '. has no config.json'."""
+    from unmask.api import LLM
+
+    with pytest.raises(UnmaskError, match="the model path is empty"):
+        LLM("")

@@ -281,6 +281,44 @@ def test_generate_until_batches_stops_and_limits(tiny_dirs: dict[str, Path]) -> 
         assert got == [first[: first.find(stop)]]
 
 
+def test_max_batch_size_caps_auto(tiny_dirs: dict[str, Path]) -> None:
+    """lm-eval's --max_batch_size used to be accepted and ignored (0 or 'abc' too)."""
+    def lm(**kwargs: object) -> UnmaskLM:
+        return UnmaskLM(pretrained=str(tiny_dirs["llada"]), device="cpu", **kwargs)
+
+    assert lm(batch_size="auto", max_batch_size=2).batch_size == 2
+    assert lm(batch_size="auto", max_batch_size=64).batch_size == 8
+    assert lm(batch_size=16, max_batch_size=2).batch_size == 16  # only auto is capped, as in lm-eval
+    for bad in (0, -1, "abc"):
+        with pytest.raises(InputError, match="max_batch_size must be a positive integer"):
+            lm(batch_size="auto", max_batch_size=bad)
+
+
+def test_generate_until_bad_lengths_and_kwargs_name_the_problem(tiny_dirs: dict[str, Path]) -> None:
+    lm = UnmaskLM(pretrained=str(tiny_dirs["llada"]), block_length=8, gen_length=16, device="cpu")
+    # The engine's message blamed "gen_length (100000)", which nobody set.
+    for size in (100_000, 256):
+        with pytest.raises(InputError, match=f"max_gen_toks {size} .*max_sequence_length 256"):
+            lm.generate_until(requests("generate_until", [("hi", {"max_gen_toks": size})]))
+    # gen_kwargs must be a dict: None used to raise AttributeError.
+    with pytest.raises(InputError, match="gen_kwargs a dict"):
+        lm.generate_until(requests("generate_until", [("hi", None)]))
+
+
+def test_generate_until_mixed_lengths_keep_request_order(tiny_dirs: dict[str, Path]) -> None:
+    """Requests are grouped by canvas and batched; answers still come back in request order,
+    each what the request gives alone, whatever the batch size."""
+    prompts = ["hello", "what is 12 + 34?", "sort the list", "def add(a, b):", "x"]
+    reqs = [(p, {"max_gen_toks": m, "until": []}) for p, m in zip(prompts, [3, 16, 5, 9, 1], strict=True)]
+    got = {}
+    for bs in (1, 2, 8):
+        lm = UnmaskLM(pretrained=str(tiny_dirs["llada"]), decoder="threshold,threshold=0.5",
+                      block_length=8, gen_length=16, batch_size=bs, device="cpu")
+        got[bs] = lm.generate_until(requests("generate_until", reqs))
+    alone = [lm.generate_until(requests("generate_until", [r]))[0] for r in reqs]
+    assert got[1] == got[2] == got[8] == alone
+
+
 def test_apply_chat_template_matches_unmask_prompts(embedded: UnmaskLM) -> None:
     text = embedded.apply_chat_template([{"role": "user", "content": "What is 47 + 38?"}])
     assert embedded.llm.tokenizer.encode(text, add_special_tokens=False) == \
@@ -401,6 +439,23 @@ def test_shipped_math_jsonl_is_the_heldout_split() -> None:
     want = TASKS["math"].load("heldout", MATH_N, seed=0)
     assert [(r["prompt"], r["answer"]) for r in rows] == [(e.prompt, e.answer) for e in want]
     assert {p.name for p in TASKS_DIR.glob("*.yaml")} == {"unmask_math.yaml", "unmask_gsm8k.yaml"}
+
+
+@pytest.mark.parametrize("row, names", [
+    ({"question": 5, "answer": "#### 3"}, "must be text"),
+    ({"question": " ", "answer": "#### 3"}, "'question' is empty"),
+    ({"question": "q", "answer": "#### abc"}, "has no number"),
+])
+def test_gsm8k_dataset_rejects_rows_unmask_eval_rejects(tmp_path: Path, row: dict, names: str) -> None:
+    """unmask_gsm8k used to score such a file (every output wrong) instead of naming the row."""
+    from unmask.evaluation.tasks import gsm8k_dataset
+
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    with pytest.raises(InputError, match=names):
+        gsm8k_dataset(gsm8k_path=str(data))
+    with pytest.raises(InputError, match="is a folder"):
+        gsm8k_dataset(gsm8k_path=str(tmp_path))
 
 
 def test_task_checkers() -> None:

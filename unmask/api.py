@@ -100,6 +100,9 @@ class LLM:
 
     def __init__(self, path: str | Path | None = None, device: str | None = None,
                  dtype: str | None = None) -> None:
+        if isinstance(path, str) and not path.strip():  # Path("") is ".", the working folder
+            raise CheckpointError("the model path is empty; give a model folder, or none for the "
+                                  "embedded model")
         if path is None:
             path = DEFAULT_MODEL
             if not (path / "model.safetensors").is_file():

@@ -220,6 +220,10 @@ def check_output_path(path: str, flag: str) -> None:
     """Fail before a run, not after it: ``path``'s folder exists and ``path`` can be written.
     Nothing is created: a file this check makes to prove it can is removed again."""
     out = Path(path)
+    # A symbolic link is written through: check (and clean up) where it points, never the link
+    # itself (a dangling link's target was created, then the user's link was removed).
+    if out.is_symlink():
+        out = out.resolve()
     parent = out.parent
     if not parent.is_dir():
         what = "is not a folder" if parent.exists() else "does not exist"
@@ -238,8 +242,10 @@ def check_output_path(path: str, flag: str) -> None:
 
 def check_outputs(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     """Every output file the arguments name (``--plot`` also by its extension), before the run."""
-    given = [(f, getattr(args, f)) for f in flags if getattr(args, f, None)]
+    given = [(f, getattr(args, f)) for f in flags if getattr(args, f, None) is not None]
     for flag, path in given:
+        if not path.strip():  # `--json ""` (an unset shell variable) must not skip the output
+            raise InputError(f"--{flag} needs a file name, got an empty string")
         check_output_path(path, f"--{flag}")
     if getattr(args, "plot", None):
         from unmask.bench.plot import plot_formats

@@ -9,8 +9,8 @@ it itself.)
 ``--model_args`` keys: ``pretrained`` (model folder; default the embedded model), ``decoder`` (a
 decoder spec NAME; its keys go in as further model args, e.g. ``decoder=threshold,threshold=0.8``),
 any decoder key (``gen_length``, ``block_length``, ``seed``, ...), ``dtype``, ``mc_num`` and
-``mc_batch_size`` (the likelihood estimate), ``greedy_check``; ``--device`` and ``--batch_size``
-come from lm-eval's own flags.
+``mc_batch_size`` (the likelihood estimate), ``greedy_check``; ``--device``, ``--batch_size``
+and ``--max_batch_size`` (a cap on what ``batch_size=auto`` picks) come from lm-eval's own flags.
 
 - ``generate_until``: batches of ``batch_size`` prompts through ``LLM.generate`` with the decoder
   spec. The canvas is the request's ``max_gen_toks`` rounded up to ``block_length`` (the spec's
@@ -102,7 +102,10 @@ class UnmaskLM(LM):
         spec = ",".join([str(decoder)] + [f"{k}={v}" for k, v in decoder_keys.items()])
         self.params = DecodeParams.parse(spec, gen_length=DEFAULT_GEN_LENGTH,
                                          block_length=DEFAULT_BLOCK_LENGTH)
-        self.batch_size = _positive_int("batch_size", batch_size, auto=AUTO_BATCH_SIZE)
+        # lm-eval's --max_batch_size bounds only what batch_size=auto picks, as in its HF model.
+        cap = None if max_batch_size is None else _positive_int("max_batch_size", max_batch_size)
+        auto = AUTO_BATCH_SIZE if cap is None else min(AUTO_BATCH_SIZE, cap)
+        self.batch_size = _positive_int("batch_size", batch_size, auto=auto)
         self.mc_num = _positive_int("mc_num", mc_num)
         self.mc_batch_size = _positive_int("mc_batch_size", mc_batch_size)
         if not isinstance(greedy_check, bool):
@@ -133,10 +136,18 @@ class UnmaskLM(LM):
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         by_canvas: dict[int, list[int]] = defaultdict(list)
         limits: list[int] = []
+        window = self.llm.config.max_sequence_length
         for i, req in enumerate(requests):
             limit = self._max_gen_toks(req.args[1])
             limits.append(limit)
-            by_canvas[_round_up(limit, self.params.block_length)].append(i)
+            canvas = _round_up(limit, self.params.block_length)
+            if canvas >= window:  # named here: the engine would blame a gen_length nobody set
+                key = "gen_length" if req.args[1].get("max_gen_toks") is None else "max_gen_toks"
+                raise InputError(f"{key} {limit} (a canvas of {canvas}: a multiple of block_length "
+                                 f"{self.params.block_length}) leaves no room for the prompt in the "
+                                 f"model's max_sequence_length {window}; valid: the canvas plus the "
+                                 f"prompt's tokens <= {window}")
+            by_canvas[canvas].append(i)
         out: list[str | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="unmask generate_until")
         for canvas, idxs in by_canvas.items():
@@ -154,6 +165,9 @@ class UnmaskLM(LM):
         return [t for t in out if t is not None]
 
     def _max_gen_toks(self, gen_kwargs: dict[str, Any]) -> int:
+        if not isinstance(gen_kwargs, dict):
+            raise InputError(f"generate_until takes (context, gen_kwargs) with gen_kwargs a dict "
+                             f"(until, max_gen_toks), got {gen_kwargs!r}")
         for key, value in gen_kwargs.items():
             # Asking for greedy decoding needs no warning: the spec decides either way.
             if key in GEN_KWARGS or key in self._warned or GREEDY_KWARGS.get(key, ...) == value:

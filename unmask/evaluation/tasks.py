@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unmask.bench.tasks import gsm8k_prediction, parse_number
+from unmask.bench.tasks import gsm8k_prediction, load_task, parse_number
 from unmask.errors import InputError
 from unmask.evaluation import TASKS_DIR
 from unmask.tasks import TASKS
@@ -45,7 +45,11 @@ def gsm8k_dataset(gsm8k_path: str | None = None, **_metadata: Any) -> Any:
                          "pass --metadata gsm8k_path=/path/to/test.jsonl")
     path = Path(gsm8k_path).expanduser()
     if not path.is_file():
-        raise InputError(f"gsm8k_path {path} does not exist")
+        raise InputError(f"gsm8k_path {path} " + ("is a folder; give a .jsonl file" if path.is_dir()
+                                                  else "does not exist"))
+    # The rows `unmask eval --task gsm8k:PATH` rejects (no question, no '#### N') fail here too,
+    # instead of scoring every output as wrong.
+    load_task(f"gsm8k:{path}", None)
     return _json_dataset(path)
 
 
