@@ -445,3 +445,10 @@ def test_an_empty_model_path_is_named() -> None:
 
     with pytest.raises(UnmaskError, match="the model path is empty"):
         LLM("")
+
+
+def test_a_bad_spec_among_several_decoders_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """"gen_length (16) must be a multiple of block_length (32)" did not say which --decoder."""
+    assert main(["eval", "--task", "math", "--n", "1", "--gen-length", "16", "--decoder", "static-1",
+                 "--decoder", "threshold"]) == 2
+    assert "--decoder 'threshold': gen_length (16)" in capsys.readouterr().err

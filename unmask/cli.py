@@ -20,7 +20,7 @@ from dataclasses import fields
 from typing import Any
 
 from unmask.decoding.params import DEFAULT_DECODER, METHODS, PRESETS, DecodeParams
-from unmask.errors import InputError, UnmaskError
+from unmask.errors import InputError, SpecError, UnmaskError
 
 EXIT_CODES = """\
 exit codes:
@@ -95,7 +95,10 @@ def parse_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> Decod
     as explicit values when typed, and ``defaults`` (the command's defaults) under the spec.
     A command whose flag of one of these names is not a decoder key must not pass its args."""
     typed = {key: getattr(args, key) for key in DECODER_FLAGS if getattr(args, key, None) is not None}
-    return DecodeParams.parse(spec, explicit=typed, **defaults)
+    try:
+        return DecodeParams.parse(spec, explicit=typed, **defaults)
+    except SpecError as e:  # with several --decoder, say which one
+        raise SpecError(f"--decoder {spec!r}: {e}") from None
 
 
 def check_prompts(prompts: list[str]) -> None:

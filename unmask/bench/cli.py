@@ -244,7 +244,7 @@ def check_outputs(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
     """Every output file the arguments name (``--plot`` also by its extension), before the run."""
     given = [(f, getattr(args, f)) for f in flags if getattr(args, f, None) is not None]
     for flag, path in given:
-        if not path.strip():  # `--json ""` (an unset shell variable) must not skip the output
+        if not str(path).strip():  # `--json ""` (an unset shell variable) must not skip the output
             raise InputError(f"--{flag} needs a file name, got an empty string")
         check_output_path(path, f"--{flag}")
     if getattr(args, "plot", None):
