@@ -23,6 +23,8 @@ import logging
 import os
 import platform
 
+from torch import nn
+
 log = logging.getLogger("unmask")
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
@@ -45,6 +47,13 @@ def tune_malloc() -> str:
         _state = _decide()
         log.debug("malloc thresholds for CPU forwards: %s", _state)
     return _state
+
+
+def tune_for(model: nn.Module) -> None:
+    """tune_malloc when `model` runs on the CPU (a GPU's activations are not malloc's); looks
+    at the model only until the process has decided."""
+    if _state is None and next(model.parameters()).device.type == "cpu":
+        tune_malloc()
 
 
 def _decide() -> str:

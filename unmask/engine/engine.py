@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from unmask.decoding.params import DecodeParams
-from unmask.engine.allocator import tune_malloc
+from unmask.engine.allocator import tune_for
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.decoder import Decoder, StepResult
 from unmask.engine.request import Request, StepEvent
@@ -60,8 +60,7 @@ class Engine:
         self.model_calls = 0
         self.max_idle = 8  # decoders kept while they have no rows (_drop_idle)
         self.token_forwards = 0  # token positions those calls processed
-        if next(model.parameters()).device.type == "cpu":
-            tune_malloc()  # a CPU forward's activations reuse freed memory (allocator.py)
+        tune_for(model)  # a CPU forward's activations reuse freed memory (allocator.py)
 
     # --- requests ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None,
