@@ -9,21 +9,21 @@ import sys
 
 import pytest
 
-# Page faults of a batched decode on the embedded model, after a first decode has warmed up the
-# heap; the engine sets the allocator itself (or, with UNMASK_MALLOC=system, does not).
+# Page faults of a batched decode on the embedded model, after the same decode has grown the heap
+# to its size; the engine sets the allocator itself (or, with UNMASK_MALLOC=system, does not).
 PROBE = """
 import resource
 import torch
 from unmask.api import LLM
-from unmask.engine.allocator import tune_malloc
+from unmask.engine import allocator
 torch.set_num_threads(1)
 llm = LLM()
 prompts = [f"What is {a} + {b}?" for a, b in [(47, 38), (12, 9), (305, 417), (8, 8), (66, 71),
                                               (120, 5), (9, 99), (31, 13)]]
-llm.generate(prompts[:1], "threshold", gen_length=64)
+llm.generate(prompts, "threshold", gen_length=128, batch_size=8)  # the heap grows to its size
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 llm.generate(prompts, "threshold", gen_length=128, batch_size=8)
-print(tune_malloc(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(allocator.state(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
@@ -40,11 +40,11 @@ def test_a_decode_reuses_freed_activations_instead_of_faulting_them_in() -> None
     state, tuned = _probe()
     if state == "not glibc":
         pytest.skip("this C library is not glibc")
-    assert state == "set"
-    off, untuned = _probe(UNMASK_MALLOC="system")
-    assert off == "off"
-    # Measured: 34,000-45,000 faults untuned, ~7,500 tuned (first touches of the heap remain).
-    assert tuned < untuned / 3, (tuned, untuned)
+    assert state == "set"  # by the engine: the probe itself never calls it
+    # Measured here: 0-900 faults tuned; untuned 25,000-37,000 in most runs (glibc's own
+    # adjustment of its thresholds sometimes happens to fit this decode, down to 0).
+    assert tuned < 2_000, tuned
+    assert _probe(UNMASK_MALLOC="system")[0] == "off"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")

@@ -49,6 +49,11 @@ def tune_malloc() -> str:
     return _state
 
 
+def state() -> str | None:
+    """What tune_malloc decided in this process (None: not yet)."""
+    return _state
+
+
 def tune_for(model: nn.Module) -> None:
     """tune_malloc when `model` runs on the CPU (a GPU's activations are not malloc's); looks
     at the model only until the process has decided."""
