@@ -7,6 +7,7 @@ tokenization outlives its client or stalls the event loop.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -143,6 +144,36 @@ def test_prompts_past_the_slot_budget_are_400_not_429(slotted: LiveServer) -> No
     ok = slotted.client().completions.create(model="default_model", prompt=[[5, 6, 7]] * 3,
                                              max_tokens=32)
     assert len(ok.choices) == 3
+
+
+def requests_by_outcome(server: LiveServer) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {m[1]: float(m[2]) for m in re.finditer(
+        r'^unmask_requests_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_trace_lanes_aborted_by_a_429_are_counted(llm: LLM) -> None:
+    """A trace whose second lane gets a 429 aborts the lane already submitted, and /metrics
+    counts it (abort), as /v1/completions counts the prompts of a list cut short by a 429:
+    every request the engine saw has an outcome."""
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold", max_running=1,
+                                                max_queue=1))) as s:
+        busy = s.client().completions.create(model="default_model", prompt="hi", max_tokens=512,
+                                             stream=True, extra_body={"decoder": "static-1"})
+        try:
+            deadline = time.monotonic() + 30
+            while s.engine.n_running < 1:
+                assert time.monotonic() < deadline, "the busy request never ran"
+                time.sleep(0.01)
+            # lane 0 waits behind the busy request; lane 1 finds the queue full
+            r = httpx.post(f"{s.url}/v1/unmask/trace", timeout=60,
+                           json={"prompt": "hi", "decoders": ["threshold", "fast"],
+                                 "max_tokens": 16})
+            assert error(r, 429)["type"] == "rate_limit_error"
+            assert requests_by_outcome(s) == {"rejected": 1.0, "abort": 1.0}
+        finally:
+            busy.close()
+        wait_idle(s, 5)
 
 
 # --- sizes: body bytes, prompt characters, messages -------------------------------------------------

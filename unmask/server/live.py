@@ -94,9 +94,10 @@ def add_live_routes(app: FastAPI, state: ServerState) -> None:
         try:
             for p in params:
                 handles.append(await _submit(state, ids, p, trace=True))
-        except BaseException:
+        except BaseException:  # e.g. a 429 for a later lane: the submitted ones will not run
             for h in handles:
                 state.engine.abort(h.request.request_id)
+                _record(state, h, None, "abort")
             raise
         lanes = [Lane(state.llm, i, body.prompt, h.request) for i, h in enumerate(handles)]
         return StreamingResponse(_stream(state, handles, lanes, request),
@@ -151,9 +152,11 @@ async def _stream(state: ServerState, handles: list[Handle], lanes: list[Lane],
                 _record(state, h, lanes[i], "abort")
 
 
-def _record(state: ServerState, handle: Handle, lane: Lane, reason: str) -> None:
-    """The request's outcome in /metrics, as the OpenAI routes count theirs."""
+def _record(state: ServerState, handle: Handle, lane: Lane | None, reason: str) -> None:
+    """The request's outcome in /metrics, as the OpenAI routes count theirs (lane None: aborted
+    before its stream began)."""
     req = handle.request
     outcome = {"eos": "stop"}.get(reason, reason)
-    state.metrics.finished(outcome, req.nfe, req.decided, lane.text(lane.ids)[1])
+    useful = lane.text(lane.ids)[1] if lane is not None else 0
+    state.metrics.finished(outcome, req.nfe, req.decided, useful)
     state.metrics.latency.observe(time.perf_counter() - handle.submitted)
