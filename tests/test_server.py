@@ -32,12 +32,6 @@ PROMPTS = ["What is 47 + 38?", "Sort these numbers: 5, 2, 9, 14, 3.", "What is 1
            "What is 305 - 17?"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM()
@@ -300,22 +294,20 @@ def test_fuzz_openapi_schema_no_5xx(llm: LLM, tmp_path) -> None:
 
 # --- shutdown --------------------------------------------------------------------------------------
 def test_sigterm_finishes_running_requests_then_exits(tmp_path) -> None:
-    port = free_port()
+    """Also: --port 0 takes a free port and the log names it (the socket is bound before the
+    model loads, and uvicorn names only addresses it bound itself)."""
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "unmask.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "unmask.cli", "serve", "--port", "0",
                              "--threads", "1", "--decoder", "static-1"], stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
+        while not (m := re.search(r"running on http://127\.0\.0\.1:(\d+)",
+                                  (tmp_path / "server.log").read_text())):
             assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
             time.sleep(0.2)
+        url = f"http://127.0.0.1:{m[1]}"
+        assert int(m[1]) > 0 and httpx.get(f"{url}/health", timeout=5).status_code == 200
         lines: list[str] = []
         body = {"prompt": "hi", "max_tokens": 256, "stream": True}
 
@@ -339,3 +331,35 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "70000"], "must be a port in 0..65535"),  # uvicorn served on 70000 mod 65536
+    (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid'"),
+])
+def test_serve_address_errors_are_one_line(argv: list[str], words: str, capsys) -> None:
+    from unmask.cli import main
+
+    try:
+        code = main(["serve", *argv])
+    except SystemExit as e:  # argparse's own refusals exit from inside
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_loading(capsys, monkeypatch) -> None:
+    """Was uvicorn's log line and exit 3, after the model had loaded."""
+
+    from unmask import api
+    from unmask.cli import main
+
+    monkeypatch.setattr(api.LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1, err

@@ -10,6 +10,7 @@ With --ray the same app runs as --replicas engine replicas on Ray Serve (ray_ser
 from __future__ import annotations
 
 import argparse
+import socket
 
 from unmask.decoding.params import DEFAULT_DECODER
 from unmask.errors import InputError
@@ -23,7 +24,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"default decoder spec of requests that send none (default: "
                         f"{DEFAULT_DECODER})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free)")
+    p.add_argument("--port", type=port, default=8000, help="port (default: 8000; 0 = any free)")
     p.add_argument("--max-running", type=positive, default=16,
                    help="requests decoded at once, all decoders together (default: 16)")
     p.add_argument("--max-queue", type=int, default=256,
@@ -55,6 +56,35 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 RAY_ONLY = ("replicas", "address", "cpus_per_replica", "gpus_per_replica")
 
 
+def port(text: str) -> int:
+    """A TCP port for argparse: 0..65535 (uvicorn took 70000 as 70000 mod 65536, silently)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: any free), got {value}")
+    return value
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: an address in use or not on this
+    machine is then one line (exit 2) at once, not uvicorn's log and exit 3 after the load."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as e:
+        raise InputError(f"--host {host!r}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds its own
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -74,7 +104,12 @@ def run_serve(args: argparse.Namespace) -> int:
     given = [n for n in RAY_ONLY if getattr(args, n, None) is not None]
     if given:
         raise InputError(f"--{given[0].replace('_', '-')} needs --ray")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    sock = listen(args.host, args.port)
+    try:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(llm, config)
     state = app.state.unmask
 
@@ -85,9 +120,14 @@ def run_serve(args: argparse.Namespace) -> int:
             # uvicorn re-raises the signal once it has shut down; a drained server exits 0.
             getattr(self, "_captured_signals", []).clear()
 
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if sockets and not self.should_exit:  # uvicorn names the address only for its own
+                self._log_started_message(sockets)
+
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    timeout_graceful_shutdown=args.shutdown_timeout))
-    server.run()
+    server.run(sockets=[sock])
     return 0
 
 
