@@ -218,7 +218,7 @@ def spec_gen_lengths(specs: list[str], max_tokens: list[int] | None) -> dict[str
     for spec in specs:
         base = DecodeParams.parse(spec)
         for m in max_tokens or [DEFAULT_MAX_TOKENS]:
-            rounded = math.ceil(m / base.block_length) * base.block_length  # request_params'
+            rounded = base.canvas_for(m)  # as request_params does
             try:
                 DecodeParams.parse(spec, explicit={"gen_length": rounded})  # what the server does
                 continue

@@ -140,6 +140,11 @@ class DecodeParams:
         """Tokens-per-step schedule of `static`: steps split evenly over blocks."""
         return (self.steps or self.gen_length) // self.num_blocks
 
+    def canvas_for(self, n_tokens: int) -> int:
+        """The gen_length of whole blocks that holds n_tokens generated tokens: how a request's
+        max_tokens (server, bench-serve) or max_gen_toks (lm-eval) becomes a canvas."""
+        return math.ceil(n_tokens / self.block_length) * self.block_length
+
     @property
     def spec(self) -> str:
         return self.name or to_spec(self)

@@ -30,7 +30,6 @@ and ``--max_batch_size`` (a cap on what ``batch_size=auto`` picks) come from lm-
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -140,7 +139,7 @@ class UnmaskLM(LM):
         for i, req in enumerate(requests):
             limit = self._max_gen_toks(req.args[1])
             limits.append(limit)
-            canvas = _round_up(limit, self.params.block_length)
+            canvas = self.params.canvas_for(limit)
             if canvas >= window:  # named here: the engine would blame a gen_length nobody set
                 key = "gen_length" if req.args[1].get("max_gen_toks") is None else "max_gen_toks"
                 raise InputError(f"{key} {limit} (a canvas of {canvas}: a multiple of block_length "
@@ -275,10 +274,6 @@ def _until(gen_kwargs: dict[str, Any]) -> list[str]:
     if not isinstance(until, list | tuple) or not all(isinstance(s, str) for s in until):
         raise InputError(f"until must be a string or a list of strings, got {until!r}")
     return list(until)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return math.ceil(n / multiple) * multiple
 
 
 def _positive_int(key: str, value: Any, auto: int | None = None) -> int:

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -460,7 +459,7 @@ def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
         base = DecodeParams.parse(spec)
         fields: dict[str, Any] = {}
         if body.max_tokens is not None:
-            fields["gen_length"] = math.ceil(body.max_tokens / base.block_length) * base.block_length
+            fields["gen_length"] = base.canvas_for(body.max_tokens)
         if body.temperature is not None:
             fields["temperature"] = body.temperature
         if body.seed is not None:
