@@ -403,6 +403,18 @@ def test_huge_n_is_an_error_not_a_hang(task: str, capsys: pytest.CaptureFixture[
     assert "valid: 1 to 10000" in capsys.readouterr().err
 
 
+def test_n_beyond_the_task_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--n larger than a finite task used to run what the task had, quietly (code has 508
+    held-out functions: --n 600 ran 508 and the report said n 508)."""
+    assert main(["eval", "--task", "code", "--n", "600"]) == 2
+    assert "--n 600 is more than task 'code' provides; valid: 1 to 508" in capsys.readouterr().err
+    f = tmp_path / "g.jsonl"
+    f.write_text('{"question": "q", "answer": "#### 3"}\n' * 2)
+    assert main(["bench", "--task", f"gsm8k:{f}", "--n", "3", "--decoder", "static-1"]) == 2
+    assert "valid: 1 to 2" in capsys.readouterr().err
+    assert len(load_task(f"gsm8k:{f}", 2).examples) == 2
+
+
 @pytest.mark.parametrize("line, names", [
     (b'{"question": 5, "answer": "#### 3"}', "must be text"),  # was an AttributeError
     (b'{"question": "", "answer": "#### 3"}', ":1: 'question' is empty"),

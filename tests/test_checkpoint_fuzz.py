@@ -232,3 +232,25 @@ def test_a_failing_chat_template_is_an_input_error(model_dir: Path, template: st
                  "hi"]) == 2
     assert "chat_template" in capsys.readouterr().err
     assert LLM(model_dir).encode_prompt("hi", chat=False)  # the raw prompt never reads it
+
+
+def test_no_chat_template_is_said_not_silent(model_dir: Path,
+                                             capsys: pytest.CaptureFixture) -> None:
+    """A checkpoint without a chat template (a base model) used to get the raw prompt with chat
+    on (the default), silently: now the CLI and the API say so, and --raw / chat=False is quiet."""
+    from unmask.api import LLM
+    from unmask.cli import main
+
+    cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    argv = ["generate", "--model", str(model_dir), "--gen-length", "8", "--block-length", "8", "hi"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "note:" in err and "has no chat template" in err and "--raw" in err
+    assert main([*argv, "--raw"]) == 0
+    assert "chat template" not in capsys.readouterr().err
+    llm = LLM(model_dir)
+    with pytest.warns(UserWarning, match="has no chat template"):
+        chat = llm.encode_prompt("hi")
+    assert chat == llm.encode_prompt("hi", chat=False)  # the prompt as written, as the note says

@@ -420,6 +420,8 @@ def test_is_greedy_is_static1_reproducing_the_continuation(tiny_dirs: dict[str, 
     greedy = lm.llm.generate_ids([prompt], params)[0].token_ids
     assert lm._is_greedy(prompt, greedy)
     assert not lm._is_greedy(prompt, greedy[:-1] + [(greedy[-1] + 1) % 50 + 3])
+    # an empty continuation is reproduced by any decoding (lm-eval's HF model: all() of nothing)
+    assert lm._is_greedy(prompt, [])
 
 
 def test_loglikelihood_rolling(tiny_dirs: dict[str, Path]) -> None:

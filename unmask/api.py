@@ -7,6 +7,7 @@ token ids only.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,7 +130,20 @@ class LLM:
         if chat and tok.chat_template:
             text = self.render_chat([{"role": "user", "content": prompt}])
             return tok.encode(text, add_special_tokens=False)
+        if chat:  # shown once per checkpoint (Python's default warning filter)
+            warnings.warn(self.no_chat_template_note("chat=False (--raw)"), stacklevel=2)
         return tok.encode(prompt, add_special_tokens=False)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.tokenizer.chat_template)
+
+    def no_chat_template_note(self, raw_flag: str) -> str:
+        """What generating with chat on means for a checkpoint without a template: base models
+        have none, so it is a note, not an error, but never a silent change of the prompt."""
+        return (f"{self.path} has no chat template (no chat_template in tokenizer_config.json): "
+                f"prompts go to the model as written; pass {raw_flag} to ask for that and "
+                f"silence this note")
 
     def render_chat(self, messages: list[dict]) -> str:
         """Messages through the checkpoint's chat template, ready for the assistant's turn. A

@@ -124,8 +124,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from unmask.api import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    chat = not args.raw
+    if chat and not llm.has_chat_template:
+        print(f"note: {llm.no_chat_template_note('--raw')}", file=sys.stderr)
+        chat = False
     with decode_progress(len(args.prompts) * params.gen_length) as on_event:
-        outs = llm.generate(args.prompts, params, chat=not args.raw, on_event=on_event)
+        outs = llm.generate(args.prompts, params, chat=chat, on_event=on_event)
     several = len(outs) > 1
     for i, (prompt, g) in enumerate(zip(args.prompts, outs, strict=True), 1):
         if args.json:

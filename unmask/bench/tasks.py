@@ -69,15 +69,22 @@ def load_task(name: str, n: int | None, seed: int = 0,
         if n is not None and n > MAX_PROJECT_N:
             raise InputError(f"--n {n} is more than task {name!r} provides; valid: 1 to "
                              f"{MAX_PROJECT_N} held-out prompts")
-        return _project_task(kind, n, seed, stratify)
-    if kind == "gsm8k":
+        task = _project_task(kind, n, seed, stratify)
+    elif kind == "gsm8k":
         if not arg:
             raise InputError("gsm8k needs a file: --task gsm8k:PATH (a jsonl with question/answer)")
-        return _gsm8k(Path(arg), n)
-    if kind == "humaneval":
-        return _humaneval(arg or None, n, allow_code_execution)
-    raise InputError(f"unknown task {name!r}; valid: {', '.join(TASK_HELP)} "
-                     "(see unmask bench --list-tasks)")
+        task = _gsm8k(Path(arg), n)
+    elif kind == "humaneval":
+        task = _humaneval(arg or None, n, allow_code_execution)
+    else:
+        raise InputError(f"unknown task {name!r}; valid: {', '.join(TASK_HELP)} "
+                         "(see unmask bench --list-tasks)")
+    # A report of fewer examples than asked for would read as the run asked for (code has 508
+    # held-out functions, a gsm8k file its rows): refuse, naming what the task has.
+    if n is not None and len(task.examples) < n:
+        raise InputError(f"--n {n} is more than task {name!r} provides; valid: 1 to "
+                         f"{len(task.examples)}")
+    return task
 
 
 # --------------------------------------------------------------------------- project tasks

@@ -21,7 +21,7 @@ and ``--max_batch_size`` (a cap on what ``batch_size=auto`` picks) come from lm-
 - ``loglikelihood``: the Monte Carlo masked-diffusion bound (``unmask.evaluation.likelihood``),
   ``mc_num`` samples per request. ``is_greedy``: static-1 decoding of a canvas as long as the
   continuation, after the context, reproduces the continuation token for token
-  (``greedy_check=false`` skips it and reports False).
+  (``greedy_check=false`` skips it and reports False; an empty continuation is greedy).
 - ``loglikelihood_rolling``: the same bound for the whole document given only BOS, in one window.
   There is no rolling form of the bound (every position sees the whole window), so a document
   longer than the model's ``max_sequence_length`` is an error, not chunked.
@@ -224,8 +224,10 @@ class UnmaskLM(LM):
                               seed=self.params.seed).logprob
 
     def _is_greedy(self, prompt: list[int], target: list[int]) -> bool:
-        if not self.greedy_check or not target:
+        if not self.greedy_check:
             return False
+        if not target:  # nothing to reproduce: as lm-eval's own models answer (an empty match)
+            return True
         params = DecodeParams(method="static-1", gen_length=len(target), block_length=len(target))
         return self.llm.generate_ids([prompt], params)[0].token_ids == target
 
