@@ -71,7 +71,7 @@ class KVStore:
         """(R, S) token of store row rows[i] at positions pos[i] (any ints: -1 outside 0..W-1)."""
         w = self.token.shape[1]
         inside = (pos >= 0) & (pos < w)
-        tok = self.token[rows[:, None], np.clip(pos, 0, max(w - 1, 0))]
+        tok = self.token[rows[:, None], np.minimum(np.maximum(pos, 0), max(w - 1, 0))]
         return np.where(inside, tok, -1)
 
     # --- the pool (rows join and leave; not per step) ------------------------------------------

@@ -124,7 +124,7 @@ def spread(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start:
     gaps = np.maximum(width - n, 0)[:, None]  # (R, 1)
     offsets = i[None, :] + (frac[None, :] * (gaps + 1).astype(np.float32)).astype(np.int64)  # (R, n)
     offset = np.where(width[:, None] >= n, offsets, np.minimum(i[None, :], width[:, None] - 1))
-    picks = np.clip(mid_start[:, None] + offset, 0, slots.shape[0] - 1)
+    picks = np.minimum(np.maximum(mid_start[:, None] + offset, 0), slots.shape[0] - 1)
     out = np.zeros((mid_start.shape[0], slots.shape[0]), dtype=bool)
     np.put_along_axis(out, picks, np.broadcast_to(width[:, None] > 0, picks.shape), axis=1)
     return out

@@ -73,7 +73,9 @@ def _compact(flags: np.ndarray, canonical: Callable[[np.ndarray], np.ndarray],
     # Flagged slots first, in slot order: a stable sort of the "not flagged" flag.
     idx = np.argsort(~flags, axis=-1, kind="stable")[:, :w]
     if idx.shape[1] < w:
-        idx = np.pad(idx, ((0, 0), (0, w - idx.shape[1])))
+        # not np.pad (nor np.clip below): their Python wrappers cost 20-100 us a call, a few
+        # percent of a step's host time (BENCHMARKS.md, "Host overhead")
+        idx = np.concatenate([idx, np.zeros((idx.shape[0], w - idx.shape[1]), idx.dtype)], 1)
     return idx, np.arange(w)[None, :] < n[:, None], n, shape
 
 
@@ -192,7 +194,7 @@ class Runner:
                                        t_hat, embeds, past, rows, cols)
         u = None
         if noise is not None:
-            offset = np.clip(tslots - block_start[rows], 0, noise.shape[1] - 1)
+            offset = np.minimum(np.maximum(tslots - block_start[rows], 0), noise.shape[1] - 1)
             u = noise[self._to_device(rows), self._to_device(offset)]
         pr = self.params
         sc = score(logits, pr.remasking, pr.temperature, u, self.suppress, pr.top_p, pr.top_k,
@@ -218,7 +220,7 @@ class Runner:
         if slots.shape[1] == 0:
             return None
         # Padding entries (mask False) may point anywhere: clip them into the store.
-        pos = np.clip(slots - read.pad[:, None], 0, read.store.shape[1] - 1)
+        pos = np.minimum(np.maximum(slots - read.pad[:, None], 0), read.store.shape[1] - 1)
         return Past(read.store, read.rows, pos, mask, n, k_hat)
 
     def _call(self, ids: Tensor, pos: Tensor, ok: np.ndarray, n_tokens: np.ndarray,
