@@ -15,7 +15,7 @@ from transformers.models.llama import modeling_llama
 from unmask.config import ModelConfig
 from unmask.kv import Frame
 from unmask.models import build_model
-from unmask.models.layers import apply_rope, rope_cos_sin
+from unmask.models.layers import RMSNorm, apply_rope, rope_cos_sin
 
 VOCAB, D, HEADS, LAYERS, FF = 100, 64, 4, 2, 128
 ATOL = 1e-5
@@ -355,3 +355,21 @@ def test_models_follow_the_contract(kind: str) -> None:
     assert isinstance(model, DiffusionLM)
     params = inspect.signature(model.forward).parameters
     assert list(params)[:5] == ["input_ids", "position_ids", "frame", "embeds", "logits_at"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 16, 48, 271, 1000])
+def test_rms_norm_is_transformers_llama_rms_norm_bit_for_bit(dtype: torch.dtype, tokens: int) -> None:
+    """RMSNorm calls torch's rms_norm (one call, not five): it must give the bits of
+    transformers' LlamaRMSNorm (float32 normalisation, cast back, then the weight), the layer
+    every decoder's exactness tests and the committed benchmarks were computed with."""
+    g = torch.Generator().manual_seed(tokens)
+    ours = RMSNorm(64, 1e-5)
+    ref = modeling_llama.LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(64, generator=g) * 2)
+        ref.weight.copy_(ours.weight)
+    ours, ref = ours.to(dtype), ref.to(dtype)
+    x = (torch.randn(2, tokens, 64, generator=g) * 5).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
