@@ -250,6 +250,14 @@ def test_no_chat_template_is_said_not_silent(model_dir: Path,
     assert "note:" in err and "has no chat template" in err and "--raw" in err
     assert main([*argv, "--raw"]) == 0
     assert "chat template" not in capsys.readouterr().err
+    out = model_dir.parent / "t.html"
+    assert main(["trace", "--model", str(model_dir), "--gen-length", "8", "--block-length", "8",
+                 "--out", str(out), "hi"]) == 0
+    assert "has no chat template" in capsys.readouterr().err
+    assert main(["bench", "--model", str(model_dir), "--task", "math", "--n", "1", "--gen-length",
+                 "8", "--block-length", "8", "--decoder", "static-1", "--warmup", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and "--raw" not in err  # bench has no raw flag
     llm = LLM(model_dir)
     with pytest.warns(UserWarning, match="has no chat template"):
         chat = llm.encode_prompt("hi")

@@ -131,19 +131,21 @@ class LLM:
             text = self.render_chat([{"role": "user", "content": prompt}])
             return tok.encode(text, add_special_tokens=False)
         if chat:  # shown once per checkpoint (Python's default warning filter)
-            warnings.warn(self.no_chat_template_note("chat=False (--raw)"), stacklevel=2)
+            warnings.warn(self.no_chat_template_note("chat=False"), stacklevel=2)
         return tok.encode(prompt, add_special_tokens=False)
 
     @property
     def has_chat_template(self) -> bool:
         return bool(self.tokenizer.chat_template)
 
-    def no_chat_template_note(self, raw_flag: str) -> str:
+    def no_chat_template_note(self, raw_flag: str | None) -> str:
         """What generating with chat on means for a checkpoint without a template: base models
-        have none, so it is a note, not an error, but never a silent change of the prompt."""
-        return (f"{self.path} has no chat template (no chat_template in tokenizer_config.json): "
-                f"prompts go to the model as written; pass {raw_flag} to ask for that and "
-                f"silence this note")
+        have none, so it is a note, not an error, but never a silent change of the prompt.
+        raw_flag: how the caller asks for the raw prompt (None: it cannot)."""
+        note = (f"{self.path} has no chat template (no chat_template in tokenizer_config.json): "
+                f"prompts go to the model as written")
+        return note + (f"; pass {raw_flag} to ask for that and silence this note" if raw_flag
+                       else "")
 
     def render_chat(self, messages: list[dict]) -> str:
         """Messages through the checkpoint's chat template, ready for the assistant's turn. A

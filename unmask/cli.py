@@ -17,10 +17,13 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unmask.decoding.params import DEFAULT_DECODER, METHODS, PRESETS, DecodeParams
 from unmask.errors import InputError, SpecError, UnmaskError
+
+if TYPE_CHECKING:
+    from unmask.api import LLM
 
 EXIT_CODES = """\
 exit codes:
@@ -118,18 +121,22 @@ def check_prompts(prompts: list[str]) -> None:
             raise InputError(f"empty prompt ({which}): give the model something to answer")
 
 
+def chat_for(llm: LLM, raw: bool) -> bool:
+    """Whether a command applies the chat template: unless --raw, when the checkpoint has one.
+    Without one (a base model) the prompt goes as written, and stderr says so."""
+    if not raw and not llm.has_chat_template:
+        print(f"note: {llm.no_chat_template_note('--raw')}", file=sys.stderr)
+    return not raw and llm.has_chat_template
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = parse_decoder(args.decoder, args)
     check_prompts(args.prompts)
     from unmask.api import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    chat = not args.raw
-    if chat and not llm.has_chat_template:
-        print(f"note: {llm.no_chat_template_note('--raw')}", file=sys.stderr)
-        chat = False
     with decode_progress(len(args.prompts) * params.gen_length) as on_event:
-        outs = llm.generate(args.prompts, params, chat=chat, on_event=on_event)
+        outs = llm.generate(args.prompts, params, chat=chat_for(llm, args.raw), on_event=on_event)
     several = len(outs) > 1
     for i, (prompt, g) in enumerate(zip(args.prompts, outs, strict=True), 1):
         if args.json:

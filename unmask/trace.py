@@ -346,7 +346,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_trace(args: argparse.Namespace) -> int:
     from unmask.bench.cli import check_outputs
-    from unmask.cli import check_prompts, parse_decoder
+    from unmask.cli import chat_for, check_prompts, parse_decoder
 
     out = Path(args.out)
     if out.suffix.lower() not in WRITERS:
@@ -359,7 +359,7 @@ def run_trace(args: argparse.Namespace) -> int:
     from unmask.api import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    trace = record(llm, args.prompt, params, chat=not args.raw)
+    trace = record(llm, args.prompt, params, chat=chat_for(llm, args.raw))
     # Written even when a lane failed: the steps up to a failure are what one debugs it with.
     WRITERS[out.suffix.lower()](trace, out)
     if args.json is not None:

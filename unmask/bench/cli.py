@@ -172,6 +172,8 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
                      allow_code_execution=args.allow_code_execution,
                      stratify=getattr(args, "stratify", False))
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    if not llm.has_chat_template:
+        print(f"note: {llm.no_chat_template_note(None)}", file=sys.stderr)
 
     total = len(task.examples) * len(decoders)
     started = time.perf_counter()

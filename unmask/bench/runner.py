@@ -51,7 +51,7 @@ def run_side_by_side(llm: LLM, task: BenchTask, decoders: Sequence[DecodeParams]
         raise InputError("give at least one --decoder")
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
-    ids = [llm.encode_prompt(ex.prompt) for ex in task.examples]
+    ids = [llm.encode_prompt(ex.prompt, chat=llm.has_chat_template) for ex in task.examples]
     limit = llm.config.max_sequence_length
     longest = max(map(len, ids))
     for params in decoders:
