@@ -25,3 +25,8 @@ class CheckpointError(UnmaskError):
 
 class InputError(UnmaskError):
     """A request the model cannot serve (empty prompt, canvas too long, bad argument, ...)."""
+
+
+class CanvasTooLong(InputError):
+    """A prompt and gen_length that together exceed the model's max_sequence_length (a server
+    names the field that set the length)."""

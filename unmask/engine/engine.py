@@ -30,7 +30,7 @@ from unmask.engine.batch import DecodeBatch
 from unmask.engine.decoder import Decoder, StepResult
 from unmask.engine.request import Request, StepEvent
 from unmask.engine.scheduler import Scheduler, SchedulerConfig
-from unmask.errors import InputError
+from unmask.errors import CanvasTooLong, InputError
 
 log = logging.getLogger("unmask.engine")
 
@@ -66,24 +66,9 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None,
                     trace: bool = False) -> Request:
         """Queue a request; it joins the running batch at the next step."""
-        if not isinstance(params, DecodeParams):
-            raise InputError(f"params must be a DecodeParams, got {type(params).__name__}")
-        if not isinstance(prompt_ids, (list, tuple)):
-            raise InputError(f"prompt_ids must be a list of token ids, got "
-                             f"{type(prompt_ids).__name__}")
-        if not prompt_ids:
-            raise InputError("empty prompt: give the model something to answer")
-        # bool is an int to Python, but True as token id 1 is a mistake, not a token
-        if not all(isinstance(t, int) and not isinstance(t, bool)
-                   and 0 <= t < self.model.config.embedding_size for t in prompt_ids):
-            raise InputError("prompt token ids must be integers in the model's vocabulary")
+        self.check_prompt(prompt_ids, params)
         if request_id is not None and not isinstance(request_id, str):
             raise InputError(f"request_id must be a string, got {type(request_id).__name__}")
-        total = len(prompt_ids) + params.gen_length
-        if total > self.max_sequence_length:
-            raise InputError(f"prompt ({len(prompt_ids)} tokens) + gen_length ({params.gen_length}) "
-                             f"exceeds max_sequence_length {self.max_sequence_length}; valid total: "
-                             f"<= {self.max_sequence_length}")
         kw = {} if request_id is None else {"request_id": request_id}
         req = Request(list(prompt_ids), params, trace=trace, **kw)
         if req.request_id in self.requests:
@@ -91,6 +76,31 @@ class Engine:
         self.scheduler.add(req)
         self.requests[req.request_id] = req
         return req
+
+    def check_prompt(self, prompt_ids: list[int], params: DecodeParams) -> None:
+        """The InputError add_request would raise for this prompt and spec, if any (a server
+        checks every prompt of a request before it submits one). A canvas too long is a
+        CanvasTooLong, since the spec's gen_length may be what the caller set."""
+        if not isinstance(params, DecodeParams):
+            raise InputError(f"params must be a DecodeParams, got {type(params).__name__}")
+        if not isinstance(prompt_ids, (list, tuple)):
+            raise InputError(f"prompt_ids must be a list of token ids, got "
+                             f"{type(prompt_ids).__name__}")
+        if not prompt_ids:
+            raise InputError("empty prompt: give the model something to answer")
+        vocab = self.model.config.embedding_size
+        # bool is an int to Python, but True as token id 1 is a mistake, not a token
+        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool)
+               or not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"prompt token ids must be integers in the model's vocabulary "
+                             f"(0..{vocab - 1}); got {bad[0]!r}")
+        total = len(prompt_ids) + params.gen_length
+        if total > self.max_sequence_length:
+            raise CanvasTooLong(f"prompt ({len(prompt_ids)} tokens) + gen_length "
+                                f"({params.gen_length}) exceeds max_sequence_length "
+                                f"{self.max_sequence_length}; valid total: "
+                                f"<= {self.max_sequence_length}")
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a waiting or running request now (reason `abort`, or `stop` when the caller saw a

@@ -42,7 +42,7 @@ from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
 from unmask.engine import Engine, SchedulerConfig, StepEvent
 from unmask.engine import Request as EngineRequest
 from unmask.engine.scheduler import QueueFull
-from unmask.errors import InputError, UnmaskError
+from unmask.errors import CanvasTooLong, InputError, UnmaskError
 from unmask.server.async_engine import EngineThread, Handle
 from unmask.server.metrics import ServerMetrics
 from unmask.server.protocol import (
@@ -282,12 +282,15 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        # an unknown field's own name is what the client wrote, whatever characters it has
+        loc, union = _param_path(first.get("loc", ()), first.get("type") != "extra_forbidden")
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
-            msg, loc = "request body is not valid JSON", None
+            msg, loc = "request body is not valid JSON", ""
         elif first.get("type") == "extra_forbidden":
             msg = f"unknown field {loc!r}"
+        elif union:  # the first member's complaint ("should be a valid string") misleads
+            msg = _UNION_HINTS.get(loc, "none of the accepted types")
         text = f"{loc}: {msg}" if loc else msg
         return JSONResponse(error_body(text, "invalid_request_error", loc or None), 400)
 
@@ -358,6 +361,12 @@ def _check(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
         body.check_supported()
     except FieldError as e:
         raise APIError(400, str(e), param=e.field) from None
+    n = state.llm.config.max_sequence_length
+    if body.max_tokens is not None and body.max_tokens > n:
+        # No prompt fits beside it; and the canvas arithmetic must not meet a 400-digit number.
+        name = _max_tokens_field(body)
+        raise APIError(400, f"{name} is {body.max_tokens}; this model's max_sequence_length is "
+                            f"{n} tokens, prompt and completion together", param=name)
     if isinstance(body, CompletionRequest):
         prompts = body.prompts()
         for i, p in enumerate(prompts):
@@ -365,7 +374,6 @@ def _check(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
                 _check_prompt_chars(state, len(p), body.prompt_field(i))
         return prompts
     if isinstance(body, ChatCompletionRequest):
-        n = state.llm.config.max_sequence_length
         if len(body.messages) > n:  # each message renders to a token or more (its role marker)
             raise APIError(400, f"{len(body.messages)} messages cannot fit the model's "
                                 f"max_sequence_length {n} tokens; the limit is {n} messages",
@@ -373,6 +381,33 @@ def _check(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
         _check_prompt_chars(state, sum(len(m.content) + len(m.name or "") for m in body.messages),
                             "messages")
     return []
+
+
+# pydantic names a union's member in an error's location ("prompt.list[int].0", "stop.str"):
+# these are type tags, not fields a client wrote.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "nullable"})
+_UNION_HINTS = {
+    "prompt": "expected a string, a list of strings, a list of token ids (integers) or a list "
+              "of lists of token ids",
+    "stop": "expected a string or a list of up to 4 strings",
+}
+
+
+def _param_path(loc: tuple | list, tags: bool = True) -> tuple[str, bool]:
+    """An error location as the field a client wrote (`messages[0].content`, as the server's own
+    errors name fields), and whether it ends at a union whose members all failed (`tags`: the
+    location may hold union member tags)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif tags and (part in _TYPE_TAGS or any(c in part for c in "[]()-,")):
+            return out, True
+        else:
+            out += f".{part}" if out else part
+    return out, False
 
 
 def _check_prompt_chars(state: ServerState, chars: int, field: str) -> None:
@@ -384,6 +419,29 @@ def _check_prompt_chars(state: ServerState, chars: int, field: str) -> None:
         raise APIError(400, f"{field} has {chars} characters; the limit is {limit} "
                             f"(max_sequence_length {n} tokens x {state.chars_per_token} "
                             f"characters, the longest token in the vocabulary)", param=field)
+
+
+def _max_tokens_field(body: _Common) -> str:
+    """The field that set max_tokens (chat's check_supported copies max_completion_tokens)."""
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+def _check_ids(state: ServerState, ids: list[list[int]], params: list[DecodeParams],
+               fields: list[str], body: _Common) -> None:
+    """The engine's refusal of any prompt (Engine.check_prompt: empty, ids outside the
+    vocabulary, too long for its canvas), for all of them before any is submitted: a request
+    refused for its third prompt must not first start decoding (and count as aborted) its
+    first two."""
+    for p, q, where in zip(ids, params, fields, strict=True):
+        try:
+            state.engine.engine.check_prompt(p, q)
+        except CanvasTooLong as e:
+            param = _max_tokens_field(body) if body.max_tokens is not None else where
+            raise APIError(400, str(e), param=param) from None
+        except InputError as e:
+            raise APIError(400, f"{where}: {e}", param=where) from None
 
 
 def _check_capacity(state: ServerState, n: int, what: str) -> None:
@@ -507,6 +565,9 @@ class _Run:
 async def _respond(state: ServerState, body: _Common, ids: list[list[int]], request: Request,
                    chat: bool) -> Response:
     params = request_params(state.config, body)
+    fields = ([body.prompt_field(i) for i in range(len(ids))] if isinstance(body, CompletionRequest)
+              else ["messages"])
+    _check_ids(state, ids, [params] * len(ids), fields, body)
     _check_slots(state, ids, [params] * len(ids), "prompts")
     runs: list[_Run] = []
     try:

@@ -31,6 +31,7 @@ from unmask.server.app import (
     ServerState,
     _check,
     _check_capacity,
+    _check_ids,
     _check_prompt_chars,
     _check_slots,
     _encode,
@@ -89,6 +90,7 @@ def add_live_routes(app: FastAPI, state: ServerState) -> None:
                 which = f"decoder {i + 1} ({spec!r})" if len(specs) > 1 else f"decoder {spec!r}"
                 raise APIError(e.status, f"{which}: {e}", e.kind, f"decoders[{i}]") from None
         ids = await run_in_threadpool(_encode, state.llm, body.prompt, body.chat)
+        _check_ids(state, [ids] * len(params), params, ["prompt"] * len(params), body)
         _check_slots(state, [ids] * len(params), params, "decoder lanes")
         handles: list[Handle] = []
         try:

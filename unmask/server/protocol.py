@@ -33,13 +33,18 @@ def check_text(text: str, field: str) -> None:
                                 f"(U+{ord(m.group()):04X}) at character {m.start()}")
 
 
+# strict: pydantic's lax mode would read "8" or true as max_tokens, "yes" as stream=true; OpenAI
+# refuses a value of the wrong JSON type, and silently reinterpreting one changes the answer.
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -129,7 +134,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     role: Literal["system", "user", "assistant"]
     content: str
     name: str | None = None
