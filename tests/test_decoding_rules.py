@@ -420,3 +420,13 @@ def test_candidates_rank_before_non_candidates_whatever_their_score() -> None:
     assert ranks[0, cand[0]].max() < ranks[0, ~cand[0]].min()
     assert select_top(np.full((1, 6), -np.inf, dtype=np.float32), cand, np.array([2])).tolist() == \
         [[False, True, True, False, False, False]]
+
+
+def test_canvas_for_is_exact_for_any_int() -> None:
+    """Whole blocks for n tokens in integers: a float division overflowed at a 400-digit
+    max_tokens (a server 500) and rounded past 2**53."""
+    p = DecodeParams.parse("threshold", gen_length=64, block_length=32)
+    assert [p.canvas_for(n) for n in (1, 32, 33, 64)] == [32, 32, 64, 64]
+    huge = 10**400 + 1
+    assert p.canvas_for(huge) == (10**400 // 32 + 1) * 32
+    assert p.canvas_for(2**60 + 1) == 2**60 + 32

@@ -143,7 +143,8 @@ class DecodeParams:
     def canvas_for(self, n_tokens: int) -> int:
         """The gen_length of whole blocks that holds n_tokens generated tokens: how a request's
         max_tokens (server, bench-serve) or max_gen_toks (lm-eval) becomes a canvas."""
-        return math.ceil(n_tokens / self.block_length) * self.block_length
+        # integer ceiling: a float division rounds (or overflows) past 2**53 tokens
+        return -(-n_tokens // self.block_length) * self.block_length
 
     @property
     def spec(self) -> str:
