@@ -94,7 +94,7 @@ class Engine:
                or not 0 <= t < vocab]
         if bad:
             raise InputError(f"prompt token ids must be integers in the model's vocabulary "
-                             f"(0..{vocab - 1}); got {bad[0]!r}")
+                             f"(0..{vocab - 1}); got {bad[0]!r:.40}")
         total = len(prompt_ids) + params.gen_length
         if total > self.max_sequence_length:
             raise CanvasTooLong(f"prompt ({len(prompt_ids)} tokens) + gen_length "
