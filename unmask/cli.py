@@ -121,11 +121,12 @@ def check_prompts(prompts: list[str]) -> None:
             raise InputError(f"empty prompt ({which}): give the model something to answer")
 
 
-def chat_for(llm: LLM, raw: bool) -> bool:
+def chat_for(llm: LLM, raw: bool, raw_flag: str | None = "--raw") -> bool:
     """Whether a command applies the chat template: unless --raw, when the checkpoint has one.
-    Without one (a base model) the prompt goes as written, and stderr says so."""
+    Without one (a base model) the prompt goes as written, and stderr says so (raw_flag: the
+    command's flag for the raw prompt, None when it has none)."""
     if not raw and not llm.has_chat_template:
-        print(f"note: {llm.no_chat_template_note('--raw')}", file=sys.stderr)
+        print(f"note: {llm.no_chat_template_note(raw_flag)}", file=sys.stderr)
     return not raw and llm.has_chat_template
 
 

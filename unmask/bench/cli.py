@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unmask.cli import add_length_arguments, add_model_arguments, parse_decoder, positive
+from unmask.cli import add_length_arguments, add_model_arguments, chat_for, parse_decoder, positive
 from unmask.decoding.params import DecodeParams
 from unmask.errors import InputError
 
@@ -172,8 +172,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
                      allow_code_execution=args.allow_code_execution,
                      stratify=getattr(args, "stratify", False))
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    if not llm.has_chat_template:
-        print(f"note: {llm.no_chat_template_note(None)}", file=sys.stderr)
+    chat = chat_for(llm, raw=False, raw_flag=None)
 
     total = len(task.examples) * len(decoders)
     started = time.perf_counter()
@@ -183,7 +182,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
                   console=console, transient=False) as progress:
         bar = progress.add_task(f"{args.task}", total=total, spec="warm-up")
         samples = run_side_by_side(
-            llm, task, decoders, batch_size=args.batch_size, warmup=warmup,
+            llm, task, decoders, batch_size=args.batch_size, warmup=warmup, chat=chat,
             on_progress=lambda done, spec: progress.update(bar, completed=done, spec=spec))
 
     wall = time.perf_counter() - started

@@ -44,14 +44,15 @@ def decoder_order(k: int, i: int) -> list[int]:
 def run_side_by_side(llm: LLM, task: BenchTask, decoders: Sequence[DecodeParams],
                      batch_size: int = 1, warmup: int = 1,
                      on_progress: Callable[[int, str], None] | None = None,
-                     ) -> list[list[Sample]]:
+                     chat: bool = True) -> list[list[Sample]]:
     """samples[d][p] = decoder d on prompt p. on_progress(prompts_done, spec) is called after
-    each decoder finishes a batch (prompts_done counts prompt x decoder runs)."""
+    each decoder finishes a batch (prompts_done counts prompt x decoder runs). chat: prompts go
+    through the checkpoint's chat template."""
     if not decoders:
         raise InputError("give at least one --decoder")
     if batch_size < 1:
         raise InputError(f"batch_size must be >= 1, got {batch_size}")
-    ids = [llm.encode_prompt(ex.prompt, chat=llm.has_chat_template) for ex in task.examples]
+    ids = [llm.encode_prompt(ex.prompt, chat=chat) for ex in task.examples]
     limit = llm.config.max_sequence_length
     longest = max(map(len, ids))
     for params in decoders:

@@ -363,7 +363,7 @@ def _check(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
         raise APIError(400, str(e), param=e.field) from None
     n = state.llm.config.max_sequence_length
     if body.max_tokens is not None and body.max_tokens > n:
-        # No prompt fits beside it; and the canvas arithmetic must not meet a 400-digit number.
+        # No prompt fits beside it: refused by the field that set it, before a spec is built.
         name = _max_tokens_field(body)
         raise APIError(400, f"{name} is {body.max_tokens}; this model's max_sequence_length is "
                             f"{n} tokens, prompt and completion together", param=name)
