@@ -220,6 +220,51 @@ def test_bad_chat_requests(server: LiveServer) -> None:
         assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
 
+def test_chat_content_parts_and_developer_role(server: LiveServer) -> None:
+    """OpenAI clients send content as a list of parts and system instructions as `developer`:
+    text parts read as their text joined by newlines, developer as system (both were 400s)."""
+    client = server.client()
+
+    def answer(messages: list[dict]) -> str:
+        r = client.chat.completions.create(model="default_model", messages=messages,
+                                           max_tokens=32, seed=5)
+        return r.choices[0].message.content
+
+    plain = answer([{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "What is 47 + 38?\nShow the sum."}])
+    parts = answer([{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                    {"role": "user", "content": [{"type": "text", "text": "What is 47 + 38?"},
+                                                 {"type": "text", "text": "Show the sum."}]}])
+    assert parts == plain and plain
+    # the rendered prompts are equal too, not only the answers
+    sent = [{"role": "developer", "content": [{"type": "text", "text": "x"}]},
+            {"role": "user", "content": "y"}]
+    from unmask.server.protocol import ChatMessage
+    assert [ChatMessage(**m).for_template() for m in sent] == [
+        {"role": "system", "content": "x"}, {"role": "user", "content": "y"}]
+
+
+@pytest.mark.parametrize("content,param,words", [
+    ([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}],
+     "messages[0].content[1].type", "only text content parts"),
+    ([{"type": "text", "text": 5}], "messages[0].content[0].text", "expected a string"),
+    ([{"type": "text", "text": "hi", "cache_control": {}}], "messages[0].content[0].cache_control",
+     "unknown field"),
+    ([{"text": "hi"}], "messages[0].content[0].type", "only text content parts"),
+    ([{"type": "text", "text": "\ud800"}], "messages[0].content[0].text", "lone surrogate"),
+    ([], "messages", "empty messages"),
+    (5, "messages[0].content", "list of content parts"),
+], ids=["image", "text-not-str", "extra-key", "no-type", "surrogate", "empty-list", "int"])
+def test_bad_content_parts_are_named(server: LiveServer, content, param: str, words: str) -> None:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 8}
+    # json.dumps escapes a lone surrogate as JSON allows (\\ud800); httpx's json= cannot encode it
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                   content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
 def test_queue_full_is_429(llm: LLM) -> None:
     with LiveServer(build_app(llm, ServerConfig(decoder="static-1", max_running=1,
                                                 max_queue=1))) as s:

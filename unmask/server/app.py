@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -290,7 +291,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         elif first.get("type") == "extra_forbidden":
             msg = f"unknown field {loc!r}"
         elif union:  # the first member's complaint ("should be a valid string") misleads
-            msg = _UNION_HINTS.get(loc, "none of the accepted types")
+            msg = _UNION_HINTS.get(re.sub(r"\[\d+\]", "[]", loc), "none of the accepted types")
         text = f"{loc}: {msg}" if loc else msg
         return JSONResponse(error_body(text, "invalid_request_error", loc or None), 400)
 
@@ -341,7 +342,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check(state, body)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         ids = [await run_in_threadpool(_encode_chat, llm, messages)]
         return await _respond(state, body, ids, request, chat=True)
 
@@ -378,7 +379,7 @@ def _check(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
             raise APIError(400, f"{len(body.messages)} messages cannot fit the model's "
                                 f"max_sequence_length {n} tokens; the limit is {n} messages",
                            param="messages")
-        _check_prompt_chars(state, sum(len(m.content) + len(m.name or "") for m in body.messages),
+        _check_prompt_chars(state, sum(len(m.text()) + len(m.name or "") for m in body.messages),
                             "messages")
     return []
 
@@ -390,6 +391,8 @@ _UNION_HINTS = {
     "prompt": "expected a string, a list of strings, a list of token ids (integers) or a list "
               "of lists of token ids",
     "stop": "expected a string or a list of up to 4 strings",
+    "messages[].content": 'expected a string or a list of content parts ({"type": "text", '
+                          '"text": ...})',
 }
 
 

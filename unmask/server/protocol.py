@@ -135,9 +135,44 @@ class CompletionRequest(_Common):
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Literal["system", "user", "assistant"]
-    content: str
+    # "developer" is OpenAI's newer name for system instructions; templates know "system"
+    role: Literal["system", "developer", "user", "assistant"]
+    # a string, or OpenAI's list of content parts, of which text parts are served (checked in
+    # ChatCompletionRequest.check_supported, so a refused part is named by its place)
+    content: str | list[dict[str, Any]]
     name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines, as vLLM joins them."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part["text"] for part in self.content)
+
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    def check_parts(self, field: str) -> None:
+        """Refuse content parts other than {"type": "text", "text": ...}, naming the part."""
+        if isinstance(self.content, str):
+            check_text(self.content, field)
+            return
+        for j, part in enumerate(self.content):
+            at = f"{field}[{j}]"
+            kind = part.get("type")
+            if kind != "text":
+                raise Unsupported(f"{at}.type", f"only text content parts are served, not "
+                                                f"{kind!r} (this model reads text alone)")
+            if not isinstance(part.get("text"), str):
+                raise FieldError(f"{at}.text", f"{at}.text: expected a string")
+            extra = sorted(set(part) - {"type", "text"})
+            if extra:
+                raise FieldError(f"{at}.{extra[0]}", f"unknown field {at}.{extra[0]!r} in a "
+                                                     f"text part")
+            check_text(part["text"], f"{at}.text")
 
 
 class ChatCompletionRequest(_Common):
@@ -160,7 +195,7 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs:
             raise Unsupported("top_logprobs", "log-probabilities are not returned")
         for i, m in enumerate(self.messages):
-            check_text(m.content, f"messages[{i}].content")
+            m.check_parts(f"messages[{i}].content")
             if m.name is not None:
                 check_text(m.name, f"messages[{i}].name")
         if self.max_completion_tokens is not None:
