@@ -399,6 +399,8 @@ def test_python_api_bad_arguments_name_the_argument(call, match) -> None:
     (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(entropy_tau=float("nan")), "entropy_tau"), (dict(threshold=True), "threshold"),
     (dict(gen_length=True), "gen_length"), (dict(suffix_local="4"), "suffix_local"),
+    # the server refuses these as its seed field; a spec accepted them (2**64 and 0 shared noise)
+    (dict(seed=-1), "seed"), (dict(seed=2**63), "seed"), (dict(seed=10**400), "seed"),
 ])
 def test_params_refuse_values_that_cannot_decode(kw, match) -> None:
     with pytest.raises(SpecError, match=match):

@@ -94,6 +94,8 @@ class DecodeParams:
             if not 1 <= self.steps <= self.gen_length or self.steps % self.num_blocks:
                 raise SpecError(f"steps ({self.steps}) must be in 1..{self.gen_length} and a "
                                 f"multiple of the number of blocks ({self.num_blocks})")
+        if not 0 <= self.seed < 1 << 63:  # the server's seed field and training's --seed alike
+            raise SpecError(f"seed must be an integer in 0..2**63-1, got {self.seed}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise SpecError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
