@@ -21,8 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from helpers import LiveServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from unmask import LLM
+from unmask.api import useful_length
 from unmask.engine import decoder as decoder_mod
 from unmask.server.app import ServerConfig, build_app
 from unmask.server.protocol import CompletionRequest
@@ -140,6 +143,59 @@ def test_stop_strings_cut_and_stop_decoding(server: LiveServer, llm: LLM) -> Non
         model="default_model", messages=msgs, max_tokens=128, stop=["tens"], stream=True,
         extra_body={"decoder": "static-1"}) if c.choices)
     assert streamed == cut.choices[0].message.content
+
+
+class _CharLLM:
+    """Just what TextStream reads of an LLM: ids 1-4 spell a, b, c and "ab"; 0 is EOS."""
+
+    SPELL = ["", "a", "b", "c", "ab"]
+    config = type("Config", (), {"eos_token_id": 0})()
+    tokenizer = type("Tok", (), {"encode": staticmethod(lambda text, **kw: list(text))})()
+
+    def detokenize(self, ids: list[int]) -> str:
+        return "".join(self.SPELL[i] for i in ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(canvas=st.lists(st.integers(0, 4), min_size=2, max_size=24), data=st.data())
+def test_streamed_text_with_stops_is_the_final_text(canvas: list[int], data) -> None:
+    """Commits in any order, steps of any size: the streamed deltas add up to the answer, so
+    nothing sent is ever cut later. The answer: the text of the committed prefix (up to EOS)
+    at the first step where it holds a stop, cut before the earliest stop in it; else the whole
+    text. (Which stop wins when two complete in one step depends on the steps, as text arrives
+    a step at a time.) The search for stops reads only the unsent text, on the invariant that
+    the sent text never ends where a stop could begin."""
+    from unmask.engine.request import StepEvent
+    from unmask.server.app import TextStream
+
+    llm = _CharLLM()
+    spelled = llm.detokenize(canvas)  # stops cut from it occur, or nearly, where it is decoded
+    cut_out = st.tuples(st.integers(0, len(spelled)), st.integers(1, 8)).map(
+        lambda ij: spelled[ij[0]: ij[0] + ij[1]] or "a")
+    stops = data.draw(st.lists(cut_out | st.text("abc", min_size=1, max_size=8), min_size=1,
+                               max_size=4))
+    order = data.draw(st.permutations(range(len(canvas))))
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(canvas) - 1), max_size=len(canvas))))
+    text = TextStream(llm, len(canvas), stops)
+    done, streamed, want = [False] * len(canvas), "", None
+    for step, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(canvas)], strict=True)):
+        for p in order[a:b]:
+            done[p] = True
+        prefix = next((i for i, d in enumerate(done) if not d), len(canvas))
+        now = llm.detokenize(canvas[: useful_length(canvas[:prefix], 0)])
+        at = min((i for i in (now.find(s) for s in stops) if i >= 0), default=-1)
+        if want is None and at >= 0:
+            want = now[:at]
+        ev = StepEvent("r", step, list(order[a:b]), [canvas[p] for p in order[a:b]], [], True,
+                       False, (0, len(canvas)), prefix, 0, 0, 0)
+        streamed += text.update(ev)
+        if text.stop_hit:
+            streamed += text.finish(None)
+            break
+    else:
+        streamed += text.finish(canvas)
+    assert text.stop_hit == (want is not None)
+    assert streamed == (llm.detokenize(canvas[: useful_length(canvas, 0)]) if want is None else want)
 
 
 def test_stream_disconnect_aborts(server: LiveServer) -> None:
