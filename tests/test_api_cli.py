@@ -203,6 +203,28 @@ def test_cli_bad_spec(args: list[str], needle: str, llada_dir: Path,
     assert needle in err
 
 
+def test_a_long_prompt_brings_no_tokenizer_warning(
+        capfd: pytest.CaptureFixture) -> None:
+    """transformers warned first that the prompt "will result in indexing errors" (it never
+    reaches the model: the engine refuses it, naming both lengths)."""
+    from unmask.api import DEFAULT_MODEL, load_tokenizer
+
+    capfd.readouterr()
+    tok = load_tokenizer(DEFAULT_MODEL)  # a fresh tokenizer: transformers warns once each
+    assert len(tok.encode("x " * 3000, add_special_tokens=False)) > 2048
+    assert capfd.readouterr().err == ""
+
+
+def test_threads_past_the_cpus_is_a_one_line_error(capsys: pytest.CaptureFixture) -> None:
+    """--threads 100000 was a segfault (exit 139) inside the OpenMP runtime."""
+    import torch
+
+    before = torch.get_num_threads()
+    err = _run_error(["generate", "--threads", "100000", "--gen-length", "16", "hi"], capsys)
+    assert "--threads 100000" in err and "valid: 1.." in err
+    assert torch.get_num_threads() == before
+
+
 @pytest.mark.parametrize("damage", ["config-array", "garbage-weights"])
 def test_cli_corrupted_model_folder(damage: str, llada_dir: Path, tmp_path: Path,
                                     capsys: pytest.CaptureFixture) -> None:

@@ -123,6 +123,7 @@ def _train(tok_dir: Path, out: Path, *extra: str) -> None:
     (["--batch-tokens", "0"], "--batch-tokens must be an integer >= 1"),  # was ValueError
     (["--batch-tokens", str(10**12)], "--batch-tokens must be at most"),  # was a hang
     (["--threads", "x"], "--threads must be 'auto' or an integer"),  # was ValueError
+    (["--threads", "100000"], "--threads 100000: this process may run on"),  # was a segfault
     (["--lr", "nan"], "--lr must be a number > 0"),
     (["--warmup", "2"], "--warmup"),  # were silently accepted
     (["--grad-clip", "0"], "--grad-clip"),

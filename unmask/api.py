@@ -7,6 +7,7 @@ token ids only.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -50,6 +51,10 @@ def load_tokenizer(path: str | Path):
     try:
         tok = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
         tok.encode("a", add_special_tokens=False)  # some bad settings fail only when used
+        # Prompts are checked against the model's max_sequence_length by the engine, with an
+        # error naming both lengths; the tokenizer's own limit only added transformers' warning
+        # that a long prompt "will result in indexing errors" before that error. Never truncated.
+        tok.model_max_length = sys.maxsize
         return tok
     # transformers and tokenizers raise many types for a damaged file (JSON, Rust, type errors)
     except Exception as e:  # noqa: BLE001
@@ -94,6 +99,23 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     if dev.type == "mps" and "mps" in valid:
         return dev
     raise InputError(f"device {name!r} is not supported here; valid here: {choices}")
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's share, not the host's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def set_threads(n: int, flag: str = "--threads") -> None:
+    """torch's CPU threads. More than the CPUs this process may run on is an InputError: extra
+    threads only contend for the cores, and a count in the thousands crashes the OpenMP runtime
+    (a segfault at ~16,000 threads, measured on a 2-core machine)."""
+    cpus = available_cpus()
+    if not 1 <= n <= cpus:
+        raise InputError(f"{flag} {n}: this process may run on {cpus} CPU(s); valid: 1..{cpus}")
+    torch.set_num_threads(n)
 
 
 class LLM:

@@ -238,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if isinstance(getattr(args, "threads", None), int):
-            import torch
+            from unmask.api import set_threads
 
-            torch.set_num_threads(args.threads)
+            set_threads(args.threads)
         code = args.func(args)
     except UnmaskError as e:
         print(f"unmask: error: {e}", file=sys.stderr)

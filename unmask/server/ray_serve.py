@@ -197,12 +197,11 @@ class EngineReplica:
     """The single-process app with its own engine, behind Serve."""
 
     async def __init__(self, opts: RayServeOptions) -> None:
-        import torch
-
-        from unmask.api import LLM
+        from unmask.api import LLM, set_threads
         from unmask.server.app import build_app
 
-        torch.set_num_threads(opts.threads or max(1, int(opts.cpus_per_replica)))
+        # the replica's own machine: --threads is checked against the CPUs it may run on there
+        set_threads(opts.threads or max(1, int(opts.cpus_per_replica)))
         llm = LLM(opts.model, device=opts.device, dtype=opts.dtype)
         self.app = build_app(llm, opts.server)
         self.lifespan = self.app.router.lifespan_context(self.app)

@@ -501,6 +501,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from unmask.api import set_threads
     from unmask.models import build_model
     from unmask.tasks import code as code_task
     from unmask.tasks.math import make_split
@@ -509,7 +510,10 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     check_train_args(args)
     console = Console(stderr=False)
     auto_threads = args.threads == "auto"
-    torch.set_num_threads(2 if auto_threads else int(args.threads))
+    if auto_threads:
+        torch.set_num_threads(2)
+    else:
+        set_threads(int(args.threads))
     device = _device(args.device)
     out = Path(args.out)
     tok_dir = Path(args.tokenizer) if args.tokenizer else out / "tokenizer"
