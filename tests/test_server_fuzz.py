@@ -145,6 +145,30 @@ def test_bad_prompt_in_a_list_submits_nothing(server: LiveServer, monkeypatch, b
     assert not server.engine.has_unfinished
 
 
+# --- values a client may write that would be silently ignored, or blamed on another field ---------
+@pytest.mark.parametrize("path,raw,param", [
+    (COMPLETIONS, b'{"prompt": "hi", "temperature": Infinity}', "temperature"),  # was "decoder"
+    (COMPLETIONS, b'{"prompt": "hi", "temperature": NaN}', "temperature"),
+    (COMPLETIONS, b'{"prompt": "hi", "top_p": NaN}', "top_p"),
+    (COMPLETIONS, b'{"prompt": "hi", "presence_penalty": NaN}', "presence_penalty"),
+    (COMPLETIONS, b'{"prompt": "hi", "logprobs": 0}', "logprobs"),  # 0 still asks for one
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": 0}', "logprobs"),
+], ids=["temperature-inf", "temperature-nan", "top_p-nan", "penalty-nan", "logprobs-0",
+        "chat-logprobs-0"])
+def test_a_value_is_refused_by_its_own_field(server: LiveServer, path: str, raw: bytes,
+                                             param: str) -> None:
+    r = httpx.post(f"{server.url}{path}", content=raw, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert error(r)["param"] == param
+
+
+def test_logprobs_off_values_pass(server: LiveServer) -> None:
+    for path, body in ((COMPLETIONS, {"prompt": "hi", "logprobs": None}),
+                       (CHAT, {"messages": USER, "logprobs": False})):
+        r = post(server, path, {**body, "max_tokens": 8})
+        assert r.status_code == 200, r.text
+
+
 def test_unknown_field_is_named_whatever_its_characters(server: LiveServer) -> None:
     """Union member tags are cut from a param; an unknown field's name is kept as written."""
     err = error(post(server, COMPLETIONS, {"prompt": "hi", "x-trace[id]": 1}))

@@ -48,7 +48,9 @@ class _Common(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    # allow_inf_nan: JSON's Infinity/NaN extensions reach the field as floats; refused here, by
+    # the field's name (the decoder spec would refuse them too, but as `decoder`'s fault)
+    temperature: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stream: bool = False
@@ -57,9 +59,9 @@ class _Common(BaseModel):
     user: str | None = None  # an end-user id for the caller's own records; not used
     decoder: str | None = None  # unmask's decoder spec; the server's --decoder when absent
     # Accepted only at the value that means "off": anything else would be silently ignored.
-    top_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    top_p: float | None = Field(default=None, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
+    presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
 
@@ -73,6 +75,10 @@ class _Common(BaseModel):
             raise ValueError("stop must be up to 4 non-empty strings")
         return stops
 
+    def _logprobs_off(self) -> bool:
+        """Chat's logprobs is a flag: false is off. (Identity, since 0 == False in Python.)"""
+        return self.logprobs is None or self.logprobs is False
+
     def check_supported(self) -> None:
         """Refuse values the engine would silently ignore, naming the field."""
         if self.n != 1:
@@ -83,7 +89,7 @@ class _Common(BaseModel):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise Unsupported(name, "penalties are not implemented")
-        if self.logprobs not in (None, False, 0):
+        if not self._logprobs_off():
             raise Unsupported("logprobs", "log-probabilities are not returned")
         if self.logit_bias:
             raise Unsupported("logit_bias", "logit biases are not implemented")
@@ -100,6 +106,11 @@ class CompletionRequest(_Common):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    def _logprobs_off(self) -> bool:
+        """A completion's logprobs is a count of alternatives, and 0 still asks for the sampled
+        token's log-probability: only absent (null) is off."""
+        return self.logprobs is None
 
     def prompts(self) -> list[str] | list[list[int]]:
         if self._single():
