@@ -294,7 +294,10 @@ def test_bad_requests() -> None:
     with pytest.raises(InputError, match="already in use"):
         eng.add_request([5], params("static-1"), request_id="x")
     with pytest.raises(InputError, match="list of token ids"):
-        eng.add_request(torch.tensor([5, 6]), params("static-1"))  # type: ignore[arg-type]
+        eng.add_request((t for t in [5, 6]), params("static-1"))  # type: ignore[arg-type]
+    for bad in (torch.tensor([[5, 6]]), np.array([5.0, 6.0]), torch.tensor([True])):
+        with pytest.raises(InputError, match="1-D of integers"):
+            eng.add_request(bad, params("static-1"))  # type: ignore[arg-type]
     with pytest.raises(InputError, match="vocabulary"):
         eng.add_request([True, 5], params("static-1"))  # True would be token 1
     with pytest.raises(InputError, match="request_id must be a string"):
@@ -305,6 +308,20 @@ def test_bad_requests() -> None:
     for bad in ({"max_running": True}, {"max_queue": True}, {"max_slots": False}):
         with pytest.raises(InputError, match="integer"):
             SchedulerConfig(**bad)
+
+
+def test_token_ids_as_numpy_or_torch_integers() -> None:
+    """A list of numpy integers was refused as if out of the vocabulary ("got np.int64(5)"), and
+    a 1-D integer array or tensor as no list: each now decodes as the same list of ints."""
+    m = model("llada")
+    want = alone(m, params("threshold", 16), [5, 6, 7])
+    for ids in ([np.int64(5), np.int32(6), 7], np.array([5, 6, 7]), torch.tensor([5, 6, 7]),
+                np.array([5, 6, 7], dtype=np.uint16)):
+        eng = engine(m)
+        req = eng.add_request(ids, params("threshold", 16))
+        assert req.prompt_ids == [5, 6, 7] and all(type(t) is int for t in req.prompt_ids)
+        eng.run()
+        assert outcome(req) == want
 
 
 # --- progress and failures --------------------------------------------------------------------------

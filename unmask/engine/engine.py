@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import numbers
 import time
 from collections.abc import Callable, Hashable
 
@@ -66,41 +67,55 @@ class Engine:
     def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None,
                     trace: bool = False) -> Request:
         """Queue a request; it joins the running batch at the next step."""
-        self.check_prompt(prompt_ids, params)
+        ids = self.check_prompt(prompt_ids, params)
         if request_id is not None and not isinstance(request_id, str):
             raise InputError(f"request_id must be a string, got {type(request_id).__name__}")
         kw = {} if request_id is None else {"request_id": request_id}
-        req = Request(list(prompt_ids), params, trace=trace, **kw)
+        req = Request(ids, params, trace=trace, **kw)
         if req.request_id in self.requests:
             raise InputError(f"request id {req.request_id!r} is already in use")
         self.scheduler.add(req)
         self.requests[req.request_id] = req
         return req
 
-    def check_prompt(self, prompt_ids: list[int], params: DecodeParams) -> None:
-        """The InputError add_request would raise for this prompt and spec, if any (a server
-        checks every prompt of a request before it submits one). A canvas too long is a
-        CanvasTooLong, since the spec's gen_length may be what the caller set."""
+    def check_prompt(self, prompt_ids: list[int], params: DecodeParams) -> list[int]:
+        """The prompt's token ids as Python ints, or the InputError add_request would raise for
+        this prompt and spec (a server checks every prompt of a request before it submits one).
+        A canvas too long is a CanvasTooLong, since the spec's gen_length may be what the
+        caller set. Token ids come as a list or tuple of integers (numpy's included) or a 1-D
+        integer numpy array or torch tensor."""
         if not isinstance(params, DecodeParams):
             raise InputError(f"params must be a DecodeParams, got {type(params).__name__}")
+        if isinstance(prompt_ids, (np.ndarray, torch.Tensor)):
+            integer = (np.issubdtype(prompt_ids.dtype, np.integer)
+                       if isinstance(prompt_ids, np.ndarray)
+                       else not (prompt_ids.is_floating_point() or prompt_ids.is_complex()
+                                 or prompt_ids.dtype == torch.bool))
+            if prompt_ids.ndim != 1 or not integer:
+                raise InputError(f"prompt_ids as an array must be 1-D of integers, got "
+                                 f"{prompt_ids.ndim}-D {prompt_ids.dtype}")
+            prompt_ids = prompt_ids.tolist()
         if not isinstance(prompt_ids, (list, tuple)):
             raise InputError(f"prompt_ids must be a list of token ids, got "
                              f"{type(prompt_ids).__name__}")
         if not prompt_ids:
             raise InputError("empty prompt: give the model something to answer")
         vocab = self.model.config.embedding_size
-        # bool is an int to Python, but True as token id 1 is a mistake, not a token
-        bad = [t for t in prompt_ids if not isinstance(t, int) or isinstance(t, bool)
-               or not 0 <= t < vocab]
+        # bool is an int to Python (and numpy's bool_ is no Integral), but True as token id 1
+        # is a mistake, not a token
+        bad = [t for t in prompt_ids if not isinstance(t, numbers.Integral)
+               or isinstance(t, (bool, np.bool_)) or not 0 <= t < vocab]
         if bad:
             raise InputError(f"prompt token ids must be integers in the model's vocabulary "
                              f"(0..{vocab - 1}); got {bad[0]!r:.40}")
+        prompt_ids = [int(t) for t in prompt_ids]
         total = len(prompt_ids) + params.gen_length
         if total > self.max_sequence_length:
             raise CanvasTooLong(f"prompt ({len(prompt_ids)} tokens) + gen_length "
                                 f"({params.gen_length}) exceeds max_sequence_length "
                                 f"{self.max_sequence_length}; valid total: "
                                 f"<= {self.max_sequence_length}")
+        return prompt_ids
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a waiting or running request now (reason `abort`, or `stop` when the caller saw a
