@@ -169,6 +169,23 @@ def test_logprobs_off_values_pass(server: LiveServer) -> None:
         assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("raw,content_type,words", [
+    (b'{"prompt": "hi"}', "application/x-www-form-urlencoded", "content-type: application/json"),
+    (b'{"prompt": "hi"}', None, "content-type: application/json"),
+    (b"", "application/json", "request body is empty"),
+    (b"[1]", "application/json", "a JSON object, not an array"),
+    (b"null", "application/json", "a JSON object, not null"),
+    (b'"hi"', "application/json", "a JSON object, not a string"),
+], ids=["curl-d-form", "no-content-type", "empty", "array", "null", "string"])
+def test_a_body_that_is_no_json_object_says_so(server: LiveServer, raw: bytes,
+                                               content_type: str | None, words: str) -> None:
+    """pydantic's words were "Field required" and "Input should be a valid dictionary"."""
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(f"{server.url}{COMPLETIONS}", content=raw, headers=headers, timeout=60)
+    err = error(r)
+    assert words in err["message"] and err["param"] is None, err
+
+
 def test_unknown_field_is_named_whatever_its_characters(server: LiveServer) -> None:
     """Union member tags are cut from a param; an unknown field's name is kept as written."""
     err = error(post(server, COMPLETIONS, {"prompt": "hi", "x-trace[id]": 1}))

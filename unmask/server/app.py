@@ -299,6 +299,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
         msg = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             msg, loc = "request body is not valid JSON", ""
+        elif tuple(first.get("loc", ())) == ("body",):  # no JSON object at all
+            msg, loc = _body_problem(first, request.headers.get("content-type")), ""
         elif first.get("type") == "extra_forbidden":
             msg = f"unknown field {loc!r}"
         elif union:  # the first member's complaint ("should be a valid string") misleads
@@ -405,6 +407,23 @@ _UNION_HINTS = {
     "messages[].content": 'expected a string or a list of content parts ({"type": "text", '
                           '"text": ...})',
 }
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "true or false", type(None): "null"}
+
+
+def _body_problem(err: dict, content_type: str | None) -> str:
+    """What is wrong with a request body that is no JSON object (pydantic's words were "Field
+    required" and "Input should be a valid dictionary")."""
+    if err.get("type") == "missing":
+        return "request body is empty: send a JSON object (content-type: application/json)"
+    body = err.get("input")
+    if isinstance(body, bytes):  # FastAPI parses JSON only when the content-type says so
+        return (f"request body must be JSON sent with content-type: application/json, not "
+                f"{content_type or 'no content-type'} (curl -d needs -H 'content-type: "
+                f"application/json')")
+    return f"request body must be a JSON object, not {_JSON_TYPES.get(type(body), 'that')}"
 
 
 def _param_path(loc: tuple | list, tags: bool = True) -> tuple[str, bool]:
