@@ -300,6 +300,8 @@ def test_bad_requests() -> None:
             eng.add_request(bad, params("static-1"))  # type: ignore[arg-type]
     with pytest.raises(InputError, match="vocabulary"):
         eng.add_request([True, 5], params("static-1"))  # True would be token 1
+    with pytest.raises(InputError, match=f"mask token \\(id {MASK}\\) at position 1"):
+        eng.add_request([5, MASK, 6], params("static-1"))  # was kept masked, never filled
     with pytest.raises(InputError, match="request_id must be a string"):
         eng.add_request([5], params("static-1"), request_id=5)  # type: ignore[arg-type]
     with pytest.raises(InputError, match="reason"):

@@ -122,10 +122,13 @@ def test_param_names_the_field(server: LiveServer, path: str, body: dict, param:
     ({"prompt": [[5, 6], [99999]], "max_tokens": 8}, "prompt[1]", "vocabulary (0..2047); got 99999"),
     ({"prompt": [[5, 6], [-1]], "max_tokens": 8}, "prompt[1]", "vocabulary (0..2047); got -1"),
     ({"prompt": [[5, 6], [5, 6], []], "max_tokens": 8}, "prompt[2]", "empty prompt"),
+    ({"prompt": [[5, 6], [5, 2]], "max_tokens": 8}, "prompt[1]", "mask token (id 2) at position 1"),
+    ({"prompt": ["hi", "what is <|mask|>?"], "max_tokens": 8}, "prompt[1]", "mask token"),
     ({"prompt": [[5, 6], [5] * 2030], "max_tokens": 32}, "max_tokens", "max_sequence_length"),
     ({"prompt": [[5, 6], [5] * 2030], "decoder": "threshold,gen_length=32"}, "prompt[1]",
      "max_sequence_length"),
-], ids=["out-of-vocab", "negative", "empty", "too-long", "too-long-spec"])
+], ids=["out-of-vocab", "negative", "empty", "mask-id", "mask-text", "too-long",
+        "too-long-spec"])
 def test_bad_prompt_in_a_list_submits_nothing(server: LiveServer, monkeypatch, body: dict,
                                               param: str, words: str) -> None:
     """The engine refused the bad prompt only once the ones before it were decoding: they were

@@ -109,6 +109,12 @@ class Engine:
             raise InputError(f"prompt token ids must be integers in the model's vocabulary "
                              f"(0..{vocab - 1}); got {bad[0]!r:.40}")
         prompt_ids = [int(t) for t in prompt_ids]
+        if self.mask_id in prompt_ids:
+            # LLaDA's reference would fill it as part of the first block (its confidence is not
+            # cut before the block), the engine would keep it masked: neither silently
+            raise InputError(f"the prompt holds the mask token (id {self.mask_id}) at position "
+                             f"{prompt_ids.index(self.mask_id)}: only the generated canvas is "
+                             f"filled; infilling inside the prompt is not supported")
         total = len(prompt_ids) + params.gen_length
         if total > self.max_sequence_length:
             raise CanvasTooLong(f"prompt ({len(prompt_ids)} tokens) + gen_length "
