@@ -110,8 +110,9 @@ class Engine:
                              f"(0..{vocab - 1}); got {bad[0]!r:.40}")
         prompt_ids = [int(t) for t in prompt_ids]
         if self.mask_id in prompt_ids:
-            # LLaDA's reference would fill it as part of the first block (its confidence is not
-            # cut before the block), the engine would keep it masked: neither silently
+            # LLaDA's reference can fill it (its confidence competes with the current block's:
+            # only positions past the block are cut), the engine would keep it masked: refused,
+            # so that neither happens silently
             raise InputError(f"the prompt holds the mask token (id {self.mask_id}) at position "
                              f"{prompt_ids.index(self.mask_id)}: only the generated canvas is "
                              f"filled; infilling inside the prompt is not supported")
