@@ -169,7 +169,7 @@ def test_streamed_text_with_stops_is_the_final_text(canvas: list[int], data) -> 
     from unmask.server.app import TextStream
 
     llm = _CharLLM()
-    spelled = llm.detokenize(canvas)  # stops cut from it occur, or nearly, where it is decoded
+    spelled = llm.detokenize(canvas)  # stops cut from the whole text occur in it (unless EOS)
     cut_out = st.tuples(st.integers(0, len(spelled)), st.integers(1, 8)).map(
         lambda ij: spelled[ij[0]: ij[0] + ij[1]] or "a")
     stops = data.draw(st.lists(cut_out | st.text("abc", min_size=1, max_size=8), min_size=1,

@@ -181,8 +181,8 @@ class ChatMessage(BaseModel):
                 raise FieldError(f"{at}.text", f"{at}.text: expected a string")
             extra = sorted(set(part) - {"type", "text"})
             if extra:
-                raise FieldError(f"{at}.{extra[0]}", f"unknown field {at}.{extra[0]!r} in a "
-                                                     f"text part")
+                name = f"{at}.{extra[0]}"
+                raise FieldError(name, f"unknown field {name!r} in a text part")
             check_text(part["text"], f"{at}.text")
 
 

@@ -200,8 +200,9 @@ class EngineReplica:
         from unmask.api import LLM, set_threads
         from unmask.server.app import build_app
 
-        # the replica's own machine: --threads is checked against the CPUs it may run on there
-        set_threads(opts.threads or max(1, int(opts.cpus_per_replica)))
+        # the replica's own machine: the count is checked against the CPUs it may run on there
+        set_threads(opts.threads or max(1, int(opts.cpus_per_replica)),
+                    "--threads" if opts.threads else "--cpus-per-replica")
         llm = LLM(opts.model, device=opts.device, dtype=opts.dtype)
         self.app = build_app(llm, opts.server)
         self.lifespan = self.app.router.lifespan_context(self.app)
