@@ -5,6 +5,8 @@ with a CheckpointError that names the problem."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -396,3 +398,13 @@ def test_malformed_index(tmp_path: Path, text: str) -> None:
 def test_bad_max_shard_size(tmp_path: Path, size) -> None:
     with pytest.raises(CheckpointError, match="max_shard_size"):
         save_checkpoint(tiny_model("llada"), tmp_path, max_shard_size=size)
+
+
+def test_loading_a_model_does_not_import_dynamo() -> None:
+    """nn.Embedding's normal_ init, run on the meta device where load_model builds, imported
+    torch._dynamo: ~1 s of every model load (the CLI's, the server's start). In a fresh process,
+    since other tests may import it."""
+    code = "import sys; from unmask import LLM; LLM(); print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr

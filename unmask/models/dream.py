@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from unmask.config import JsonKeys, ModelConfig
 from unmask.kv import Frame
-from unmask.models.layers import RMSNorm, attention, init_weights, rope_cos_sin, swiglu
+from unmask.models.layers import RMSNorm, attention, embedding, init_weights, rope_cos_sin, swiglu
 
 
 class DreamAttention(nn.Module):
@@ -61,7 +61,7 @@ class DreamModel(nn.Module):
         super().__init__()
         self.config = config
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.model.embed_tokens = embedding(config.vocab_size, config.d_model)
         self.model.layers = nn.ModuleList(DreamLayer(config, i) for i in range(config.n_layers))
         self.model.norm = RMSNorm(config.d_model, config.rms_norm_eps)
         if not config.weight_tying:

@@ -83,6 +83,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads
     return out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
 
 
+def embedding(n: int, dim: int) -> nn.Embedding:
+    """An (n, dim) token embedding. On the meta device, where load_model builds, its weight is
+    left unset: nn.Embedding's normal_ init there imports torch._dynamo, ~1 s of every model
+    load (measured), to draw values that do not exist. Elsewhere it draws them as before, so a
+    seeded build's random stream (tests, training from scratch) is unchanged."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(n, dim, _weight=torch.empty(n, dim))
+    return nn.Embedding(n, dim)
+
+
 def swiglu(x: Tensor, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> Tensor:
     return down(F.silu(gate(x)) * up(x))
 

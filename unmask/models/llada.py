@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from unmask.config import ConfigError, JsonKeys, ModelConfig
 from unmask.kv import Frame
-from unmask.models.layers import RMSNorm, attention, init_weights, rope_cos_sin, swiglu
+from unmask.models.layers import RMSNorm, attention, embedding, init_weights, rope_cos_sin, swiglu
 
 
 class LLaDABlock(nn.Module):
@@ -49,7 +49,7 @@ class LLaDAModel(nn.Module):
         super().__init__()
         self.config = config
         t = nn.ModuleDict({
-            "wte": nn.Embedding(config.embedding_size, config.d_model),
+            "wte": embedding(config.embedding_size, config.d_model),
             "blocks": nn.ModuleList(LLaDABlock(config, i) for i in range(config.n_layers)),
             "ln_f": RMSNorm(config.d_model, config.rms_norm_eps),
         })
