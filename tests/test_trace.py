@@ -81,6 +81,27 @@ def test_gif_and_png(trace: dict, tmp_path: Path) -> None:
         assert im.size == size
 
 
+def test_gif_frames_are_not_all_held_in_rgb(trace: dict, tmp_path: Path, monkeypatch) -> None:
+    """A 1,024-step trace took 3.5 GB: every frame was drawn in RGB and held, then quantized.
+    Each RGB frame is now quantized as drawn and dropped (Pillow keeps the palette frames)."""
+    import weakref
+
+    import unmask.trace as trace_mod
+
+    real, drawn, most = trace_mod.render_frames, [], 0
+
+    def spy(*a, **kw):
+        nonlocal most
+        for frame in real(*a, **kw):
+            drawn.append(weakref.ref(frame))
+            most = max(most, sum(r() is not None for r in drawn))
+            yield frame
+
+    monkeypatch.setattr(trace_mod, "render_frames", spy)
+    write_gif(trace, tmp_path / "t.gif")
+    assert len(drawn) == n_frames(trace) == 33 and most <= 2
+
+
 def test_one_lane_gif_frames_equal_its_steps(llm: LLM, tmp_path: Path) -> None:
     t = record(llm, PROMPT, ["fast"], gen_length=32, block_length=16)
     (lane,) = lanes_of(t)

@@ -22,7 +22,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -205,8 +205,9 @@ def _fonts() -> tuple[Any, Any]:
             ImageFont.truetype(str(ttf / "DejaVuSans.ttf"), 12))
 
 
-def render_frames(trace: dict[str, Any], last_only: bool = False) -> list[Any]:
-    """The replay's frames as Pillow images (frame k: every lane after k steps)."""
+def render_frames(trace: dict[str, Any], last_only: bool = False) -> Iterator[Any]:
+    """The replay's frames as Pillow images (frame k: every lane after k steps), one at a time:
+    a long decode has a frame a step, too many to hold at once."""
     from PIL import Image, ImageDraw
 
     lanes = lanes_of(trace)
@@ -217,7 +218,6 @@ def render_frames(trace: dict[str, Any], last_only: bool = False) -> list[Any]:
     width, height = 2 * PAD + cols * CELL_W, PAD + sum(lane_h) + FOOTER
     total = n_frames(trace)
     colours = {s: _step_colour(s, scale) for s in range(1, scale + 2)}
-    frames = []
     for k in range(total if last_only else 1, total + 1):
         img = Image.new("RGB", (width, height), BG)
         d = ImageDraw.Draw(img)
@@ -226,8 +226,7 @@ def render_frames(trace: dict[str, Any], last_only: bool = False) -> list[Any]:
             _draw_lane(d, fonts, lane, k, cols, colours, y)
             y += h
         _draw_legend(d, fonts[1], y, scale, colours)
-        frames.append(img)
-    return frames
+        yield img
 
 
 def _draw_lane(d: Any, fonts: tuple[Any, Any], lane: dict[str, Any], k: int, cols: int,
@@ -314,15 +313,17 @@ def write_gif(trace: dict[str, Any], path: Path, frame_ms: int = 80) -> None:
     colours = [BG, INK, MUTED, MASK, DROPPED, ACCENT, DRAFT, *viridis, *greys]
     palette = Image.new("P", (1, 1))
     palette.putpalette([v for c in colours for v in c] + [0] * 3 * (256 - len(colours)))
-    frames = [f.quantize(palette=palette, dither=Image.Dither.NONE) for f in render_frames(trace)]
-    durations = [frame_ms] * len(frames)
+    # Quantized as drawn: Pillow keeps every frame it writes, and a palette frame is a third of
+    # an RGB one (a 1,024-step trace held both: 3.5 GB).
+    frames = (f.quantize(palette=palette, dither=Image.Dither.NONE) for f in render_frames(trace))
+    durations = [frame_ms] * n_frames(trace)
     durations[-1] = 2500
-    frames[0].save(path, save_all=True, append_images=frames[1:], duration=durations, loop=0,
-                   optimize=True)
+    next(frames).save(path, save_all=True, append_images=frames, duration=durations, loop=0,
+                      optimize=True)
 
 
 def write_png(trace: dict[str, Any], path: Path) -> None:
-    render_frames(trace, last_only=True)[-1].save(path)
+    next(render_frames(trace, last_only=True)).save(path)
 
 
 WRITERS = {".html": write_html, ".gif": write_gif, ".png": write_png}
