@@ -47,11 +47,12 @@ def server(llm: LLM):
 
 
 def offline(llm: LLM, prompt: str, spec: str, max_tokens: int, chat: bool = True,
-            seed: int | None = None) -> str:
+            seed: int | None = None, **fields) -> str:
     from unmask.server.app import request_params
     from unmask.server.protocol import CompletionRequest
 
-    body = CompletionRequest(prompt=prompt, max_tokens=max_tokens, decoder=spec, seed=seed)
+    body = CompletionRequest(prompt=prompt, max_tokens=max_tokens, decoder=spec, seed=seed,
+                             **fields)
     return llm.generate([prompt], request_params(ServerConfig(), body), chat=chat)[0].text
 
 
@@ -88,6 +89,25 @@ def test_openai_client_matches_offline(server: LiveServer, llm: LLM, spec: str) 
         model="default_model", prompt=prompt, max_tokens=64, seed=11, extra_body=extra,
         stream=True) if ch.choices)
     assert streamed == want_raw
+
+
+def test_top_p_samples_as_the_decoder_does(server: LiveServer, llm: LLM) -> None:
+    """OpenAI's top_p is the decoder's top_p (it was refused as "not implemented", though the
+    spec grammar has it); 1, which clients send by default, changes nothing."""
+    from unmask.server.app import request_params
+
+    body = CompletionRequest(prompt="hi", temperature=0.8, top_p=0.5)
+    assert request_params(ServerConfig(decoder="threshold"), body).top_p == 0.5
+    off = CompletionRequest(prompt="hi", top_p=1)
+    assert request_params(ServerConfig(decoder="threshold"), off) == request_params(
+        ServerConfig(decoder="threshold"), CompletionRequest(prompt="hi"))
+    client = server.client()
+    want = offline(llm, PROMPTS[0], "static-1", 64, chat=False, seed=11, temperature=0.8,
+                   top_p=0.5)
+    got = client.completions.create(model="default_model", prompt=PROMPTS[0], max_tokens=64,
+                                    seed=11, temperature=0.8, top_p=0.5,
+                                    extra_body={"decoder": "static-1"})
+    assert got.choices[0].text == want
 
 
 def test_concurrent_mixed_load(server: LiveServer, llm: LLM) -> None:

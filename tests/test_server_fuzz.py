@@ -165,6 +165,16 @@ def test_a_value_is_refused_by_its_own_field(server: LiveServer, path: str, raw:
     assert error(r)["param"] == param
 
 
+@pytest.mark.parametrize("body,words", [
+    ({"prompt": "hi", "top_p": 0.5}, "temperature 0 does not sample"),  # greedy would ignore it
+    ({"prompt": "hi", "top_p": 0, "temperature": 1}, "greater than 0"),
+    ({"prompt": "hi", "top_p": 1.5, "temperature": 1}, "less than or equal to 1"),
+], ids=["greedy", "zero", "above-one"])
+def test_top_p_that_cannot_sample_is_named(server: LiveServer, body: dict, words: str) -> None:
+    err = error(post(server, COMPLETIONS, {**body, "max_tokens": 8}))
+    assert err["param"] == "top_p" and words in err["message"], err
+
+
 def test_logprobs_off_values_pass(server: LiveServer) -> None:
     for path, body in ((COMPLETIONS, {"prompt": "hi", "logprobs": None}),
                        (CHAT, {"messages": USER, "logprobs": False})):

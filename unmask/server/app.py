@@ -543,7 +543,7 @@ def _encode_chat(llm: LLM, messages: list[dict]) -> list[int]:
 
 def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
     """The request's decoder: its `decoder` spec (or the server's), with max_tokens (rounded up
-    to block_length), temperature and seed from the request. Against the server's default spec
+    to block_length), temperature, seed and top_p from the request. Against the server's default spec
     the request's fields win; in a spec the request wrote itself, a conflict is an error."""
     spec = body.decoder or config.decoder
     try:
@@ -555,6 +555,12 @@ def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
             fields["temperature"] = body.temperature
         if body.seed is not None:
             fields["seed"] = body.seed
+        if body.top_p is not None and body.top_p < 1:  # 1 is off: clients send it by default
+            if fields.get("temperature", base.temperature) == 0:
+                raise APIError(400, f"top_p {body.top_p} restricts the sampled token, and "
+                                    "temperature 0 does not sample: set temperature > 0, or "
+                                    "top_p 1", param="top_p")
+            fields["top_p"] = body.top_p
         if body.decoder is None:
             return base.replace(**fields, name=base.spec) if fields else base
         return DecodeParams.parse(spec, explicit=fields)

@@ -58,8 +58,9 @@ class _Common(BaseModel):
     n: int = 1
     user: str | None = None  # an end-user id for the caller's own records; not used
     decoder: str | None = None  # unmask's decoder spec; the server's --decoder when absent
+    # nucleus sampling: the decoder's own top_p (tokens sampled at temperature > 0)
+    top_p: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
     # Accepted only at the value that means "off": anything else would be silently ignored.
-    top_p: float | None = Field(default=None, allow_inf_nan=False)
     frequency_penalty: float | None = Field(default=None, allow_inf_nan=False)
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logprobs: Any = None
@@ -84,8 +85,6 @@ class _Common(BaseModel):
         if self.n != 1:
             raise Unsupported("n", "only n=1 is supported; send several requests (each gets its "
                               "own seed) for several samples")
-        if self.top_p is not None and self.top_p != 1:
-            raise Unsupported("top_p", "nucleus sampling is not implemented; use temperature")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise Unsupported(name, "penalties are not implemented")
