@@ -110,6 +110,34 @@ def test_top_p_samples_as_the_decoder_does(server: LiveServer, llm: LLM) -> None
     assert got.choices[0].text == want
 
 
+def test_n_choices_decode_with_seed_plus_j(server: LiveServer, llm: LLM) -> None:
+    """n was refused. Choice i * n + j is prompt i decoded with seed + j, so choice j = 0 is the
+    answer with n = 1; usage counts each prompt's tokens once; streamed choices add up to the
+    non-streamed ones."""
+    client = server.client()
+    spec, prompts = "static-1,temperature=0.8", PROMPTS[:2]
+    r = client.completions.create(model="default_model", prompt=prompts, n=3, max_tokens=32,
+                                  seed=7, extra_body={"decoder": spec})
+    assert [c.index for c in r.choices] == list(range(6))
+    texts = [c.text for c in r.choices]
+    assert texts == [offline(llm, p, spec, 32, chat=False, seed=7 + j)
+                     for p in prompts for j in range(3)]
+    assert len(set(texts)) > 2  # the seeds do differ
+    one = client.completions.create(model="default_model", prompt=prompts, max_tokens=32,
+                                    seed=7, extra_body={"decoder": spec})
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    whole = client.chat.completions.create(model="default_model", messages=msgs, n=2,
+                                           max_tokens=32, seed=7, extra_body={"decoder": spec})
+    streamed = ["", ""]
+    for c in client.chat.completions.create(model="default_model", messages=msgs, n=2,
+                                            max_tokens=32, seed=7, stream=True,
+                                            extra_body={"decoder": spec}):
+        for ch in c.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert streamed == [c.message.content for c in whole.choices]
+
+
 def test_concurrent_mixed_load(server: LiveServer, llm: LLM) -> None:
     """32 concurrent clients, mixed decoders, prompts and lengths, half of them streaming: every
     response arrives, complete, and equals its offline result (batch invariance under load)."""
@@ -260,7 +288,8 @@ BAD = [
     ("top_p", {"prompt": "hi", "top_p": 0.5}, 400, "top_p"),
     ("logprobs", {"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ("penalty", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("n", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("n", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("n x prompts", {"prompt": ["hi"] * 9, "n": 8}, 400, "n"),  # 72 choices, over 64
     ("echo", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("bad spec", {"prompt": "hi", "decoder": "warp-drive"}, 400, "decoder"),
     ("bad spec key", {"prompt": "hi", "decoder": "threshold,threshold=2"}, 400, "decoder"),

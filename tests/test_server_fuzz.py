@@ -175,6 +175,11 @@ def test_top_p_that_cannot_sample_is_named(server: LiveServer, body: dict, words
     assert err["param"] == "top_p" and words in err["message"], err
 
 
+def test_trace_has_lanes_not_choices(server: LiveServer) -> None:
+    err = error(post(server, TRACE, {"prompt": "hi", "max_tokens": 8, "n": 2}))
+    assert err["param"] == "n" and "decoders" in err["message"], err
+
+
 def test_logprobs_off_values_pass(server: LiveServer) -> None:
     for path, body in ((COMPLETIONS, {"prompt": "hi", "logprobs": None}),
                        (CHAT, {"messages": USER, "logprobs": False})):

@@ -344,7 +344,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prompts = _check(state, body)
-        _check_capacity(state, len(prompts), "prompts")
+        _check_capacity(state, len(prompts) * body.n, "choices")
         ids = []
         for i, p in enumerate(prompts):
             ids.append(await run_in_threadpool(_encode, llm, p, False, body.prompt_field(i)))
@@ -355,6 +355,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check(state, body)
+        _check_capacity(state, body.n, "choices")
         messages = [m.for_template() for m in body.messages]
         ids = [await run_in_threadpool(_encode_chat, llm, messages)]
         return await _respond(state, body, ids, request, chat=True)
@@ -607,20 +608,27 @@ async def _respond(state: ServerState, body: _Common, ids: list[list[int]], requ
     fields = ([body.prompt_field(i) for i in range(len(ids))] if isinstance(body, CompletionRequest)
               else ["messages"])
     _check_ids(state, ids, [params] * len(ids), fields, body)
-    _check_slots(state, ids, [params] * len(ids), "prompts")
+    # choice i * n + j: prompt i with seed + j, as OpenAI orders a list of prompts' n choices
+    # (j = 0 is the answer the prompt gets with n = 1; the n share a decoder batch)
+    seeded = [params] + [params.replace(seed=(params.seed + j) % (1 << 63), name=params.spec)
+                         for j in range(1, body.n)]
+    choices = [(p, q, j) for p in ids for j, q in enumerate(seeded)]
+    _check_slots(state, [p for p, _, _ in choices], [q for _, q, _ in choices], "choices")
     runs: list[_Run] = []
     try:
-        for i, p in enumerate(ids):
+        for i, (p, q, j) in enumerate(choices):
             # Each submit waits for the engine's step in flight: a client that leaves while a
             # list is being submitted must stop the rest, not leave them to be decoded.
             if await request.is_disconnected():
                 break
-            h = await _submit(state, p, params)
-            runs.append(_Run(i, h, TextStream(state.llm, params.gen_length, body.stop), len(p)))
+            h = await _submit(state, p, q)
+            # usage counts a prompt's tokens once, however many choices it has (as OpenAI's)
+            runs.append(_Run(i, h, TextStream(state.llm, q.gen_length, body.stop),
+                             len(p) if j == 0 else 0))
     except BaseException:
         _abort(state, runs)
         raise
-    if len(runs) < len(ids):
+    if len(runs) < len(choices):
         _abort(state, runs)
         return Response(status_code=499)
     rid = runs[0].request.request_id

@@ -58,6 +58,8 @@ class TraceRequest(_Common):
         super().check_supported()
         if self.stop:
             raise Unsupported("stop", "stop strings are not supported by the trace stream")
+        if self.n != 1:
+            raise Unsupported("n", "the trace stream has lanes, not choices: give `decoders`")
         if self.decoders is not None and self.decoder is not None:
             raise Unsupported("decoder", "give either decoder or decoders")
         check_text(self.prompt, "prompt")

@@ -55,7 +55,8 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    # choices per prompt: sample j decodes with seed + j (j = 0: the request's own answer)
+    n: int = Field(default=1, ge=1, le=MAX_PROMPTS)
     user: str | None = None  # an end-user id for the caller's own records; not used
     decoder: str | None = None  # unmask's decoder spec; the server's --decoder when absent
     # nucleus sampling: the decoder's own top_p (tokens sampled at temperature > 0)
@@ -82,9 +83,6 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse values the engine would silently ignore, naming the field."""
-        if self.n != 1:
-            raise Unsupported("n", "only n=1 is supported; send several requests (each gets its "
-                              "own seed) for several samples")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0):
                 raise Unsupported(name, "penalties are not implemented")
@@ -132,6 +130,9 @@ class CompletionRequest(_Common):
             raise FieldError("prompt", f"{len(prompts)} prompts in one request; the limit is "
                                        f"{MAX_PROMPTS} per request (send the rest in further "
                                        f"requests)")
+        if len(prompts) * self.n > MAX_PROMPTS:
+            raise FieldError("n", f"{len(prompts)} prompts x n={self.n} choices in one request; "
+                                  f"the limit is {MAX_PROMPTS} choices per request")
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 check_text(p, self.prompt_field(i))
