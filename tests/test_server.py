@@ -208,11 +208,12 @@ class _CharLLM:
 @given(canvas=st.lists(st.integers(0, 4), min_size=2, max_size=24), data=st.data())
 def test_streamed_text_with_stops_is_the_final_text(canvas: list[int], data) -> None:
     """Commits in any order, steps of any size: the streamed deltas add up to the answer, so
-    nothing sent is ever cut later. The answer: the text of the committed prefix (up to EOS)
-    at the first step where it holds a stop, cut before the earliest stop in it; else the whole
-    text. (Which stop wins when two complete in one step depends on the steps, as text arrives
-    a step at a time.) The search for stops reads only the unsent text, on the invariant that
-    the sent text never ends where a stop could begin."""
+    nothing sent is ever cut later, and the answer depends on the final text alone: the text up
+    to EOS, cut before the stop that ends first (ties: the one that starts first), as for text
+    written left to right. (It was cut before the earliest-starting stop of the first step
+    that held one, so two stops completed in one step could answer otherwise than in two.) The
+    search for stops reads only the unsent text, on the invariant that the sent text never ends
+    where a stop could begin."""
     from unmask.engine.request import StepEvent
     from unmask.server.app import TextStream
 
@@ -225,15 +226,14 @@ def test_streamed_text_with_stops_is_the_final_text(canvas: list[int], data) -> 
     order = data.draw(st.permutations(range(len(canvas))))
     cuts = sorted(data.draw(st.sets(st.integers(1, len(canvas) - 1), max_size=len(canvas))))
     text = TextStream(llm, len(canvas), stops)
-    done, streamed, want = [False] * len(canvas), "", None
+    full = llm.detokenize(canvas[: useful_length(canvas, 0)])
+    ends = [(i + len(s), i) for s in stops if (i := full.find(s)) >= 0]
+    want = full[: min(ends)[1]] if ends else full
+    done, streamed = [False] * len(canvas), ""
     for step, (a, b) in enumerate(zip([0, *cuts], [*cuts, len(canvas)], strict=True)):
         for p in order[a:b]:
             done[p] = True
         prefix = next((i for i, d in enumerate(done) if not d), len(canvas))
-        now = llm.detokenize(canvas[: useful_length(canvas[:prefix], 0)])
-        at = min((i for i in (now.find(s) for s in stops) if i >= 0), default=-1)
-        if want is None and at >= 0:
-            want = now[:at]
         ev = StepEvent("r", step, list(order[a:b]), [canvas[p] for p in order[a:b]], [], True,
                        False, (0, len(canvas)), prefix, 0, 0, 0)
         streamed += text.update(ev)
@@ -242,8 +242,8 @@ def test_streamed_text_with_stops_is_the_final_text(canvas: list[int], data) -> 
             break
     else:
         streamed += text.finish(canvas)
-    assert text.stop_hit == (want is not None)
-    assert streamed == (llm.detokenize(canvas[: useful_length(canvas, 0)]) if want is None else want)
+    assert text.stop_hit == bool(ends)
+    assert streamed == want
 
 
 def test_stream_disconnect_aborts(server: LiveServer) -> None:

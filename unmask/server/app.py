@@ -218,8 +218,13 @@ class TextStream:
         # A stop can begin only in unsent text: the sent text never ends where one could begin
         # (_hold_back), and the committed prefix's text only grows. So each step searches the
         # new text, not all of it (whole-text searches cost O(text) a step, O(text^2) a request).
+        # The stop that ends first wins (ties: the one that starts first), as it would for text
+        # written left to right: where it ends is fixed by the text, not by how many characters
+        # a step committed, so decoders that commit the same tokens in other steps (exact and
+        # static-1) give the same answer.
         start = len(self.sent)
-        cut = min((i for i in (text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        found = [(i + len(s), i) for s in self.stops if (i := text.find(s, start)) >= 0]
+        cut = min(found)[1] if found else -1
         if cut >= 0:
             text, final, self.stop_hit = text[:cut], True, True
             self.n_tokens = len(self.llm.tokenizer.encode(text, add_special_tokens=False))
