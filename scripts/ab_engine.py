@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from worktree import ROOT, checkout, python_in
+
 DECODERS = ["fast", "threshold"]
 CONCURRENCY = [1, 4, 16]
 HOST_RUNS = [(d, b) for d in DECODERS for b in (1, 16)]
@@ -35,20 +33,14 @@ THROUGHPUT_ROW = re.compile(r"^\| `([^`]+)` \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| 
 HOST_LINE = re.compile(r"\*\*([\d.]+) ms a step\*\*.*?; (\d+) torch calls and (\d+) function calls")
 
 
-def run(tree: Path, args: list[str]) -> str:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, check=True)
-    return out.stdout
-
-
 def measure(tree: Path, decoders: list[str]) -> tuple[dict, dict]:
-    text = run(tree, [str(ROOT / "scripts/engine_throughput.py"), "--rounds", "1",
+    text = python_in(tree, [str(ROOT / "scripts/engine_throughput.py"), "--rounds", "1",
                       "--concurrency", ",".join(map(str, CONCURRENCY)),
                       *[a for d in decoders for a in ("--decoder", d)]])
     tps = {(m[1], int(m[2])): float(m[3]) for m in map(THROUGHPUT_ROW.match, text.splitlines()) if m}
     host = {}
     for d, b in HOST_RUNS:
-        line = run(tree, [str(ROOT / "scripts/host_ops.py"), "--decoder", d, "--batch", str(b),
+        line = python_in(tree, [str(ROOT / "scripts/host_ops.py"), "--decoder", d, "--batch", str(b),
                           "--repeats", "3"])
         m = HOST_LINE.search(line)
         host[(d, b)] = (float(m[1]), int(m[2]), int(m[3]))
@@ -65,21 +57,15 @@ def main() -> None:
     decoders = args.decoder or DECODERS
     tps: dict = collections.defaultdict(list)
     host: dict = collections.defaultdict(list)
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / "old"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), args.rev],
-                       check=True)
-        try:
-            for rnd in range(args.rounds):
-                for name, tree in (("before", old), ("after", ROOT)):
-                    print(f"round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr)
-                    t, h = measure(tree, decoders)
-                    for k, v in t.items():
-                        tps[(name, *k)].append(v)
-                    for k, v in h.items():
-                        host[(name, *k)].append(v)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
+    with checkout(args.rev) as old:
+        for rnd in range(args.rounds):
+            for name, tree in (("before", old), ("after", ROOT)):
+                print(f"round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr)
+                t, h = measure(tree, decoders)
+                for k, v in t.items():
+                    tps[(name, *k)].append(v)
+                for k, v in h.items():
+                    host[(name, *k)].append(v)
     if args.raw:
         Path(args.raw).write_text("".join(f"{k}: {v}\n" for k, v in [*tps.items(), *host.items()]))
     med = statistics.median

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from worktree import ROOT, checkout, python_in
 
 PROBE = """
 import json, sys, time
@@ -32,11 +31,10 @@ print(json.dumps({"torch": t1 - t0, "unmask": t2 - t1, "llm": t3 - t2,
 """
 
 
-def probe(path: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(path)}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
-                         check=True, cwd=tempfile.gettempdir())
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def probe(tree: Path) -> dict:
+    # from a neutral folder, so that the working directory puts no unmask on the path
+    out = python_in(tree, ["-c", PROBE], cwd=tempfile.gettempdir())
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -44,22 +42,14 @@ def main() -> None:
     p.add_argument("rev")
     p.add_argument("--runs", type=int, default=5)
     args = p.parse_args()
-    root = Path(__file__).resolve().parent.parent
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "-q", "--detach", str(base),
-                        args.rev], check=True)
-        try:
-            runs: dict[str, list[dict]] = {args.rev: [], "this tree": []}
-            for i in range(args.runs):
-                for name, path in ((args.rev, base), ("this tree", root)):
-                    r = probe(path)
-                    runs[name].append(r)
-                    print(f"run {i + 1} {name}: LLM() {r['llm']:.2f} s, import torch "
-                          f"{r['torch']:.2f} s, torch._dynamo imported: {r['dynamo']}")
-        finally:
-            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(base)],
-                           check=True)
+    runs: dict[str, list[dict]] = {args.rev: [], "this tree": []}
+    with checkout(args.rev) as base:
+        for i in range(args.runs):
+            for name, tree in ((args.rev, base), ("this tree", ROOT)):
+                r = probe(tree)
+                runs[name].append(r)
+                print(f"run {i + 1} {name}: LLM() {r['llm']:.2f} s, import torch "
+                      f"{r['torch']:.2f} s, torch._dynamo imported: {r['dynamo']}")
     print("\n| tree | LLM() s, median (range) | torch._dynamo imported |\n|:---|---:|:---|")
     for name, rs in runs.items():
         llm = [r["llm"] for r in rs]
