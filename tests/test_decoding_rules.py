@@ -4,6 +4,7 @@ canvas lets every step be checked against a plain re-implementation of docs/desi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from itertools import pairwise
 
@@ -430,3 +431,56 @@ def test_canvas_for_is_exact_for_any_int() -> None:
     huge = 10**400 + 1
     assert p.canvas_for(huge) == (10**400 // 32 + 1) * 32
     assert p.canvas_for(2**60 + 1) == 2**60 + 32
+
+
+# --- keys the decoder does not read --------------------------------------------------------------
+# key -> a value other than the default; the decoder spec of a base that does not read it
+UNREAD = {
+    "steps": (4, "static-1"), "threshold": (0.01, "static-1"), "draft_steps": (2, "threshold"),
+    "draft_conf": (0.5, "static-1"), "entropy_tau": (0.0, "threshold,cache=dual"),
+    "recent_k": (8, "threshold,cache=prefix"), "refresh_on_block": (True, "threshold"),
+    "block_recompute": ("masked", "threshold"), "suffix_local": (8, "threshold,cache=dual"),
+    "suffix_middle": (0, "threshold,suffix=window"), "suffix_tail": (0, "threshold"),
+    "suffix_rule": ("grid", "threshold,suffix=window"), "inject": (0.5, "threshold,cache=dual"),
+}
+
+
+def test_unread_table_covers_applies_to() -> None:
+    from unmask.decoding.params import APPLIES_TO
+
+    assert set(UNREAD) == set(APPLIES_TO)
+
+
+@pytest.mark.parametrize("key", sorted(UNREAD))
+def test_a_key_the_decoder_does_not_read_is_refused(key: str) -> None:
+    """`static-1,threshold=0.5` used to decode as static-1 without a word."""
+    value, base = UNREAD[key]
+    with pytest.raises(SpecError) as e:
+        DecodeParams.parse(f"{base},{key}={value}", gen_length=16, block_length=8)
+    assert key in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(SpecError, match=key):  # a keyword override is the user's too
+        DecodeParams.parse(base, gen_length=16, block_length=8, **{key: value})
+
+
+@pytest.mark.parametrize("key", sorted(k for k in UNREAD if k != "steps"))
+def test_refused_keys_are_really_unread(key: str) -> None:
+    """The table is true: on a decoder that the refusal names, the key changes nothing (built
+    directly, past the parser's check), so refusing it hides no behaviour."""
+    value, base = UNREAD[key]
+    model = tiny_model()
+    p = DecodeParams.parse(base, gen_length=32, block_length=8)
+    q = dataclasses.replace(p, **{key: value})
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    a, b = (engine_decode(model, x, prompts, mask_id=MASK, eos_id=EOS) for x in (p, q))
+    assert [(r.token_ids, r.nfe, r.token_forwards) for r in a] == \
+        [(r.token_ids, r.nfe, r.token_forwards) for r in b]
+
+
+def test_keys_that_apply_parse() -> None:
+    for spec in ["static,steps=4", "threshold,threshold=0.5", "freedave,draft_steps=2",
+                 "freedave++,draft_conf=0.5", "threshold,cache=entropy,entropy_tau=1,recent_k=2,"
+                 "refresh_on_block=true", "threshold,cache=prefix,block_recompute=masked",
+                 "threshold,suffix=window,suffix_local=8,inject=0.5",
+                 "threshold,suffix=structured,suffix_middle=4,suffix_tail=2,suffix_rule=grid",
+                 "fast,cache=none", "fast,suffix=full"]:  # a preset's own keys stay its own
+        DecodeParams.parse(spec, gen_length=16, block_length=8)

@@ -206,10 +206,45 @@ class DecodeParams:
                                 f"{explicit[key]} outside it; drop one")
             values[key] = value
         values.update(explicit)
+        _check_applies(values, written | set(explicit) | set(defaults))
         return cls(**values, name=spec)
 
 
 SPEC_KEYS = tuple(f.name for f in fields(DecodeParams) if f.name not in ("method", "name"))
+
+# Keys that only some methods or policies read: key -> (the field that picks them, its values
+# that read the key). Written where nothing reads it, a key would change nothing without a word
+# (`static-1,threshold=0.5` decodes as static-1), so `parse` refuses it. Presets set such keys
+# for their own method and policies only, and a spec that switches a preset's policy off
+# (`fast,cache=none`) leaves the preset's now unread keys alone.
+APPLIES_TO: dict[str, tuple[str, tuple[str, ...]]] = {
+    "steps": ("method", ("static",)),
+    "threshold": ("method", ("threshold", "freedave++")),
+    "draft_steps": ("method", ("freedave", "freedave++")),
+    "draft_conf": ("method", ("freedave", "freedave++")),
+    "entropy_tau": ("cache", ("entropy",)),
+    "recent_k": ("cache", ("entropy",)),
+    "refresh_on_block": ("cache", ("entropy",)),
+    "block_recompute": ("cache", ("prefix", "dual", "entropy")),
+    "suffix_local": ("suffix", ("window", "structured")),
+    "suffix_middle": ("suffix", ("structured",)),
+    "suffix_tail": ("suffix", ("structured",)),
+    "suffix_rule": ("suffix", ("structured",)),
+    "inject": ("suffix", ("window", "structured")),
+}
+
+
+def _check_applies(values: dict[str, Any], keys: set[str]) -> None:
+    """Refuse each of `keys` (the ones the user wrote) that the decoder `values` describe does not
+    read (APPLIES_TO)."""
+    for key in sorted(keys & set(APPLIES_TO)):
+        field, readers = APPLIES_TO[key]
+        chosen = values.get(field, getattr(DecodeParams, field))
+        if chosen not in readers:
+            fix = ("start the spec with one of those" if field == "method"
+                   else f"set {field}={readers[0]}" if len(readers) == 1 else f"set {field}")
+            raise SpecError(f"{key} is read by {field} {' / '.join(readers)} only, and this "
+                            f"decoder's {field} is {chosen}: drop {key}, or {fix}")
 
 # Presets are plain parameter sets; `exact` has no approximation, so it is token-identical to
 # static-1. `fast` values come from the sweeps in BENCHMARKS.md.
