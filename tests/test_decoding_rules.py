@@ -484,3 +484,15 @@ def test_keys_that_apply_parse() -> None:
                  "threshold,suffix=structured,suffix_middle=4,suffix_tail=2,suffix_rule=grid",
                  "fast,cache=none", "fast,suffix=full"]:  # a preset's own keys stay its own
         DecodeParams.parse(spec, gen_length=16, block_length=8)
+
+
+def test_numpy_numbers_are_taken_as_python_ones() -> None:
+    """A length computed with numpy used to be refused ("gen_length must be an int, got
+    np.int64(32)"); it is taken, as a Python int, so that specs and JSON reports stay plain."""
+    p = DecodeParams.parse("threshold", gen_length=np.int64(32), threshold=np.float32(0.5))
+    assert (p.gen_length, p.threshold) == (32, 0.5)
+    assert type(p.gen_length) is int and type(p.threshold) is float
+    q = DecodeParams(block_length=np.int32(8), gen_length=np.int64(16), temperature=np.int64(1))
+    assert type(q.temperature) is float and q.spec == "static-1,temperature=1.0"
+    with pytest.raises(SpecError, match="gen_length must be an int"):
+        DecodeParams(gen_length=np.float64(32))

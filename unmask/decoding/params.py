@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -309,12 +310,18 @@ _KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
 
 def _check_types(p: DecodeParams) -> None:
     """Refuse values of the wrong type (``threshold=True`` from JSON, a float gen_length) with
-    the key's name, before any range check compares them."""
+    the key's name, before any range check compares them. numpy's integers and floats (a length
+    computed with numpy) become Python's, which the spec, reports and JSON expect."""
     for f in fields(p):
         value, kind = getattr(p, f.name), str(f.type).replace(" ", "")
         if value is None and "None" in kind:
             continue
         base = kind.split("|")[0]
+        # numpy registers its integers as numbers.Integral and its floats as numbers.Real
+        if base in ("int", "float") and type(value) not in (int, float, bool) and isinstance(
+                value, numbers.Integral if base == "int" else numbers.Real):
+            value = int(value) if base == "int" else float(value)
+            object.__setattr__(p, f.name, value)
         ok = isinstance(value, _KINDS[base]) and (base == "bool" or not isinstance(value, bool))
         if not ok:
             raise SpecError(f"{f.name} must be {'an' if base == 'int' else 'a'} {base}, "
