@@ -355,6 +355,41 @@ def test_output_path_checks_leave_nothing_behind(tmp_path: Path, monkeypatch: py
     assert "same file" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("plot", ["out", "out."])
+def test_plot_without_extension_is_checked_as_the_file_written(plot: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]
+                                                               ) -> None:
+    """matplotlib writes `--plot out` as out.png: the same-file check compared "out" with
+    "out.png", and `--json out.png` was overwritten by the plot after the run."""
+    import unmask.bench.cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "measure", _no_run)
+    js = tmp_path / "out.png"
+    assert main(["bench", "--task", "math", "--decoder", "static-1", "--json", str(js),
+                 "--plot", str(tmp_path / plot)]) == 2
+    err = capsys.readouterr().err
+    assert "two output flags name the same file" in err and f"(written as {js})" in err, err
+    assert len(err.strip().splitlines()) == 1
+    # The written name is what gets checked: out.png a folder is refused before the run.
+    js.mkdir()
+    assert main(["bench", "--task", "math", "--decoder", "static-1", "--plot",
+                 str(tmp_path / plot)]) == 2
+    assert f"--plot {js} is a folder" in capsys.readouterr().err
+    from unmask.bench.plot import plot_path
+
+    assert plot_path("a/b.svg") == "a/b.svg" and plot_path("a/b") == "a/b.png"
+
+
+def test_plot_without_extension_is_written_where_it_was_checked(tmp_path: Path) -> None:
+    from unmask.bench.plot import plot_speedup_accuracy
+
+    written = plot_speedup_accuracy([{"decoder": "static-1", "speedup": 1.0, "accuracy": 0.5}],
+                                    tmp_path / "out", title="t")
+    assert written == tmp_path / "out.png" and written.is_file()
+    assert not (tmp_path / "out").exists()
+
+
 def test_bench_bug_is_not_bad_input(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only UnmaskError is the caller's fault; any other error propagates with its traceback."""
     import unmask.bench.cli as bench_cli

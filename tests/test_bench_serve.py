@@ -174,3 +174,106 @@ def test_bad_arguments_are_one_line_and_exit_2(argv, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("unmask: error: ") and err.count("\n") == 1, err
+
+
+# --- bugs of the tester's adversarial pass ------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--decoder", "threshold", "--decoder", "threshold"], "--decoder 'threshold' is given twice"),
+    (["--concurrency", "1,2,1"], "--concurrency 1 is given twice"),
+], ids=["decoder", "concurrency"])
+def test_a_repeated_cell_is_refused(argv, needle, capsys):
+    """Cells are keyed by what they send: `--concurrency 1,1 --n 2` pooled both runs into one
+    cell that reported 4 requests done. Refused before anything is sent (nothing listens)."""
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--n", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("unmask: error: ") and err.count("\n") == 1 and needle in err, err
+
+
+def test_a_repeated_decoder_in_a_mix_is_a_weight():
+    (cell,) = _plan("--decoder", "threshold", "--decoder", "threshold", "--decoder", "fast", "--mix")
+    assert cell.decoders == ("threshold", "threshold", "fast")
+
+
+def test_plot_with_rate_only_cells_is_refused(capsys, tmp_path):
+    """--rate without --concurrency: every cell is uncapped and the plot (x = concurrency) was
+    empty, with matplotlib's "No artists" warnings."""
+    plot = tmp_path / "p.png"
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--n", "2", "--rate", "5",
+                 "--plot", str(plot)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--rate without --concurrency" in err, err
+    assert not plot.exists()
+
+
+@pytest.mark.parametrize("json_name, plot_name", [("out.png", "out"), ("out.png", "out.")])
+def test_plot_without_extension_is_checked_as_the_file_written(json_name, plot_name, tmp_path,
+                                                               capsys):
+    """matplotlib writes `--plot out` as out.png: with `--json out.png` the JSON was overwritten."""
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--n", "2",
+                 "--json", str(tmp_path / json_name), "--plot", str(tmp_path / plot_name)]) == 2
+    err = capsys.readouterr().err
+    assert "two output flags name the same file" in err and "(written as " in err, err
+
+
+def _cell(conc, p50, p99, tokens_per_s):
+    return {"server": "s", "decoder": "d", "concurrency": conc, "tokens_per_s": tokens_per_s,
+            "latency_p50": p50, "latency_p99": p99}
+
+
+def _plotted(monkeypatch, tmp_path, cells):
+    """The figure plot_cells draws (kept from being closed), and the warnings it raised."""
+    import warnings
+
+    import matplotlib.figure
+
+    from unmask.bench.serve import plot_cells
+
+    figs = []
+    real = matplotlib.figure.Figure.savefig
+
+    def keep(self, fname, *a, **kw):
+        figs.append(self)
+        return real(self, fname, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plot_cells(cells, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").is_file()
+    return figs[0], [str(w.message) for w in caught]
+
+
+def test_plot_leaves_out_latencies_that_were_never_measured(monkeypatch, tmp_path):
+    """A cell whose requests all failed has no latency; it was drawn at 0.00 s."""
+    fig, warned = _plotted(monkeypatch, tmp_path, [_cell(1, 0.5, 0.9, 10.0),
+                                                    _cell(2, None, None, 0.0),
+                                                    _cell(4, 0.7, 1.2, 30.0)])
+    lat = fig.axes[1]
+    ys = [list(line.get_ydata()) for line in lat.lines]
+    assert len(ys) == 2 and all(0 not in y for y in ys), ys
+    assert [np.isnan(y[1]) for y in ys] == [True, True] and ys[0][::2] == [0.5, 0.7]
+    assert warned == []
+    # No cell measured a latency: no line, no legend of nothing (matplotlib warned), a note.
+    fig, warned = _plotted(monkeypatch, tmp_path, [_cell(1, None, None, 0.0)])
+    assert len(fig.axes[1].lines) == 0 and warned == []
+    assert "no request completed" in [t.get_text() for t in fig.axes[1].texts]
+
+
+def test_a_cell_with_no_completed_request_exits_2_after_writing_the_report(url, tmp_path,
+                                                                          capsys):
+    """Every request failed (a canvas past the model's max_sequence_length: HTTP 400 each) and
+    bench-serve exited 0, its table showing 0 done."""
+    out, plot = tmp_path / "report.json", tmp_path / "p.png"
+    assert main(["bench-serve", "--url", url, "--n", "2", "--concurrency", "1,2",
+                 "--decoder", "threshold", "--max-tokens", "4096", "--warmup", "0",
+                 "--json", str(out), "--plot", str(plot)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()[-1]
+    assert err.startswith("unmask: error: no request of cell server | threshold | c=1 completed "
+                          "(0 of 2; first error: HTTP 400"), err
+    assert f"(and 1 more cell); --json {out} has every request's error" in err
+    assert "| `threshold` | 1 | 0 | 2 |" in captured.out  # the table is printed
+    doc = json.loads(out.read_text())
+    assert [c["completed"] for c in doc["cells"]] == [0, 0] and plot.is_file()

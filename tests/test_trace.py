@@ -205,3 +205,54 @@ def test_cli_trace_reports_a_failed_decode(failure: str, tmp_path: Path,
     assert [t for t in done["token_ids"] if t is not None] == [committed[p] for p in sorted(committed)]
     assert done["useful"] <= len(committed) and done["text"] == steps[-1]["text"]
     assert png.is_file()
+
+
+# A prompt that puts the HTML parser in a script's "double-escaped" state: with only "</" escaped
+# in the embedded events, the element ended late and the renderer's script became data.
+MARKUP_PROMPT = "Hi <!-- <script> there & </script> > bye"
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def markup_trace(llm: LLM) -> dict:
+    return record(llm, MARKUP_PROMPT, ["fast"], gen_length=32)
+
+
+def test_html_replay_data_holds_no_markup(markup_trace: dict, tmp_path: Path) -> None:
+    out = tmp_path / "m.html"
+    write_html(markup_trace, out)
+    page = out.read_text()
+    _, sep, rest = page.partition('<script type="application/json" id="trace-data">')
+    data, sep2, _ = rest.partition("</script>")
+    assert sep and sep2
+    assert not set("<>&") & set(data), "markup characters in the embedded events"
+    assert json.loads(data) == json.loads(json.dumps(markup_trace))  # the same strings back
+
+
+def test_html_replay_with_markup_in_the_prompt_plays_in_a_browser(markup_trace: dict,
+                                                                  tmp_path: Path) -> None:
+    """The tester's `unmask trace 'Hi <!-- <script> there' --out xs.html` was a blank page."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing and scripts/setup-browser.sh could not install it "
+                    "(no apt-get or no root)")
+    from playwright.sync_api import sync_playwright
+
+    out = tmp_path / "m.html"
+    write_html(markup_trace, out)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.route("**/*", lambda route: route.abort()
+                       if not route.request.url.startswith("file:") else route.continue_())
+            page.goto(out.as_uri())
+            page.wait_for_function("document.querySelectorAll('.lane[data-state=done]').length == 1",
+                                   timeout=15_000)
+            assert page.text_content(".prompt-shown") == MARKUP_PROMPT
+            assert page.text_content(".lane-text") == markup_trace["events"][-1]["text"]
+            assert errors == []
+        finally:
+            browser.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 from pathlib import Path
@@ -373,7 +374,7 @@ def test_train_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "bad canvas bucket" in err and len(err.strip().splitlines()) == 1
-    assert main(["train", "--device", "tpu", "--max-steps", "0", "--threads", "1"]) == 2
+    assert main(["train", "--device", "tpu", "--max-steps", "1", "--threads", "1"]) == 2
     assert "valid here" in capsys.readouterr().err
 
 
@@ -443,7 +444,75 @@ def test_python_m_unmask_training_bad_input_is_one_line(capsys: pytest.CaptureFi
     from unmask.training.train import main
 
     with pytest.raises(SystemExit) as e:
-        main(["--device", "tpu", "--max-steps", "0", "--threads", "1"])
+        main(["--device", "tpu", "--max-steps", "1", "--threads", "1"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "valid here" in err and len(err.strip().splitlines()) == 1
+
+
+# --- run folders, --max-steps 0 and --vocab-size (the tester's adversarial pass) -----------------
+
+
+def test_a_new_run_never_writes_over_an_earlier_one(tok_dir: Path, tmp_path: Path, one_thread: None,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`unmask train --out r1` into a folder holding a run, without --resume, replaced its
+    state.pt, summary.json and exports with a new run's."""
+    from unmask.cli import main
+    from unmask.training.train import run_train
+
+    out = tmp_path / "r1"
+    run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "1"))
+    before = {f: (out / f).read_bytes() for f in ("state.pt", "summary.json", "args.json")}
+    with pytest.raises(InputError, match=r"r1 holds a run \(state.pt, summary.json\); pass "
+                                         r"--resume to continue it, or a new --out"):
+        run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "2"))
+    (out / "state.pt").unlink()  # a finished run whose state was cleaned up is still a run
+    with pytest.raises(InputError, match=r"holds a run \(summary.json\)"):
+        run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "2"))
+    assert all((out / f).read_bytes() == b for f, b in before.items() if f != "state.pt")
+    assert main(["train", "--out", str(out), "--tokenizer", str(tok_dir), "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a run" in err and len(err.strip().splitlines()) == 1
+
+
+def test_resume_without_a_state_is_refused(tok_dir: Path, tmp_path: Path, one_thread: None) -> None:
+    """--resume into a folder with no state.pt started a new run from scratch, silently."""
+    from unmask.training.train import run_train
+
+    out = tmp_path / "fresh"
+    with pytest.raises(InputError, match="--resume: .*fresh holds no state.pt to resume from; "
+                                         "drop --resume"):
+        run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "1", "--resume"))
+    assert not (out / "summary.json").exists()
+
+
+def test_zero_steps_without_init_is_refused(tok_dir: Path, tmp_path: Path, one_thread: None) -> None:
+    """--max-steps 0 without --init exported the random initialisation as a model (and wrote
+    final_train_loss NaN); 0 steps means "export --init as it is"."""
+    from unmask.training.train import run_train
+
+    out = tmp_path / "zero"
+    with pytest.raises(InputError, match="--max-steps 0 only exports the starting weights: give "
+                                         "--init"):
+        run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "0"))
+    assert not (out / "final").exists()
+
+
+def test_vocab_size_is_the_tokenizers(tok_dir: Path, tmp_path: Path, one_thread: None) -> None:
+    """With an existing tokenizer, --vocab-size was ignored while args.json recorded it (and the
+    untyped default 2048 was recorded for a 600-token tokenizer)."""
+    from unmask.training.train import run_train
+
+    vocab = TextEncoder(tok_dir / "tokenizer.json").vocab_size
+    assert vocab != 500
+    with pytest.raises(InputError, match=f"--vocab-size 500: the tokenizer in .* has {vocab} "
+                                         f"tokens; drop --vocab-size or give {vocab}"):
+        run_train(_train_args(tok_dir, "--out", str(tmp_path / "v1"), "--max-steps", "1",
+                              "--vocab-size", "500"))
+    assert not (tmp_path / "v1").exists()  # refused before the run folder is made
+    out = tmp_path / "v2"
+    summary = run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "1"))
+    recorded = json.loads((out / "args.json").read_text())["vocab_size"]
+    assert recorded == summary["args"]["vocab_size"] == summary["config"]["vocab_size"] == vocab
+    run_train(_train_args(tok_dir, "--out", str(tmp_path / "v3"), "--max-steps", "1",
+                          "--vocab-size", str(vocab)))  # the same size typed: fine

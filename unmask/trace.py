@@ -163,11 +163,22 @@ def n_frames(trace: dict[str, Any]) -> int:
 
 
 # --- writers ------------------------------------------------------------------------------------
+def script_json(value: Any) -> str:
+    """JSON that can sit inside a <script> element as it is. Escaping "</" alone is not enough:
+    after "<!--" and "<script" in the data (a prompt can hold both) the HTML parser is in the
+    script's "double-escaped" state, where the "</script>" ending the data no longer ends the
+    element, and the renderer's own script is swallowed as data (a blank page). With every "<",
+    ">" and "&" written as a JSON escape the data holds no markup at all; JSON.parse reads the
+    same strings."""
+    return (json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("&", "\\u0026"))
+
+
 def write_html(trace: dict[str, Any], path: Path) -> None:
     """A self-contained replay: the live page's renderer and styles inlined, with the events."""
     css = (STATIC / "live.css").read_text()
     js = (STATIC / "canvas.js").read_text() + "\n" + (STATIC / "replay.js").read_text()
-    data = json.dumps(trace).replace("</", "<\\/")
+    data = script_json(trace)
     title = html.escape(f"unmask trace: {trace['prompt'][:60]}")
     path.write_text(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>

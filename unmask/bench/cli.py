@@ -242,23 +242,29 @@ def check_output_path(path: str, flag: str) -> None:
 
 
 def check_outputs(args: argparse.Namespace, flags: tuple[str, ...]) -> None:
-    """Every output file the arguments name (``--plot`` also by its extension), before the run."""
+    """Every output file the arguments name (``--plot`` also by its extension), before the run.
+    ``--plot`` is checked as the file matplotlib writes (``out`` is written as ``out.png``)."""
     given = [(f, getattr(args, f)) for f in flags if getattr(args, f, None) is not None]
+    written: list[str] = []
     for flag, path in given:
         if not str(path).strip():  # `--json ""` (an unset shell variable) must not skip the output
             raise InputError(f"--{flag} needs a file name, got an empty string")
-        check_output_path(path, f"--{flag}")
-    if getattr(args, "plot", None):
-        from unmask.bench.plot import plot_formats
+        target = str(path)
+        if flag == "plot":
+            from unmask.bench.plot import plot_formats, plot_path
 
-        ext = Path(args.plot).suffix.lower().lstrip(".")
-        if ext and ext not in plot_formats():
-            raise InputError(f"--plot {args.plot}: matplotlib cannot write .{ext} files; valid: "
-                             f"{', '.join(plot_formats())}")
-    paths = [os.path.realpath(p) for _, p in given]
+            ext = Path(target).suffix.lower().lstrip(".")
+            if ext and ext not in plot_formats():
+                raise InputError(f"--plot {path}: matplotlib cannot write .{ext} files; valid: "
+                                 f"{', '.join(plot_formats())}")
+            target = plot_path(target)
+        check_output_path(target, f"--{flag}")
+        written.append(target)
+    paths = [os.path.realpath(p) for p in written]
     if len(set(paths)) < len(paths):
-        raise InputError("two output flags name the same file: "
-                         + ", ".join(f"--{f} {p}" for f, p in given))
+        raise InputError("two output flags name the same file: " + ", ".join(
+            f"--{f} {p}" + (f" (written as {w})" if str(p) != w else "")
+            for (f, p), w in zip(given, written, strict=True)))
 
 
 def _write_samples(path: str, task: BenchTask, decoders: list[DecodeParams],

@@ -7,6 +7,7 @@ nudged upward until it clears the numbers already placed, and a legend maps numb
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,19 @@ def plot_formats() -> list[str]:
     from matplotlib.backend_bases import FigureCanvasBase
 
     return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def plot_path(path: str | Path) -> str:
+    """The file a plot to ``path`` is written to: matplotlib appends its default format's
+    extension to a name without one (``out`` is written as ``out.png``), so output checks and the
+    writers both go by this name, not the one typed (the same-file check missed ``--plot out
+    --json out.png``, and the JSON was overwritten). As matplotlib's print_figure decides it."""
+    import matplotlib
+
+    text = os.fspath(path)
+    if os.path.splitext(text)[1][1:]:
+        return text
+    return text.rstrip(".") + "." + matplotlib.rcParams["savefig.format"]
 
 
 def plot_speedup_accuracy(results: Sequence[dict[str, Any]], out: str | Path, title: str,
@@ -56,7 +70,7 @@ def plot_speedup_accuracy(results: Sequence[dict[str, Any]], out: str | Path, ti
                       borderaxespad=0)
         fig.tight_layout()
         _place_numbers(ax, pts)
-        out = Path(out)
+        out = Path(plot_path(out))
         fig.savefig(out, bbox_inches="tight")
     finally:
         plt.close(fig)

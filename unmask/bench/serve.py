@@ -196,12 +196,28 @@ def plan_cells(args: argparse.Namespace) -> list[Cell]:
             DecodeParams.parse(spec)
     if args.mix and len(decoders) < 2:
         raise InputError("--mix needs at least two --decoder specs to mix")
+    # Cells are keyed by what they send, so a repeated decoder or concurrency would pool two runs
+    # into one cell and report it with twice --n requests. (In a --mix a repeat is a weight: the
+    # decoder gets that many shares of the run's requests.)
+    if not args.mix:
+        _refuse_repeats("--decoder", args.decoder or [],
+                        "each is one cell; to measure a cell again use --rounds")
+    _refuse_repeats("--concurrency", args.concurrency or [],
+                    "each is one cell; to measure a cell again use --rounds")
     groups = [tuple(decoders)] if args.mix else [(d,) for d in decoders]
     concs: list[int | None] = list(args.concurrency) if args.concurrency else (
         [None] if args.rate else [1])
     own = spec_gen_lengths(args.decoder or [], args.max_tokens)
     return [Cell(s, g, c, tuple(own.get(d) for d in g)) for s in servers for g in groups
             for c in concs]
+
+
+def _refuse_repeats(flag: str, values: list[Any], why: str) -> None:
+    seen: set[Any] = set()
+    for v in values:
+        if v in seen:
+            raise InputError(f"{flag} {v!r} is given twice; {why}")
+        seen.add(v)
 
 
 def spec_gen_lengths(specs: list[str], max_tokens: list[int] | None) -> dict[str, int]:
@@ -584,6 +600,8 @@ def _groups_lines(c: dict[str, Any]) -> str:
 def plot_cells(cells: list[dict[str, Any]], out: str) -> None:
     import matplotlib
 
+    from unmask.bench.plot import plot_path
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -597,10 +615,13 @@ def plot_cells(cells: list[dict[str, Any]], out: str) -> None:
             cs = sorted(cs, key=lambda c: c["concurrency"])
             xs = [c["concurrency"] for c in cs]
             ax1.plot(xs, [c["tokens_per_s"] for c in cs], marker="o", color=f"C{i}", label=label)
-            ax2.plot(xs, [c["latency_p50"] or 0 for c in cs], marker="o", color=f"C{i}",
-                     label=f"{label} p50")
-            ax2.plot(xs, [c["latency_p99"] or 0 for c in cs], marker="x", ls="--", color=f"C{i}",
-                     label=f"{label} p99")
+            # A cell with no completed request has no latency: a 0 s point would read as the
+            # fastest cell of the plot, so it is left out (NaN: a gap in the line).
+            for key, marker, ls in (("latency_p50", "o", "-"), ("latency_p99", "x", "--")):
+                ys = [math.nan if c[key] is None else c[key] for c in cs]
+                if not all(math.isnan(y) for y in ys):
+                    ax2.plot(xs, ys, marker=marker, ls=ls, color=f"C{i}",
+                             label=f"{label} {key.removeprefix('latency_')}")
         for ax, ylabel in ((ax1, "useful tokens/s (completion tokens / wall s)"),
                            (ax2, "latency s")):
             ax.set_xscale("log", base=2)
@@ -608,9 +629,13 @@ def plot_cells(cells: list[dict[str, Any]], out: str) -> None:
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
         ax1.legend(fontsize=7)
-        ax2.legend(fontsize=6)
+        if ax2.lines:
+            ax2.legend(fontsize=6)
+        else:
+            ax2.text(0.5, 0.5, "no request completed", ha="center", va="center",
+                     transform=ax2.transAxes, color="grey")
         fig.tight_layout()
-        fig.savefig(out, bbox_inches="tight")
+        fig.savefig(plot_path(out), bbox_inches="tight")
     finally:
         plt.close(fig)
 
@@ -644,6 +669,10 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     except ImportError:
         raise InputError("bench-serve needs httpx: pip install httpx") from None
     cells = plan_cells(args)
+    if args.plot and all(c.concurrency is None for c in cells):
+        # The plot's x axis is the concurrency; --rate alone leaves every cell uncapped.
+        raise InputError("--plot draws each cell at its --concurrency, and --rate without "
+                         "--concurrency has none; add --concurrency N[,N...] or drop --plot")
     check_outputs(args, ("json", "plot"))
     prompts = load_prompts(args.task, args.n, args.seed)
     started = time.time()
@@ -658,7 +687,26 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     if args.plot:
         plot_cells(doc["cells"], args.plot)
+    check_some_completed(doc["cells"], args.json)
     return 0
+
+
+def check_some_completed(cells: list[dict[str, Any]], json_path: str | None) -> None:
+    """A cell none of whose requests completed measured nothing, so the run is not a success:
+    an InputError (exit 2) after the report is written (it holds each request's error). Exit 2
+    as a failed warm-up: what failed is the server or what it was asked, not unmask."""
+    empty = [c for c in cells if c["completed"] == 0]
+    if not empty:
+        return
+    c = empty[0]
+    conc = c["concurrency"] or "inf"
+    first = " ".join((c.get("error_examples") or ["no error recorded"])[0].split())[:200]
+    k = len(empty) - 1
+    more = f" (and {k} more cell{'s' if k > 1 else ''})" if k else ""
+    where = f"--json {json_path} has" if json_path else "--json FILE records"
+    raise InputError(f"no request of cell {c['server']} | {c['decoder']} | c={conc} completed "
+                     f"(0 of {c['n']}; first error: {first}){more}; {where} every request's "
+                     f"error")
 
 
 __all__ = ["Cell", "Job", "Outcome", "arrival_offsets", "percentile", "run_bench_serve",

@@ -65,6 +65,7 @@ def longest_canvas(buckets: tuple[CanvasBucket, ...]) -> int:
     return fixed + max((b.hi for b in buckets if b.tight), default=0)
 
 
+DEFAULT_VOCAB = 2048  # of a tokenizer trained by the run (--vocab-size)
 MAX_ROWS = 128  # rows of one batch (DataStream.max_batch)
 MAX_PROMPT = 512  # tokens of the longest prompt trained on (code prompts are cut there)
 # flag -> (whether a value is valid, what is valid); run before anything is built or written.
@@ -101,6 +102,11 @@ def check_train_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and ok(value)):
             raise InputError(f"--{name.replace('_', '-')} must be {valid}, got {value}")
+    if args.max_steps == 0 and not args.init and not args.resume:
+        # 0 steps exports the starting weights as they are: without --init (or a run to resume)
+        # those are the random initialisation, exported as if it were a model.
+        raise InputError("--max-steps 0 only exports the starting weights: give --init MODEL_DIR "
+                         "(or --resume a run), or --max-steps >= 1")
     if args.threads != "auto" and not (args.threads.isdigit() and int(args.threads) >= 1):
         raise InputError(f"--threads must be 'auto' or an integer >= 1, got {args.threads!r}")
     canvas = longest_canvas(args.buckets)
@@ -125,7 +131,9 @@ def _buckets_arg(spec: str) -> tuple[CanvasBucket, ...]:
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--out", default="runs/default", help="run folder (checkpoints, logs)")
-    g.add_argument("--resume", action="store_true", help="continue from OUT/state.pt")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from OUT/state.pt (required when OUT already holds a run; "
+                        "refused when it holds none)")
     g.add_argument("--init", default=None,
                    help="start from the weights of this model folder (same architecture and tokenizer)")
     g.add_argument("--export", default=None, help="also write the final model folder here")
@@ -137,7 +145,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(on a shared 2-core machine 2 threads ran 4x slower than 1 under contention)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (trained if absent)")
-    g.add_argument("--vocab-size", type=int, default=2048)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help=f"vocabulary of the tokenizer trained here (default: {DEFAULT_VOCAB}); "
+                        "with an existing tokenizer it must be that tokenizer's size")
     g = p.add_argument_group("model")
     g.add_argument("--d-model", type=int, default=256)
     g.add_argument("--n-layers", type=int, default=4)

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from unmask.errors import CheckpointError, InputError, UnmaskError
 from unmask.training.args import (
     DEFAULT_BUCKETS,
+    DEFAULT_VOCAB,
     MAX_PROMPT,
     MAX_ROWS,
     CanvasBucket,
@@ -311,6 +312,29 @@ def _device(name: str) -> torch.device:
     return resolve_device(None if name == "auto" else name)
 
 
+RUN_FILES = ("state.pt", "summary.json")  # what makes a folder hold a run
+
+
+def _check_run_folder(out: Path, resume: bool) -> None:
+    """A new run never writes over an earlier one (its state.pt, summary.json and exports are
+    replaced as it goes), and --resume never quietly starts from scratch."""
+    held = [f for f in RUN_FILES if (out / f).is_file()]
+    if held and not resume:
+        raise InputError(f"{out} holds a run ({', '.join(held)}); pass --resume to continue it, "
+                         "or a new --out")
+    if resume and not (out / "state.pt").is_file():
+        raise InputError(f"--resume: {out} holds no state.pt to resume from; drop --resume to "
+                         "start a new run there")
+
+
+def _check_vocab(args: argparse.Namespace, tok_dir: Path, enc: TextEncoder) -> None:
+    """A tokenizer that already exists decides the vocabulary: a typed --vocab-size that differs
+    is refused rather than ignored (args.json recorded it as if it had been used)."""
+    if args.vocab_size is not None and args.vocab_size != enc.vocab_size:
+        raise InputError(f"--vocab-size {args.vocab_size}: the tokenizer in {tok_dir} has "
+                         f"{enc.vocab_size} tokens; drop --vocab-size or give {enc.vocab_size}")
+
+
 def _check_out_paths(out: Path, tok_dir: Path, export: Path | None) -> None:
     """Make the run folder and check the others before training, not after it."""
     for flag, folder in (("--out", out), ("--tokenizer", tok_dir)):
@@ -517,11 +541,22 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     device = _device(args.device)
     out = Path(args.out)
     tok_dir = Path(args.tokenizer) if args.tokenizer else out / "tokenizer"
+    _check_run_folder(out, args.resume)
+    tok_file = tok_dir / "tokenizer.json"
+    enc = TextEncoder(tok_file) if tok_file.is_file() else None
+    if enc is not None:
+        _check_vocab(args, tok_dir, enc)
     _check_out_paths(out, tok_dir, Path(args.export) if args.export else None)
-    if not (tok_dir / "tokenizer.json").is_file():
-        console.print(f"training tokenizer (vocab {args.vocab_size}) -> {tok_dir}")
-        train_tokenizer(tok_dir, vocab_size=args.vocab_size, seed=args.seed)
-    enc = TextEncoder(tok_dir / "tokenizer.json")
+    if enc is None:
+        asked = args.vocab_size or DEFAULT_VOCAB
+        console.print(f"training tokenizer (vocab {asked}) -> {tok_dir}")
+        train_tokenizer(tok_dir, vocab_size=asked, seed=args.seed)
+        enc = TextEncoder(tok_file)
+        if enc.vocab_size != asked:
+            console.print(f"the tokenizer has {enc.vocab_size} tokens, not {asked}: the training "
+                          "texts have no more merges")
+    # args.json and the summary record the vocabulary the run has, not the flag's default.
+    args.vocab_size = enc.vocab_size
     weights = LossWeights(pad=args.pad_weight, digit=args.digit_weight, digit_ids=enc.digit_ids())
 
     torch.manual_seed(args.seed)
