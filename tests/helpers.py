@@ -6,6 +6,7 @@ Import from a test file as ``from helpers import tiny_model_dir`` (pytest puts t
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 from pathlib import Path
@@ -206,3 +207,14 @@ def unpacked_call(ids: torch.Tensor, pos: torch.Tensor, frame, logits_at):
     where = frame.key_mask.nonzero()  # (N, 2): packed token -> (row, column)
     at = None if logits_at is None else (where[logits_at[1], 0], where[logits_at[1], 1])
     return frame.rows(ids), frame.rows(pos), at
+
+
+def edit_config(folder: Path, **change: Any) -> None:
+    """Set keys of folder's config.json (a value of ... removes the key)."""
+    raw = json.loads((folder / "config.json").read_text())
+    for k, v in change.items():
+        if v is ...:
+            raw.pop(k)
+        else:
+            raw[k] = v
+    (folder / "config.json").write_text(json.dumps(raw))

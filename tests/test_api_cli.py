@@ -436,3 +436,86 @@ def test_replace_rebuilds_the_spec() -> None:
     assert DecodeParams.parse(p.spec) == DecodeParams.parse("threshold,threshold=0.5")
     with pytest.raises(SpecError, match="decoder spec is a string"):
         DecodeParams.parse(None)  # type: ignore[arg-type]
+
+
+# --- the model folder as a whole -----------------------------------------------------------------
+def _copy_with_config(src: Path, dst: Path, **change) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    raw.update(change)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_tokenizer_mask_token_must_be_the_configs(llada_dir: Path, tmp_path: Path) -> None:
+    """A config naming another mask id than its tokenizer loaded silently: the canvas was then
+    filled with an ordinary token."""
+    folder = _copy_with_config(llada_dir, tmp_path / "m", mask_token_id=3)
+    with pytest.raises(CheckpointError, match="config.json's mask_token_id is 3, but the "
+                                              "tokenizer's mask token '<|mask|>' is id 2"):
+        LLM(folder, device="cpu")
+
+
+def test_tokenizer_eos_other_than_the_configs_is_a_warning(llada_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """Another EOS loaded silently; it is a warning, not an error: a chat checkpoint may name its
+    turn-end token as the tokenizer's EOS, and generation follows the config."""
+    folder = _copy_with_config(llada_dir, tmp_path / "m", eos_token_id=0)
+    with pytest.warns(UserWarning, match="config.json's eos_token_id is 0, but the tokenizer's "
+                                         "eos token '<|eos|>' is id 1; generation stops at id 0"):
+        assert LLM(folder, device="cpu").config.eos_token_id == 0
+
+
+def test_tokenizer_without_a_mask_token_is_not_compared(llada_dir: Path, tmp_path: Path) -> None:
+    """The published LLaDA tokenizer names no mask token; the config's id is then the one."""
+    folder = _copy_with_config(llada_dir, tmp_path / "m", mask_token_id=3)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    del settings["mask_token"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert LLM(folder, device="cpu").config.mask_token_id == 3
+
+
+def test_tokenizer_larger_than_vocab_size_refused(llms: dict[str, LLM], llada_dir: Path,
+                                                  tmp_path: Path) -> None:
+    """Only embedding_size was compared: tokens past vocab_size can never be generated."""
+    tokenizer = llms["llada"].tokenizer
+    n = len(tokenizer)
+    folder = _copy_with_config(llada_dir, tmp_path / "m", vocab_size=n - 10)  # embedding_size: n
+    with pytest.raises(CheckpointError, match=f"the tokenizer has {n:,} tokens, more than the "
+                                              f"model's vocab_size {n - 10:,}"):
+        LLM(folder, device="cpu")
+    # the mask alone past vocab_size is fine: it is read, never predicted
+    folder = _copy_with_config(llada_dir, tmp_path / "m2", vocab_size=n - 1, mask_token_id=n - 1)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings["mask_token"] = tokenizer.convert_ids_to_tokens(n - 1)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert LLM(folder, device="cpu").tokenizer.mask_token_id == n - 1
+
+
+def test_a_lone_surrogate_in_a_prompt_is_an_input_error(llms: dict[str, LLM]) -> None:
+    """It reached the tokenizer, which raised a TypeError."""
+    llm = llms["llada"]
+    with pytest.raises(InputError, match=r"prompt 1 is not valid UTF-8 text: it contains a lone "
+                                         r"surrogate \(U\+D800\) at character 3"):
+        llm.generate(["ok", "hi \ud800 there"], "static-1", gen_length=16, block_length=8)
+    with pytest.raises(InputError, match="lone surrogate"):
+        llm.encode_prompt("\udcff")
+
+
+@pytest.mark.parametrize("path", [5, b"/tmp", 1.5, ["x"]])
+def test_llm_path_that_is_not_a_path_is_an_input_error(path) -> None:
+    with pytest.raises(InputError, match=f"a folder path \\(str or os.PathLike\\), got "
+                                         f"{type(path).__name__}"):
+        LLM(path)
+
+
+def test_llm_path_expands_the_home_folder(llada_dir: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    shutil.copytree(llada_dir, tmp_path / "m")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    llm = LLM("~/m", device="cpu")
+    assert llm.path == tmp_path / "m"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import edit_config, tiny_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -408,3 +408,109 @@ def test_loading_a_model_does_not_import_dynamo() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout + out.stderr
+
+
+# --- dtypes, key names and bounds -----------------------------------------------------------------
+def test_tensor_of_an_unreadable_dtype_named(tmp_path: Path) -> None:
+    """A dtype safetensors has a name for but cannot read (FP6) was a raw SafetensorError."""
+    save_checkpoint(tiny_model("llada"), tmp_path)
+    path, key = tmp_path / "model.safetensors", "model.transformer.ln_f.weight"
+    state = load_file(str(path))
+    header, blobs, offset = {}, [], 0
+    for name, t in state.items():
+        data = b"\x01" * (t.numel() * 3 // 4) if name == key else t.numpy().tobytes()
+        header[name] = {"dtype": "F6_E2M3" if name == key else "F32", "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path)
+    msg = str(e.value)
+    assert "model.safetensors" in msg and repr(key) in msg and "F6_E2M3" in msg, msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("model_type", ["llada", "Dream"])
+def test_transformers_5_dtype_key_is_torch_dtype(tmp_path: Path, model_type: str) -> None:
+    """transformers 5 writes `dtype` where 4.x wrote `torch_dtype`; it was refused as unknown."""
+    save_checkpoint(tiny_model(model_type), tmp_path)
+    edit_config(tmp_path, torch_dtype=..., dtype="bfloat16")
+    loaded = load_model(tmp_path, dtype="float32")
+    assert loaded.config.torch_dtype == "bfloat16"
+    edit_config(tmp_path, torch_dtype="bfloat16")  # both, agreeing
+    assert load_model(tmp_path, dtype="float32").config.torch_dtype == "bfloat16"
+    edit_config(tmp_path, torch_dtype="float32")
+    with pytest.raises(CheckpointError, match="'dtype' = \"bfloat16\" and 'torch_dtype' = "
+                                              "\"float32\" disagree"):
+        load_model(tmp_path)
+    edit_config(tmp_path, torch_dtype=..., dtype="int8")
+    with pytest.raises(CheckpointError, match="config key 'dtype' = \"int8\" is not supported"):
+        load_model(tmp_path)
+
+
+def test_save_records_the_dtype_it_writes(tmp_path: Path) -> None:
+    """A float32 folder loaded in bfloat16 and saved wrote bfloat16 weights under a config that
+    said float32, so it reloaded in float32: twice the memory, no more precision."""
+    save_checkpoint(tiny_model("llada"), tmp_path / "a")
+    model = load_model(tmp_path / "a", dtype="bfloat16")
+    save_checkpoint(model, tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert model.config.torch_dtype == "float32"  # the caller's config is not changed
+    with pytest.warns(UserWarning, match="bfloat16"):
+        again = load_model(tmp_path / "b")
+    for k, v in model.state_dict().items():
+        assert again.state_dict()[k].dtype == torch.bfloat16 and torch.equal(again.state_dict()[k], v)
+
+
+@pytest.mark.parametrize("model_type, change, words", [
+    ("Dream", {"hidden_size": "abc"}, "config key 'hidden_size' must be int"),
+    ("Dream", {"num_hidden_layers": 10**12}, "num_hidden_layers must be an integer in 1..4,096"),
+    ("Dream", {"num_attention_heads": 3},
+     "hidden_size (32) must be divisible by num_attention_heads (3)"),
+    ("Dream", {"num_key_value_heads": 3},
+     "num_attention_heads (4) must be divisible by num_key_value_heads (3)"),
+    ("Dream", {"intermediate_size": 0}, "intermediate_size must be an integer in 1.."),
+    ("Dream", {"max_position_embeddings": 1.5}, "config key 'max_position_embeddings' must be int"),
+    ("Dream", {"tie_word_embeddings": "no"}, "config key 'tie_word_embeddings' must be bool"),
+    ("llada", {"include_qkv_bias": "no"}, "config key 'include_qkv_bias' must be bool"),
+])
+def test_errors_name_the_key_as_config_json_spells_it(tmp_path: Path, model_type: str,
+                                                       change: dict, words: str) -> None:
+    """Dream's errors named unmask's field names (d_model, n_layers...), which its file lacks."""
+    save_checkpoint(tiny_model(model_type), tmp_path)
+    edit_config(tmp_path, **change)
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path)
+    msg = str(e.value)
+    assert words in msg, msg
+    internal = {"d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size",
+                "max_sequence_length", "weight_tying", "qkv_bias"}
+    assert not {w.strip("'(),") for w in msg.split()} & internal, msg
+
+
+@pytest.mark.parametrize("model_type, key", [("llada", "max_sequence_length"),
+                                             ("Dream", "max_position_embeddings")])
+def test_max_sequence_length_is_bounded(tmp_path: Path, model_type: str, key: str) -> None:
+    """10**30 was accepted; a long gen_length then died allocating numpy arrays."""
+    save_checkpoint(tiny_model(model_type), tmp_path)
+    edit_config(tmp_path, **{key: 10**30})
+    with pytest.raises(CheckpointError, match=f"{key} must be an integer in 1..268,435,456"):
+        load_model(tmp_path)
+    edit_config(tmp_path, **{key: 1 << 28})
+    assert load_model(tmp_path).config.max_sequence_length == 1 << 28
+
+
+def test_finite_weights_that_overflow_float16_are_named_as_such(tmp_path: Path) -> None:
+    """They were called 'NaN or infinite ... the checkpoint is damaged'."""
+    save_checkpoint(tiny_model("llada"), tmp_path)
+    key = "model.transformer.blocks.0.q_proj.weight"
+    _rewrite_tensors(tmp_path, lambda s: s[key].view(-1).__setitem__(5, 1e5))
+    with pytest.raises(CheckpointError) as e:
+        load_model(tmp_path, dtype="float16")
+    msg = str(e.value)
+    assert key in msg and "overflow torch.float16" in msg and "1e+05" in msg, msg
+    assert "damaged" not in msg
+    assert load_model(tmp_path).state_dict()[key].view(-1)[5] == 1e5  # fine in float32

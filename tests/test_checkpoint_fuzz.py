@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_model, tiny_tokenizer_dir
+from helpers import edit_config, tiny_model, tiny_tokenizer_dir
 from safetensors.torch import load_file, save_file
 
 from unmask.checkpoint import CheckpointError, load_model, save_checkpoint
@@ -20,16 +20,6 @@ from unmask.errors import InputError, UnmaskError
 def folder(tmp_path: Path) -> Path:
     save_checkpoint(tiny_model("llada"), tmp_path)
     return tmp_path
-
-
-def _edit_config(folder: Path, **change) -> None:
-    raw = json.loads((folder / "config.json").read_text())
-    for k, v in change.items():
-        if v is ...:
-            raw.pop(k)
-        else:
-            raw[k] = v
-    (folder / "config.json").write_text(json.dumps(raw))
 
 
 @pytest.mark.parametrize("change, words", [
@@ -49,7 +39,7 @@ def _edit_config(folder: Path, **change) -> None:
     ({"mlp_hidden_size": None, "mlp_ratio": "x"}, "'mlp_ratio' must be a number"),
 ])
 def test_bad_config_value_refused(folder: Path, change: dict, words: str) -> None:
-    _edit_config(folder, **change)
+    edit_config(folder, **change)
     with pytest.raises(CheckpointError, match=words.replace("(", r"\(").replace(".", r"\.")):
         load_model(folder)
 

@@ -119,7 +119,14 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """(model, its sharded checkpoint folder with a tokenizer)."""
     model = tiny_published(request.param)
     out = tmp_path_factory.mktemp(request.param)
-    save_checkpoint(model, out, tokenizer_dir=tiny_tokenizer_dir(out / "tok"), max_shard_size=SHARD)
+    tok = tiny_tokenizer_dir(out / "tok")
+    # The tiny tokenizer's EOS and mask are ids 1 and 2, not the published ones: a tokenizer
+    # naming other tokens than config.json is refused, so this one names none.
+    settings = json.loads((tok / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "pad_token", "mask_token"):
+        del settings[key]
+    (tok / "tokenizer_config.json").write_text(json.dumps(settings))
+    save_checkpoint(model, out, tokenizer_dir=tok, max_shard_size=SHARD)
     return model, out
 
 
@@ -174,3 +181,60 @@ def test_float32_on_request(folder) -> None:
     assert {p.dtype for p in loaded.parameters()} == {torch.float32}
     with pytest.raises(CheckpointError, match="int8"):
         load_model(path, dtype="int8")
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_config_as_transformers_5_writes_it(name: str) -> None:
+    """transformers 5 saves `dtype` for 4.x's `torch_dtype`; such a config was refused."""
+    raw = published(name)
+    raw["dtype"] = raw.pop("torch_dtype")
+    assert ModelConfig.from_dict(raw).torch_dtype == "bfloat16"
+
+
+# The published tokenizers' size and special tokens (tokenizer.json, tokenizer_config.json):
+# LLaDA's names <|endoftext|> (126081) its EOS and no mask token; Dream's (Qwen2's vocabulary
+# plus two tokens) names <|endoftext|> (151643) and <|mask|> (151666).
+PUBLISHED_TOKENIZERS = {
+    "llada-8b-instruct": (126_349, {126_081: "<|endoftext|>", 126_336: "<|mdm_mask|>"},
+                          {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"}),
+    "dream-v0-instruct-7b": (151_667, {151_643: "<|endoftext|>", 151_666: "<|mask|>"},
+                             {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+                              "mask_token": "<|mask|>"}),
+}
+PUBLISHED_TOKENIZERS["llada-1.5"] = PUBLISHED_TOKENIZERS["llada-8b-instruct"]
+
+
+def _word_tokenizer(out: Path, size: int, specials: dict[int, str], settings: dict) -> Path:
+    """A word-level tokenizer of `size` tokens with `specials` at their ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {specials.get(i, f"w{i}"): i for i in range(size)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = Whitespace()
+    out.mkdir(parents=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", **settings}))
+    return out
+
+
+@pytest.mark.parametrize("name", PUBLISHED)
+def test_published_tokenizers_agree_with_their_configs(name: str, tmp_path: Path) -> None:
+    """The load-time comparison of tokenizer and config passes the published pairs, and would
+    refuse one whose special token differs."""
+    from unmask.api import check_tokenizer, load_tokenizer
+
+    config = ModelConfig.from_dict(published(name))
+    size, specials, settings = PUBLISHED_TOKENIZERS[name]
+    tok = load_tokenizer(_word_tokenizer(tmp_path / "ok", size, specials, settings))
+    assert len(tok) == size and tok.eos_token_id == config.eos_token_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the published pairs agree: not even a warning
+        check_tokenizer(tok, config, tmp_path)
+    wrong = load_tokenizer(_word_tokenizer(tmp_path / "bad", size, specials,
+                                           {**settings, "eos_token": "w5"}))
+    with pytest.warns(UserWarning, match=f"eos_token_id is {config.eos_token_id}, but the "
+                                         "tokenizer's eos token 'w5' is id 5"):
+        check_tokenizer(wrong, config, tmp_path)

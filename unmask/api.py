@@ -62,6 +62,47 @@ def load_tokenizer(path: str | Path):
                               f"loaded ({type(e).__name__}: {_first_line(e)})") from None
 
 
+def check_tokenizer(tokenizer, config, folder: Path) -> None:
+    """Refuse a tokenizer that does not belong with the config: more tokens than the embedding
+    has rows (ordinary text would be refused as "not in the vocabulary") or than the model can
+    predict, or a mask token other than the config's (an EOS other than the config's is a
+    warning). Tokens are compared only where both sides define them: the published LLaDA
+    tokenizer names no mask token."""
+    n, c = len(tokenizer), config
+    if n > c.embedding_size:
+        raise CheckpointError(f"{folder}: the tokenizer has {n:,} tokens, more than the model's "
+                              f"embedding_size {c.embedding_size:,}; tokenizer and weights do not "
+                              f"belong together")
+    # The mask token may sit past vocab_size: it is read, never predicted.
+    if n > c.vocab_size + (c.vocab_size <= c.mask_token_id < n):
+        raise CheckpointError(f"{folder}: the tokenizer has {n:,} tokens, more than the model's "
+                              f"vocab_size {c.vocab_size:,} (the tokens it can predict); "
+                              f"tokenizer and config.json do not belong together")
+    token, tid = tokenizer.mask_token, tokenizer.mask_token_id
+    if token is not None and tid is not None and tid != c.mask_token_id:
+        # every canvas is filled with the config's id: another token's would decode nonsense
+        raise CheckpointError(f"{folder}: config.json's mask_token_id is {c.mask_token_id}, but "
+                              f"the tokenizer's mask token {str(token)!r} is id {tid}; tokenizer "
+                              f"and config.json do not belong together")
+    token, tid = tokenizer.eos_token, tokenizer.eos_token_id
+    if token is not None and tid is not None and tid != c.eos_token_id:
+        # A warning, not an error: chat checkpoints may name their turn-end token as the
+        # tokenizer's EOS while the config keeps the end of text; decoding follows the config.
+        warnings.warn(f"{folder}: config.json's eos_token_id is {c.eos_token_id}, but the "
+                      f"tokenizer's eos token {str(token)!r} is id {tid}; generation stops at "
+                      f"id {c.eos_token_id} (the config's)", stacklevel=3)
+
+
+def check_text(text: str, which: str) -> None:
+    """Refuse text with a lone surrogate (half of a UTF-16 pair, e.g. from a bad \\ud800
+    escape): Python keeps it in a str, but the tokenizer, a UTF-8 codec, fails on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{which} is not valid UTF-8 text: it contains a lone surrogate "
+                         f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
+
+
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else "no message"
@@ -123,10 +164,19 @@ class LLM:
 
     def __init__(self, path: str | Path | None = None, device: str | None = None,
                  dtype: str | None = None) -> None:
-        if isinstance(path, str) and not path.strip():  # Path("") is ".", the working folder
-            raise CheckpointError("the model path is empty; give a model folder, or none for the "
-                                  "embedded model")
-        if path is None:
+        if path is not None:
+            try:
+                name = os.fspath(path)
+            except TypeError:
+                name = None
+            if not isinstance(name, str):  # bytes paths too: every message formats the path
+                raise InputError(f"the model path must be a folder path (str or os.PathLike), "
+                                 f"got {type(path).__name__}")
+            if not name.strip():  # Path("") is ".", the working folder
+                raise CheckpointError("the model path is empty; give a model folder, or none for "
+                                      "the embedded model")
+            path = Path(os.path.expanduser(name))  # "~nobody/x" stays as written
+        else:
             path = DEFAULT_MODEL
             if not (path / "model.safetensors").is_file():
                 raise CheckpointError(
@@ -137,17 +187,12 @@ class LLM:
         self.model = load_model(self.path, self.device, dtype)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
-        # A token the embedding has no row for would be refused as "not in the vocabulary" on
-        # ordinary text: name the mismatch once, at load.
-        if len(self.tokenizer) > self.config.embedding_size:
-            raise CheckpointError(f"{self.path}: the tokenizer has {len(self.tokenizer):,} tokens, "
-                                  f"more than the model's embedding_size "
-                                  f"{self.config.embedding_size:,}; tokenizer and weights do not "
-                                  f"belong together")
+        check_tokenizer(self.tokenizer, self.config, self.path)
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt.strip():
             raise InputError("empty prompt: give the model something to answer")
+        check_text(prompt, "the prompt")
         tok = self.tokenizer
         if chat and tok.chat_template:
             text = self.render_chat([{"role": "user", "content": prompt}])
@@ -205,6 +250,7 @@ class LLM:
                 raise InputError(f"prompt {i} must be a string, got {type(prompt).__name__}")
             if not prompt.strip():
                 raise InputError(f"empty prompt (prompt {i}): give the model something to answer")
+            check_text(prompt, f"prompt {i}")
         params = resolve_params(params, overrides)
         ids = [self.encode_prompt(p, chat) for p in prompts]
         return self.generate_ids(ids, params, batch_size=batch_size, on_event=on_event)

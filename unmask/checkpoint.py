@@ -9,6 +9,7 @@ is about one copy in the target dtype plus the shard being read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -44,8 +45,8 @@ def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | 
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model*.safetensors"), out / INDEX]:
         old.unlink(missing_ok=True)
-    model.config.save(out)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    _written_config(model.config, state).save(out)
     shards = _split(state, max_shard_size)
     if max_shard_size is None:
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -64,6 +65,17 @@ def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | 
             if src.is_file() and src.resolve() != (out / name).resolve():
                 shutil.copy(src, out / name)
     return out
+
+
+def _written_config(config: ModelConfig, state: dict[str, torch.Tensor]) -> ModelConfig:
+    """config with torch_dtype set to the dtype of the weights saved. A model loaded in bfloat16
+    from a float32 folder was saved with torch_dtype float32, and so reloaded in float32: twice
+    the memory, no more precision. Weights in several dtypes, or in one no config can name
+    (float64), keep the config's torch_dtype; loading casts them to it."""
+    names = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    if len(names) == 1 and (name := names.pop()) in TORCH_DTYPES and name != config.torch_dtype:
+        return dataclasses.replace(config, torch_dtype=name)
+    return config
 
 
 def _split(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
@@ -119,6 +131,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                                       "must be floating point (float32, bfloat16, float16, ...)")
             state[key] = t.to(device=device, dtype=dtype)
             if not _finite(state[key]):
+                if t.dtype != dtype and _finite(t):
+                    raise CheckpointError(
+                        f"{file.name}: tensor {key!r} holds values that overflow {dtype} (its "
+                        f"largest magnitude is {t.abs().max().item():.4g} in {t.dtype}); load it "
+                        "in a dtype with a wider range")
                 raise CheckpointError(f"{file.name}: tensor {key!r} holds NaN or infinite values "
                                       f"(in {dtype}); the checkpoint is damaged")
     missing = [k for k in expected if k not in state]
@@ -206,4 +223,19 @@ def _read(file: Path, listed: list[str] | None):
                 raise CheckpointError(f"{INDEX} lists tensor {absent[0]!r} in {file.name}, "
                                       "which does not hold it")
         for name in names:
-            yield name, f.get_tensor(name)
+            try:
+                tensor = f.get_tensor(name)
+            # safetensors' own error type: a dtype this safetensors/torch build cannot hold
+            # (FP6/FP4 formats), or data past the file's end
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{file.name}: tensor {name!r} cannot be read"
+                                      f"{_dtype_note(f, name)}: {e}") from None
+            yield name, tensor
+
+
+def _dtype_note(f, name: str) -> str:
+    """' (dtype X in the file)' for tensor `name` of open file f, or '' if even that fails."""
+    try:
+        return f" (dtype {f.get_slice(name).get_dtype()} in the file)"
+    except Exception:  # noqa: BLE001
+        return ""

@@ -4,7 +4,8 @@ The field names are LLaDA's config.json keys. Each model file says how its forma
 maps onto them (a `JsonKeys`): which keys are renamed (Dream's Qwen2 names), which keys name an
 architecture variant unmask builds only one value of, and which keys do not change inference.
 Every key of a config.json is one of those or a field; any other key is refused, so nothing a
-checkpoint asks for is silently ignored.
+checkpoint asks for is silently ignored. (`dtype`, transformers 5's name for `torch_dtype`, is read
+as that field.)
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 # hours to build, so a typo such as 10**12 is refused before anything is built.
 MAX_WIDTH = 1 << 20  # d_model, mlp_hidden_size, vocab_size, embedding_size, head counts
 MAX_LAYERS = 1 << 12
+# max_sequence_length sizes no weight, but the engine sizes arrays by the canvas it allows:
+# 10**30 was accepted, and a gen_length past memory then died in numpy, not with a length error.
+# Published models use <= 131,072; `unmask train` names the memory of --max-seq-len up to here.
+MAX_POSITIONS = 1 << 28
 # Keys a config.json must set: the reference fills absent ones with its own defaults (OLMo's,
 # Qwen2's), not ours, so an absent key would silently build a model the reference does not.
 # Absent LLaDA n_kv_heads / mlp_hidden_size are derived by the model file's `prepare`.
@@ -122,29 +127,28 @@ class ModelConfig:
                     ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
                           and math.isfinite(value) and not (kind == "int" and value != int(value)))
                 if not ok:
-                    raise ConfigError(f"config key {f.name!r} must be {kind}, got {value!r}")
+                    raise ConfigError(f"config key {self._key(f.name)!r} must be {kind}, got {value!r}")
                 setattr(self, f.name, {"int": int, "float": float, "bool": bool}[kind](value))
 
     def _check_sizes(self) -> None:
+        k = self._key
         for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size",
                      "vocab_size", "embedding_size", "max_sequence_length"):
             value = getattr(self, name)
-            # max_sequence_length sizes no tensor: it only bounds requests
-            limit = {"n_layers": MAX_LAYERS, "max_sequence_length": None}.get(name, MAX_WIDTH)
-            if value <= 0 or limit is not None and value > limit:
-                valid = "a positive integer" if limit is None else f"an integer in 1..{limit:,}"
-                raise ConfigError(f"{name} must be {valid}, got {value:,}")
+            limit = {"n_layers": MAX_LAYERS, "max_sequence_length": MAX_POSITIONS}.get(name, MAX_WIDTH)
+            if not 0 < value <= limit:
+                raise ConfigError(f"{k(name)} must be an integer in 1..{limit:,}, got {value:,}")
         for name in ("rope_theta", "rms_norm_eps"):
             if getattr(self, name) <= 0:  # a non-positive base or epsilon gives NaN activations
                 raise ConfigError(f"{name} must be a positive number, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
-            raise ConfigError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"{k('d_model')} ({self.d_model}) must be divisible by "
+                              f"{k('n_heads')} ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads})"
-            )
+            raise ConfigError(f"{k('n_heads')} ({self.n_heads}) must be divisible by "
+                              f"{k('n_kv_heads')} ({self.n_kv_heads})")
         if (self.d_model // self.n_heads) % 2:
-            raise ConfigError("head dim (d_model / n_heads) must be even for RoPE")
+            raise ConfigError(f"head dim ({k('d_model')} / {k('n_heads')}) must be even for RoPE")
         if self.embedding_size < self.vocab_size:
             raise ConfigError(
                 f"embedding_size ({self.embedding_size}) must be >= vocab_size ({self.vocab_size})"
@@ -180,6 +184,11 @@ class ModelConfig:
             raise ConfigError(f"Dream's embedding has vocab_size ({self.vocab_size}) rows; "
                               f"embedding_size={self.embedding_size} cannot be written in its config")
         self.rope_factor()  # validates rope_scaling
+
+    def _key(self, name: str) -> str:
+        """The config.json key of field `name`: errors name the key as the file spells it."""
+        renamed = json_keys(self.model_type).renamed if self.model_type in MODEL_TYPES else {}
+        return next((key for key, f in renamed.items() if f == name), name)
 
     def _check_extra(self) -> None:
         keys = json_keys(self.model_type)
@@ -225,7 +234,8 @@ class ModelConfig:
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not supported; valid: {sorted(MODEL_TYPES)}")
         keys = json_keys(model_type)
-        raw = keys.prepare(dict(raw)) if keys.prepare else dict(raw)
+        raw = _dtype_alias(dict(raw))
+        raw = keys.prepare(raw) if keys.prepare else raw
         to_field = keys.json_fields()
         required = [k for k, f in to_field.items() if f in REQUIRED]
         absent = [k for k in required if k not in raw]
@@ -273,6 +283,22 @@ def json_keys(model_type: str) -> JsonKeys:
     from unmask.models import REGISTRY  # the model files import this module
 
     return REGISTRY[model_type].json_keys
+
+
+def _dtype_alias(raw: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes the run dtype as `dtype`, 4.x as `torch_dtype`: read either (saved
+    back as torch_dtype, which 5 still reads); both must agree."""
+    if "dtype" not in raw:
+        return raw
+    value = raw.pop("dtype")
+    if "torch_dtype" in raw and raw["torch_dtype"] != value:
+        raise ConfigError(f"config keys 'dtype' = {_show(value)} and 'torch_dtype' = "
+                          f"{_show(raw['torch_dtype'])} disagree; they name the same setting")
+    if value not in TORCH_DTYPES:
+        raise ConfigError(f"config key 'dtype' = {_show(value)} is not supported; "
+                          f"valid: {', '.join(TORCH_DTYPES)}")
+    raw["torch_dtype"] = value
+    return raw
 
 
 def _show(value: Any) -> str:
