@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from unmask.bench.runner import Sample, decoder_order, percentile, summarize
-from unmask.bench.tasks import BenchExample, gsm8k_check, gsm8k_prediction, load_task
+from unmask.bench.tasks import BenchExample, gsm8k_check, load_task
 from unmask.checkpoint import save_checkpoint
 from unmask.cli import main
 from unmask.config import ModelConfig
@@ -245,7 +245,7 @@ def test_gsm8k_loader_and_checker(tmp_path: Path) -> None:
     assert not task.check(b, "no idea")
     assert len(load_task(f"gsm8k:{path}", 1).examples) == 1
     # The number after the LAST #### wins over earlier ones and over later stray numbers.
-    assert gsm8k_prediction("#### 1\n#### 5\nstep 9") == 5
+    assert math_task.final_number("#### 1\n#### 5\nstep 9") == 5
     assert gsm8k_check(BenchExample("q", "-3"), "it is -3")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "answer": "no final line"}\n')

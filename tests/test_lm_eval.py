@@ -466,3 +466,146 @@ def test_task_checkers() -> None:
     doc = {"answer": "Natalia sold 48/2 = 24 clips.\n#### 1,072"}
     assert gsm8k_results(doc, ["so 1072 in all\n#### $1,072"]) == {"exact_match": 1.0}
     assert gsm8k_results(doc, ["the answer is 1071"]) == {"exact_match": 0.0}
+
+
+# --------------------------------------------------------------------------- as lm-eval sends them
+
+
+def test_model_args_may_hold_lm_evals_own_flags(caplog: pytest.LogCaptureFixture) -> None:
+    """`--model_args batch_size=4` (or device=cpu) was passed twice by lm-eval's merge with its
+    flags, which its command line always sends (defaults 1 and cuda:0): a TypeError. The model's
+    own arguments win, with a warning naming both."""
+    flags = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
+    with caplog.at_level("WARNING", logger="unmask.evaluation.harness"):
+        lm = UnmaskLM.create_from_arg_string("batch_size=4,device=cpu,gen_length=32", flags)
+    assert lm.batch_size == 4 and lm.llm.device.type == "cpu" and lm.params.gen_length == 32
+    assert "batch_size=4" in caplog.text and "batch_size 1" in caplog.text
+    lm = UnmaskLM.create_from_arg_obj({"max_batch_size": 2, "batch_size": "auto"},
+                                      {"batch_size": "auto", "device": "cpu"})
+    assert lm.batch_size == 2
+
+
+def test_model_args_as_lm_eval_parses_them() -> None:
+    """lm-eval's parser turns `none` into None and `64.0` into a float; the spec read them as
+    'None' (a SpecError for cache=none) and refused the float as an int."""
+    from lm_eval.utils import simple_parse_args_string
+
+    text = "decoder=threshold,cache=none,gen_length=64.0,mc_num=16.0,batch_size=2.0"
+    assert simple_parse_args_string(text)["cache"] is None  # the premise
+    lm = UnmaskLM.create_from_arg_string(text, {"device": "cpu"})
+    assert (lm.params.cache, lm.params.gen_length, lm.mc_num, lm.batch_size) == ("none", 64, 16, 2)
+    lm = UnmaskLM.create_from_arg_string("decoder=static,steps=none,gen_length=64", {"device": "cpu"})
+    assert lm.params.steps is None
+    with pytest.raises(SpecError, match="gen_length='64.5'"):
+        UnmaskLM.create_from_arg_string("gen_length=64.5", {"device": "cpu"})
+
+
+def _no_decoding(lm: UnmaskLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("decoded before every request was checked")
+    monkeypatch.setattr(lm.llm, "generate", refuse)
+    monkeypatch.setattr(lm.llm, "generate_ids", refuse)
+
+
+def test_static_steps_and_another_max_gen_toks_fail_before_decoding(
+        tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """steps=4 is written for gen_length 16 (2 blocks of 8); a task's max_gen_toks 24 makes 3
+    blocks. It failed mid-run with a message about a canvas nobody wrote; now before the first
+    batch, naming the request, its max_gen_toks, steps and the way out."""
+    lm = UnmaskLM(pretrained=str(tiny_dirs["llada"]), decoder="static", steps=4, block_length=8,
+                  gen_length=16, device="cpu")
+    _no_decoding(lm, monkeypatch)
+    reqs = requests("generate_until", [("hi", {"max_gen_toks": 16}), ("hi", {"max_gen_toks": 24})])
+    with pytest.raises(InputError, match=r"request 1: its max_gen_toks 24 .*3 blocks of 8.* steps=4"
+                                         r".*--gen_kwargs max_gen_toks=16, or drop steps"):
+        lm.generate_until(reqs)
+
+
+def test_generate_until_names_the_bad_request(tiny_dirs: dict[str, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty context was 'empty prompt (prompt 0)', 0 being its place in a batch; the mask
+    token failed in the engine without naming the request. Both now name it (task, document),
+    before anything is decoded."""
+    lm = UnmaskLM(pretrained=str(tiny_dirs["llada"]), block_length=8, gen_length=16, device="cpu")
+    _no_decoding(lm, monkeypatch)
+    mask = lm.llm.tokenizer.convert_ids_to_tokens(lm.llm.config.mask_token_id)
+
+    def reqs(bad: str) -> list[Instance]:
+        return [Instance("generate_until", {}, (c, {"until": []}), 0, metadata=("t", d, 1))
+                for d, c in enumerate(["hello", "what is 2 + 3?", bad])]
+
+    with pytest.raises(InputError, match=r"request 2 \(t, doc 2\): the context is empty"):
+        lm.generate_until(reqs("  "))
+    with pytest.raises(InputError, match=r"request 2 \(t, doc 2\): the context holds the mask"):
+        lm.generate_until(reqs(f"a {mask} b"))
+
+
+def test_likelihood_refuses_the_mask_token(embedded: UnmaskLM) -> None:
+    """Only the greedy check (a decode) refused the mask token; with greedy_check=false, and in
+    loglikelihood_rolling, it was scored as a position to fill, silently."""
+    assert not embedded.greedy_check
+    mask = embedded.llm.tokenizer.convert_ids_to_tokens(embedded.llm.config.mask_token_id)
+    ok = ("What is 2 + 3?", " 5")
+    for args, part in [((f"a {mask} b", " c"), "context"), (("x", f" {mask}"), "continuation")]:
+        with pytest.raises(InputError, match=f"loglikelihood request 1: the {part} holds the mask"):
+            embedded.loglikelihood(requests("loglikelihood", [ok, args]))
+    with pytest.raises(InputError, match="loglikelihood_rolling request 0: the document holds"):
+        embedded.loglikelihood_rolling(requests("loglikelihood_rolling", [(f"a {mask} b",)]))
+
+
+@pytest.mark.parametrize("gold, output, right", [
+    (".5", "#### 0.5", True), ("5", "#### .5", False),
+    ("-.25", "so -0.25", True), ("25", "#### -.25", False),
+    ("\u22125", "#### -5", True), ("5", "the answer is \u22125", False),
+    ("1/2", "#### 0.5", True), ("1", "#### 1/2", False),
+    ("1e3", "#### 1,000", True), ("1", "#### 1e3", False),
+    ("1,234", "#### $1,234.00", True), ("5", "it costs $5.", True), ("5.00", "#### 5", True),
+])
+def test_gsm8k_reads_whole_numbers(gold: str, output: str, right: bool) -> None:
+    """'.5' read as 5, '-.25' as 25, '1/2' as 1, '1e3' as 1 and a U+2212 minus as nothing, in
+    the gold answer and the output alike: wrong outputs scored as right."""
+    got = gsm8k_results({"answer": f"worked\n#### {gold}"}, [output])
+    assert got == {"exact_match": float(right)}
+
+
+def test_gsm8k_dataset_refuses_an_unreadable_gold_number(tmp_path: Path) -> None:
+    from unmask.evaluation.tasks import gsm8k_dataset
+
+    data = tmp_path / "g.jsonl"
+    data.write_text(json.dumps({"question": "q", "answer": "#### 4"}) + "\n"
+                    + json.dumps({"question": "q", "answer": "#### 1/0"}) + "\n")
+    with pytest.raises(InputError, match=r"g.jsonl:2: the answer's final '####' line has no "
+                                         r"number: '1/0'"):
+        gsm8k_dataset(gsm8k_path=str(data))
+
+
+def test_one_line_errors_under_python_m_lm_eval(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    """`python -m lm_eval` (argv[0] lm_eval/__main__.py) printed a traceback where `lm_eval`
+    printed one line: the hook looked at argv[0]'s name only."""
+    import types
+
+    from unmask.evaluation import harness
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="lm_eval.__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", ["/venv/lib/site-packages/lm_eval/__main__.py", "--model"])
+    monkeypatch.setattr(sys, "excepthook", lambda *a: print("traceback", file=sys.stderr))
+    harness._one_line_errors()
+    sys.excepthook(InputError, InputError("unknown --model_args key 'x'"), None)
+    sys.excepthook(RuntimeError, RuntimeError("a bug"), None)
+    assert capsys.readouterr().err == ("lm_eval: error: unknown --model_args key 'x'\n"
+                                       "traceback\n")
+
+
+@pytest.mark.slow
+def test_python_m_lm_eval_fails_in_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, **OFFLINE, "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
+    run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "unmask", "--model_args",
+                          "badkey=1", "--tasks", "unmask_math", "--include_path", str(TASKS_DIR),
+                          "--limit", "1", "--device", "cpu"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1].startswith("lm_eval: error: unknown --model_args "
+                                                          "key 'badkey'")

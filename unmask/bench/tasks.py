@@ -10,12 +10,12 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from unmask.errors import InputError
 from unmask.tasks import TASKS
+from unmask.tasks.math import final_number, parse_number
 
 
 @dataclass(frozen=True)
@@ -107,35 +107,11 @@ def _project_task(kind: str, n: int | None, seed: int, stratify: bool = False) -
 # --------------------------------------------------------------------------- GSM8K
 
 _FINAL_RE = re.compile(r"####\s*([^\n]*)")
-_NUMBER_RE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
-
-
-def parse_number(text: str) -> Fraction | None:
-    """'1,234', '$5', '72.0', '-3' -> an exact number; None when text holds none."""
-    m = _NUMBER_RE.search(text)
-    if m is None:
-        return None
-    raw = m.group(0).replace(",", "").replace("$", "")
-    try:
-        return Fraction(raw)
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def gsm8k_prediction(text: str) -> Fraction | None:
-    """The number after the last ``####`` in ``text``, else the last number in it."""
-    finals = _FINAL_RE.findall(text)
-    if finals:
-        got = parse_number(finals[-1])
-        if got is not None:
-            return got
-    numbers = _NUMBER_RE.findall(text)
-    return parse_number(numbers[-1]) if numbers else None
-
-
 def gsm8k_check(ex: BenchExample, text: str) -> bool:
+    # one reader (unmask.tasks.math) for the gold answer and the output, here and in lm-eval's
+    # unmask_gsm8k task: '1/2' is a half in both, '.5' is not 5
     want = parse_number(ex.answer or "")
-    got = gsm8k_prediction(text)
+    got = final_number(text)
     return want is not None and got is not None and got == want
 
 

@@ -10,7 +10,9 @@ it itself.)
 decoder spec NAME; its keys go in as further model args, e.g. ``decoder=threshold,threshold=0.8``),
 any decoder key (``gen_length``, ``block_length``, ``seed``, ...), ``dtype``, ``mc_num`` and
 ``mc_batch_size`` (the likelihood estimate), ``greedy_check``; ``--device``, ``--batch_size``
-and ``--max_batch_size`` (a cap on what ``batch_size=auto`` picks) come from lm-eval's own flags.
+and ``--max_batch_size`` (a cap on what ``batch_size=auto`` picks) come from lm-eval's own flags,
+or from ``--model_args``, which win. Every request is checked (empty context, the mask token,
+lengths, ``steps`` against its canvas) before the first is decoded or scored.
 
 - ``generate_until``: batches of ``batch_size`` prompts through ``LLM.generate`` with the decoder
   spec. The canvas is the request's ``max_gen_toks`` rounded up to ``block_length`` (the spec's
@@ -40,6 +42,7 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from lm_eval.utils import simple_parse_args_string
 from tqdm import tqdm
 
 from unmask.api import LLM, Generation
@@ -50,13 +53,25 @@ from unmask.evaluation.likelihood import estimate_bound
 log = logging.getLogger(__name__)
 
 
+def _cli_name() -> str | None:
+    """The name to report under lm-eval's own command line: its console scripts (`lm_eval`,
+    `lm-eval`) or `python -m lm_eval`, whose argv[0] is lm_eval's __main__.py; None elsewhere."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if name in ("lm_eval", "lm-eval"):
+        return name
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(spec, "name", None) == "lm_eval.__main__":
+        return "lm_eval"
+    return None
+
+
 def _one_line_errors() -> None:
     """Under lm-eval's own command line, bad input of ours (an unknown --model_args key, a bad
     decoder spec, a missing folder) ends the run with one line naming it, as `unmask` and
     `unmask-lm-eval` do, instead of a traceback. Other exceptions, and Python callers, keep
     theirs."""
-    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    if name not in ("lm_eval", "lm-eval"):
+    name = _cli_name()
+    if name is None:
         return
     previous = sys.excepthook
 
@@ -88,6 +103,29 @@ GREEDY_KWARGS = {"do_sample": False, "temperature": 0}  # values that ask for gr
 # Where unmask_lm_eval.pth's hook registered the placeholder for this class, this replaces it.
 @register_model("unmask")
 class UnmaskLM(LM):
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str,
+                               additional_config: dict[str, Any] | None = None) -> UnmaskLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any],
+                            additional_config: dict[str, Any] | None = None) -> UnmaskLM:
+        """lm-eval's own merge passes a key set in both --model_args and its flags twice (a
+        TypeError). Its command line always sends batch_size and device (its defaults 1 and
+        cuda:0 when not typed), so a conflict cannot be told from a default: --model_args win,
+        the model's own arguments being the more specific, with a warning naming both."""
+        args = dict(arg_dict)
+        for key, value in (additional_config or {}).items():
+            if value is None:
+                continue
+            if key not in args:
+                args[key] = value
+            elif str(args[key]) != str(value):
+                log.warning("unmask uses --model_args %s=%s, not lm-eval's %s %s (--%s or its "
+                            "default)", key, args[key], key, value, key)
+        return cls(**args)
+
     def __init__(self, pretrained: str | None = None, decoder: str = "static-1",
                  device: str | None = None, dtype: str | None = None, batch_size: int | str = 1,
                  max_batch_size: int | None = None, mc_num: int = DEFAULT_MC_NUM,
@@ -98,7 +136,7 @@ class UnmaskLM(LM):
             raise InputError(f"unknown --model_args key {unknown[0]!r}; valid: "
                              f"{', '.join(MODEL_KEYS + SPEC_KEYS)}")
         # The spec first: a bad one fails before a model is loaded.
-        spec = ",".join([str(decoder)] + [f"{k}={v}" for k, v in decoder_keys.items()])
+        spec = ",".join([str(decoder)] + [f"{k}={_spec_value(v)}" for k, v in decoder_keys.items()])
         self.params = DecodeParams.parse(spec, gen_length=DEFAULT_GEN_LENGTH,
                                          block_length=DEFAULT_BLOCK_LENGTH)
         # lm-eval's --max_batch_size bounds only what batch_size=auto picks, as in its HF model.
@@ -133,35 +171,77 @@ class UnmaskLM(LM):
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        # Every request is checked before the first is decoded: one found bad mid-run would
+        # throw away the batches already decoded.
         by_canvas: dict[int, list[int]] = defaultdict(list)
+        params: dict[int, DecodeParams] = {}
         limits: list[int] = []
+        stops: list[list[str]] = []
+        prompts: list[list[int]] = []
         window = self.llm.config.max_sequence_length
         for i, req in enumerate(requests):
-            limit = self._max_gen_toks(req.args[1])
+            context, gen_kwargs = req.args
+            limit = self._max_gen_toks(gen_kwargs)
             limits.append(limit)
+            stops.append(_until(gen_kwargs))
             canvas = self.params.canvas_for(limit)
             if canvas >= window:  # named here: the engine would blame a gen_length nobody set
-                key = "gen_length" if req.args[1].get("max_gen_toks") is None else "max_gen_toks"
+                key = "gen_length" if gen_kwargs.get("max_gen_toks") is None else "max_gen_toks"
                 raise InputError(f"{key} {limit} (a canvas of {canvas}: a multiple of block_length "
                                  f"{self.params.block_length}) leaves no room for the prompt in the "
                                  f"model's max_sequence_length {window}; valid: the canvas plus the "
                                  f"prompt's tokens <= {window}")
+            if canvas not in params:
+                params[canvas] = self._params_for(canvas, limit, _which(i, req))
+            prompt = self._context_ids(context, _which(i, req))
+            if len(prompt) + canvas > window:
+                raise InputError(f"generate_until {_which(i, req)}: the context's {len(prompt)} "
+                                 f"tokens and a canvas of {canvas} exceed the model's "
+                                 f"max_sequence_length {window}")
+            prompts.append(prompt)
             by_canvas[canvas].append(i)
         out: list[str | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="unmask generate_until")
         for canvas, idxs in by_canvas.items():
-            params = self.params.replace(gen_length=canvas)
             for start in range(0, len(idxs), self.batch_size):
                 chunk = idxs[start : start + self.batch_size]
-                gens = self.llm.generate([requests[i].args[0] for i in chunk], params, chat=False,
-                                         batch_size=len(chunk))
+                # the prompts as LLM.generate(chat=False) encodes them
+                gens = self.llm.generate_ids([prompts[i] for i in chunk], params[canvas],
+                                             batch_size=len(chunk))
                 for i, g in zip(chunk, gens, strict=True):
-                    text = cut_at_stops(self._text(g, limits[i]), _until(requests[i].args[1]))
+                    text = cut_at_stops(self._text(g, limits[i]), stops[i])
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
                 bar.update(len(chunk))
         bar.close()
         return [t for t in out if t is not None]
+
+    def _params_for(self, canvas: int, limit: int, which: str) -> DecodeParams:
+        """The spec with the canvas of a request's max_gen_toks as its gen_length."""
+        try:
+            return self.params.replace(gen_length=canvas)
+        except UnmaskError as e:
+            p = self.params
+            if p.steps is None:  # steps is the only key whose validity depends on the canvas
+                raise InputError(f"generate_until {which}: max_gen_toks {limit}: {e}") from None
+            # Scaling steps to each canvas would decode with a step count nobody wrote.
+            raise InputError(
+                f"generate_until {which}: its max_gen_toks {limit} makes a canvas of {canvas} "
+                f"tokens ({_blocks(canvas // p.block_length)} of {p.block_length}) that steps="
+                f"{p.steps}, written for gen_length {p.gen_length}, does not fit (steps must be in "
+                f"1..{canvas} and a multiple of the blocks); give every request that canvas with "
+                f"--gen_kwargs max_gen_toks={p.gen_length}, or drop steps") from None
+
+    def _context_ids(self, context: Any, which: str) -> list[int]:
+        if not isinstance(context, str):
+            raise InputError(f"generate_until {which}: the context must be a string, got "
+                             f"{type(context).__name__}")
+        if not context.strip():
+            raise InputError(f"generate_until {which}: the context is empty; give the model "
+                             "something to answer")
+        prompt = self._encode(context)
+        self._refuse_mask("generate_until", which, context=prompt)
+        return prompt
 
     def _max_gen_toks(self, gen_kwargs: dict[str, Any]) -> int:
         if not isinstance(gen_kwargs, dict):
@@ -190,10 +270,15 @@ class UnmaskLM(LM):
     # ------------------------------------------------------------------ likelihood
     def loglikelihood(self, requests: list[Instance],
                       disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        # All encoded and checked first: scoring is the slow part, a bad request is found at once.
+        pairs = []
+        for i, req in enumerate(requests):
+            prompt, target = self._encode_pair(*req.args, which=_which(i, req))
+            self._refuse_mask("loglikelihood", _which(i, req), context=prompt, continuation=target)
+            pairs.append((prompt, target))
         out = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="unmask loglikelihood"):
-            context, continuation = req.args
-            prompt, target = self._encode_pair(context, continuation)
+        for req, (prompt, target) in zip(tqdm(requests, disable=disable_tqdm,
+                                              desc="unmask loglikelihood"), pairs, strict=True):
             result = (self._logprob(prompt, target), self._is_greedy(prompt, target))
             out.append(result)
             self.cache_hook.add_partial("loglikelihood", req.args, result)
@@ -201,20 +286,38 @@ class UnmaskLM(LM):
 
     def loglikelihood_rolling(self, requests: list[Instance],
                               disable_tqdm: bool = False) -> list[float]:
-        out = []
-        for req in tqdm(requests, disable=disable_tqdm, desc="unmask loglikelihood_rolling"):
+        prompt = self._bos()
+        room = self.llm.config.max_sequence_length - len(prompt)
+        targets = []
+        for i, req in enumerate(requests):
             (text,) = req.args
-            prompt, target = self._bos(), self._encode(text)
-            room = self.llm.config.max_sequence_length - len(prompt)
+            target = self._encode(text)
             if len(target) > room:
                 raise InputError(
-                    f"loglikelihood_rolling: a document of {len(target)} tokens exceeds the "
-                    f"model's window ({room} after BOS); the masked-diffusion bound scores a "
-                    "document in one window and has no rolling (chunked) form")
+                    f"loglikelihood_rolling {_which(i, req)}: a document of {len(target)} tokens "
+                    f"exceeds the model's window ({room} after BOS); the masked-diffusion bound "
+                    "scores a document in one window and has no rolling (chunked) form")
+            self._refuse_mask("loglikelihood_rolling", _which(i, req), document=target)
+            targets.append(target)
+        out = []
+        for req, target in zip(tqdm(requests, disable=disable_tqdm,
+                                    desc="unmask loglikelihood_rolling"), targets, strict=True):
             result = self._logprob(prompt, target)
             out.append(result)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, result)
         return out
+
+    def _refuse_mask(self, kind: str, which: str, **parts: list[int]) -> None:
+        """The mask token in a request's text would be scored (or decoded) as if it were a
+        masked position: an answer for another question, so it is refused, as the engine
+        refuses it in a prompt."""
+        mask = self.llm.config.mask_token_id
+        for part, ids in parts.items():
+            if mask in ids:
+                token = self.llm.tokenizer.convert_ids_to_tokens(mask)
+                raise InputError(f"{kind} {which}: the {part} holds the mask token {token!r} (id "
+                                 f"{mask}), which the model reads as a position to fill; remove "
+                                 "it from the text")
 
     def _logprob(self, prompt: list[int], target: list[int]) -> float:
         if not target:
@@ -238,7 +341,8 @@ class UnmaskLM(LM):
         bos = self.llm.tokenizer.bos_token_id
         return [] if bos is None else [bos]
 
-    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    def _encode_pair(self, context: str, continuation: str,
+                     which: str = "request") -> tuple[list[int], list[int]]:
         """Token ids of (context, continuation), split where the context's tokens end in the
         tokens of the whole text; trailing spaces of the context belong to the continuation.
         The context is cut from the left when the pair does not fit the model's window."""
@@ -255,12 +359,24 @@ class UnmaskLM(LM):
                 target = self._encode(continuation)
         limit = self.llm.config.max_sequence_length
         if len(target) >= limit:
-            raise InputError(f"a continuation of {len(target)} tokens does not fit the model's "
-                             f"max_sequence_length {limit}")
+            raise InputError(f"loglikelihood {which}: a continuation of {len(target)} tokens "
+                             f"does not fit the model's max_sequence_length {limit}")
         return prompt[max(0, len(prompt) + len(target) - limit) :], target
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
+
+
+def _which(i: int, req: Instance) -> str:
+    """A request as a user can find it: its place in this call, and its task's document."""
+    doc = getattr(req, "doc_id", None)
+    task = getattr(req, "task_name", None)
+    where = ", ".join(x for x in (task, None if doc is None else f"doc {doc}") if x)
+    return f"request {i}" + (f" ({where})" if where else "")
 
 
 def cut_at_stops(text: str, stops: list[str]) -> str:
@@ -278,10 +394,23 @@ def _until(gen_kwargs: dict[str, Any]) -> list[str]:
     return list(until)
 
 
+def _spec_value(value: Any) -> Any:
+    """A --model_args value as the decoder spec writes it. lm-eval's parser turns `none` into
+    None (cache=none, steps=none) and `64.0` into a float, which the spec would read as 'None'
+    and refuse as an int."""
+    if value is None:
+        return "none"
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _positive_int(key: str, value: Any, auto: int | None = None) -> int:
     if auto is not None and isinstance(value, str) and value.startswith("auto"):
         return auto  # lm-eval's batch_size=auto / auto:N
     if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():  # lm-eval parses `4.0` as a float
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InputError(f"{key} must be a positive integer, got {value!r}")

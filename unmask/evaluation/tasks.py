@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from unmask.bench.tasks import gsm8k_prediction, load_task, parse_number
+from unmask.bench.tasks import load_task
 from unmask.errors import InputError
 from unmask.evaluation import TASKS_DIR
 from unmask.tasks import TASKS
@@ -47,8 +47,8 @@ def gsm8k_dataset(gsm8k_path: str | None = None, **_metadata: Any) -> Any:
     if not path.is_file():
         raise InputError(f"gsm8k_path {path} " + ("is a folder; give a .jsonl file" if path.is_dir()
                                                   else "does not exist"))
-    # The rows `unmask eval --task gsm8k:PATH` rejects (no question, no '#### N') fail here too,
-    # instead of scoring every output as wrong.
+    # The rows `unmask eval --task gsm8k:PATH` rejects (no question, no '#### N' the checker can
+    # read) fail here too, instead of scoring every output as wrong.
     load_task(f"gsm8k:{path}", None)
     return _json_dataset(path)
 
@@ -58,6 +58,7 @@ def math_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
 
 
 def gsm8k_results(doc: dict[str, Any], results: list[str]) -> dict[str, float]:
-    want = parse_number(doc["answer"].split("####")[-1])
-    got = gsm8k_prediction(results[0])
+    # The same reader for the gold answer and the output: '1/2' is a half in both.
+    want = math_task.parse_number(doc["answer"].split("####")[-1])
+    got = math_task.final_number(results[0])
     return {"exact_match": float(want is not None and got == want)}

@@ -25,6 +25,7 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 Split = Literal["train", "heldout"]
@@ -293,3 +294,39 @@ def check(text: str, answer: str) -> bool:
     """True iff ``text`` carries a final answer equal to ``answer`` (spacing-insensitive)."""
     got = extract_answer(text)
     return got is not None and _normalise(got) == _normalise(answer)
+
+
+# ---------------------------------------------------------------------------- numeric answers
+
+# A number as a final answer writes it: a sign (ASCII '-' or U+2212, which typeset text and some
+# tokenizers use), '$', digits with thousands commas, decimals ('.5' as well: its lone dot is
+# not part of a word, so 'no.5' stays 5), then an exponent or a fraction. Reading only a prefix
+# of '.5', '1/2' or '1e3' gave another number (5, 1, 1), so a wrong output could score as right.
+NUMBER_RE = re.compile(r"[-\u2212]?\$?(?:\d[\d,]*(?:\.\d+)?|(?<![\w.])\.\d+)"
+                       r"(?:[eE][-+]?\d+|/\d[\d,]*(?:\.\d+)?)?")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The first number in text, exact: '1,234', '$5', '72.0', '-3', '.5', '-.25', '1/2',
+    '1e3', a minus sign U+2212. None when text holds none (or only a fraction over zero)."""
+    m = NUMBER_RE.search(text)
+    if m is None:
+        return None
+    raw = m.group(0).replace(",", "").replace("$", "").replace("\u2212", "-")
+    num, _, den = raw.partition("/")
+    try:
+        return Fraction(num) / Fraction(den) if den else Fraction(num)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def final_number(text: str) -> Fraction | None:
+    """A model's numeric answer: the number after the last ``####`` in text, else the last
+    number in it."""
+    finals = _ANSWER_RE.findall(text)
+    if finals:
+        got = parse_number(finals[-1])
+        if got is not None:
+            return got
+    numbers = [m.group(0) for m in NUMBER_RE.finditer(text)]
+    return parse_number(numbers[-1]) if numbers else None
