@@ -66,6 +66,10 @@ def shapes(draw: st.DrawFn) -> dict:
                 gen_length=block * draw(st.integers(1, 3)), k=draw(st.integers(1, 8)))
 
 
+# freedave's rule (static-1) reads no threshold, so only freedave++ is given one
+THRESHOLD = {"freedave": "", "freedave++": ",threshold=0.5"}
+
+
 # --- freedave == static-1 ------------------------------------------------------------------------
 @PROPERTY
 @given(shape=shapes(), temperature=st.sampled_from([0.0, 1.0]),
@@ -118,7 +122,7 @@ def test_freedave_exact_under_cache_llada(shape: dict, cache: str, method: str,
     model = tiny_model("llada", shape["seed"])
     lengths = dict(gen_length=shape["gen_length"], block_length=shape["block_length"])
     ref_method = "static-1" if method == "freedave" else "threshold"
-    opts = f"cache={cache},threshold={threshold}"
+    opts = f"cache={cache}" + (f",threshold={threshold}" if method == "freedave++" else "")
     ref = decode(model, f"{ref_method},{opts}", shape["prompts"], **lengths)
     out = decode(model, f"{method},draft_steps={shape['k']},{opts}", shape["prompts"], **lengths)
     assert tokens(out) == tokens(ref)
@@ -238,7 +242,7 @@ def test_drafts_share_one_forward(shape: dict, method: str) -> None:
     k, block = shape["k"], shape["block_length"]
     prompts = shape["prompts"]
     with CallCounter(model) as calls:
-        out = decode(model, f"{method},draft_steps={k},threshold=0.5", prompts,
+        out = decode(model, f"{method},draft_steps={k}" + THRESHOLD[method], prompts,
                      shape["gen_length"], block)
     nfe = [r.nfe for r in out]
     assert len(calls.batches) == max(nfe)  # all rows and drafts share each call
@@ -260,7 +264,7 @@ def test_drafts_share_one_forward(shape: dict, method: str) -> None:
 def test_batched_equals_one_by_one(shape: dict, method: str, cache: str) -> None:
     kind = shape["kind"]
     model = tiny_model(kind, shape["seed"])
-    spec = f"{method},draft_steps={shape['k']},threshold=0.5,cache={cache}"
+    spec = f"{method},draft_steps={shape['k']},cache={cache}" + THRESHOLD[method]
     lengths = dict(gen_length=shape["gen_length"], block_length=shape["block_length"])
     batched = decode(model, spec, shape["prompts"], **lengths)
     for prompt, b in zip(shape["prompts"], batched, strict=True):
