@@ -15,6 +15,11 @@ drafting, scheduling, masks, verification, K/V store writes, step events), per s
 --profile B,...: the same split on the short canvas (--profile-gen-length) at batch B, plus the
 top functions of a cProfile of those runs by own time.
 
+--kernels: one more decode of every cell with the matrix products (F.linear and the LM head's
+matmul) and attention timed through a TorchFunctionMode: their seconds, the products' GFLOP/s,
+and how much of the model's time they take. Work these kernels do is the same at every
+concurrency (batch invariance), so their rate says whether a batch could do it faster.
+
 --max-steps K: the throughput table on the first --n prompts that the first decoder finishes in
 at most K steps (a workload without a tail of long requests).
 
@@ -38,6 +43,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from unmask.api import LLM, useful_length
 from unmask.bench.tasks import load_task
@@ -82,6 +89,35 @@ class ForwardTimer:
         model.forward = timed  # type: ignore[method-assign]
 
 
+class KernelTimer(TorchFunctionMode):
+    """Seconds inside the matrix products (F.linear; the LM head's 2-D matmul) and attention of
+    every torch call it sees, and the products' floating-point operations."""
+
+    PRODUCTS = (F.linear, torch.matmul, torch.Tensor.__matmul__)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.product_s = self.attention_s = 0.0
+        self.flops = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        product, attention = func in self.PRODUCTS, func is F.scaled_dot_product_attention
+        if not (product or attention):
+            return func(*args, **kwargs)
+        t = time.perf_counter()
+        out = func(*args, **kwargs)
+        dt = time.perf_counter() - t
+        if attention:
+            self.attention_s += dt
+        else:
+            a, w = args[0], args[1]
+            # linear: x (..., in) by weight (out, in); matmul: (..., n, k) by (k, m)
+            self.flops += 2 * a.numel() * (w.shape[0] if func is F.linear else w.shape[-1])
+            self.product_s += dt
+        return out
+
+
 def decode(llm: LLM, timer: ForwardTimer, ids: list[list[int]], params: DecodeParams,
            concurrency: int) -> Run:
     engine = Engine(llm.model, SchedulerConfig(max_running=concurrency, max_queue=len(ids)))
@@ -121,7 +157,7 @@ HEADER = ("| decoder | concurrency | requests | useful tokens | wall s | tokens/
 
 
 def table(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], decoders: list[str],
-          concs: list[int], gen_length: int, rounds: int) -> str:
+          concs: list[int], gen_length: int, rounds: int, kernels: bool = False) -> str:
     cells = [(d, c) for d in decoders for c in concs]
     params = {d: DecodeParams.parse(d, gen_length=gen_length) for d in decoders}
     for d in decoders:  # warm-up: allocator, first-call paths
@@ -135,7 +171,24 @@ def table(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], decoders: lis
     for d, c in cells:
         lines.append(row(d, c, runs[(d, c)], runs[(d, concs[0])] if c != concs[0] else None))
     lines += ["", FIT_HEADER] + [fit(d, [runs[(d, c)] for c in concs]) for d in decoders]
+    if kernels:
+        lines += ["", KERNEL_HEADER]
+        for d, c in cells:
+            with KernelTimer() as k:
+                decode(llm, timer, prompts, params[d], c)
+            model_s = runs[(d, c)].forward_s / rounds  # a round's, from the timed rounds
+            lines.append(f"| `{d}` | {c} | {model_s:.3f} | {k.product_s:.3f} | "
+                         f"{k.flops / k.product_s / 1e9:.0f} | {k.attention_s:.3f} | "
+                         f"{(k.product_s + k.attention_s) / model_s:.0%} |")
     return "\n".join(lines)
+
+
+KERNEL_HEADER = (
+    "Kernels (--kernels): one more round of each cell with the matrix products and attention "
+    "timed (KernelTimer); model s: a round's time inside model.forward in the timed rounds "
+    "above.\n\n"
+    "| decoder | concurrency | model s | products s | products GFLOP/s | attention s | "
+    "products + attention, share of model |\n|:---|---:|---:|---:|---:|---:|---:|")
 
 
 FIT_HEADER = (
@@ -145,10 +198,12 @@ FIT_HEADER = (
     "tokens do not depend on the batch): batching can only share h and m. So the speedup of any "
     "concurrency over c = 1 is at most c = 1's time over that work: the bound column. "
     "fixed share: the part of c = 1's time that batching can share. A cost the fit finds "
-    "negative is set to 0 and the rest refitted.\n\n"
+    "negative is set to 0 and the rest refitted. model-only bound: c = 1's wall time over the "
+    "largest concurrency's time inside model.forward alone, measured, no fit: the most that "
+    "concurrency could reach over c = 1 if every step's host time were zero.\n\n"
     "| decoder | h ms/step | m ms/call | p ms/row | q us/token | fixed share of c=1 | "
-    "predicted x (largest c) | measured x | bound x |\n"
-    "|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    "predicted x (largest c) | measured x | bound x | model-only bound x |\n"
+    "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def _nonnegative_fit(design: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -180,7 +235,7 @@ def fit(decoder: str, runs: list[Run]) -> str:
     measured = runs[0].wall / runs[-1].wall
     return (f"| `{decoder}` | {1000 * h:.2f} | {1000 * m:.2f} | {1000 * p:.2f} | {1e6 * q:.1f} | "
             f"{f1 / (f1 + w1):.0%} | {(f1 + w1) / (fc + wc):.2f}x | {measured:.2f}x | "
-            f"{(f1 + w1) / w1:.2f}x |")
+            f"{(f1 + w1) / w1:.2f}x | {runs[0].wall / runs[-1].forward_s:.2f}x |")
 
 
 def profile(llm: LLM, timer: ForwardTimer, prompts: list[list[int]], decoders: list[str],
@@ -297,6 +352,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--skip-table", action="store_true")
     p.add_argument("--batching-gain", type=int, default=0, metavar="B")
+    p.add_argument("--kernels", action="store_true",
+                   help="time the matrix products and attention of each cell (one more round)")
     p.add_argument("--max-steps", type=int, default=0, metavar="K",
                    help="only prompts the first decoder finishes in <= K steps (no long tail)")
     args = p.parse_args()
@@ -312,7 +369,7 @@ def main() -> None:
         print(f"Engine throughput: {args.n} held-out math prompts, gen_length {args.gen_length}, "
               f"all submitted at once, max_running = concurrency; rounds: {args.rounds}, pooled.\n")
         print(table(llm, timer, prompts, decoders, [int(c) for c in args.concurrency.split(",")],
-                    args.gen_length, args.rounds))
+                    args.gen_length, args.rounds, args.kernels))
         print()
     if args.batching_gain:
         print(f"The model alone, one call of {args.batching_gain} identical rows vs one row "
