@@ -519,3 +519,9 @@ def test_llm_path_expands_the_home_folder(llada_dir: Path, tmp_path: Path,
     monkeypatch.setenv("HOME", str(tmp_path))
     llm = LLM("~/m", device="cpu")
     assert llm.path == tmp_path / "m"
+
+
+def test_an_empty_spec_is_an_error_not_the_default(llms: dict[str, LLM]) -> None:
+    """LLM.generate(p, "") decoded with the default decoder, where --decoder '' is an error."""
+    with pytest.raises(SpecError, match="empty decoder spec"):
+        llms["llada"].generate(["hi"], "", gen_length=8, block_length=8)

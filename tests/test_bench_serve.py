@@ -277,3 +277,11 @@ def test_a_cell_with_no_completed_request_exits_2_after_writing_the_report(url, 
     assert "| `threshold` | 1 | 0 | 2 |" in captured.out  # the table is printed
     doc = json.loads(out.read_text())
     assert [c["completed"] for c in doc["cells"]] == [0, 0] and plot.is_file()
+
+
+def test_a_url_ending_in_v1_is_one_line_with_a_hint(url, capsys):
+    """--url .../v1 (the OpenAI client's base_url) printed httpx's two-line 404 message."""
+    assert main(["bench-serve", "--url", url + "/v1", "--n", "1", "--max-tokens", "32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "404" in err and "give the server's root URL, without /v1" in err

@@ -4,6 +4,7 @@ with a CheckpointError that names the problem."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -514,3 +515,15 @@ def test_finite_weights_that_overflow_float16_are_named_as_such(tmp_path: Path) 
     assert key in msg and "overflow torch.float16" in msg and "1e+05" in msg, msg
     assert "damaged" not in msg
     assert load_model(tmp_path).state_dict()[key].view(-1)[5] == 1e5  # fine in float32
+
+
+def test_linear_rope_scaling_needs_its_factor() -> None:
+    """{"type": "linear"} with no factor ran unscaled (a factor of 1.0, silently); transformers
+    refuses it."""
+    from unmask.config import ConfigError
+
+    base = tiny_model("Dream").config
+    for scaling, factor in (({"type": "linear", "factor": 2.0}, 2.0), ({"rope_type": "default"}, 1.0)):
+        assert dataclasses.replace(base, rope_scaling=scaling).rope_factor() == factor
+    with pytest.raises(ConfigError, match="rope_scaling.*linear with a positive factor"):
+        dataclasses.replace(base, rope_scaling={"type": "linear"})

@@ -283,7 +283,8 @@ def resolve_params(params: DecodeParams | str | None, overrides: dict) -> Decode
     """A DecodeParams from a spec string (default DEFAULT_DECODER) or a DecodeParams, with keyword
     overrides on top; unknown keys and bad types are SpecErrors naming the key."""
     if params is None or isinstance(params, str):
-        return DecodeParams.parse(params or DEFAULT_DECODER, **overrides)
+        # "" is an empty spec (an error, as --decoder ''), not a request for the default
+        return DecodeParams.parse(DEFAULT_DECODER if params is None else params, **overrides)
     if not isinstance(params, DecodeParams):
         raise SpecError(f"params must be a decoder spec string or a DecodeParams, got "
                         f"{type(params).__name__}")

@@ -214,13 +214,15 @@ class ModelConfig:
         if s is None:
             return 1.0
         kind = s.get("rope_type", s.get("type")) if isinstance(s, dict) else None
-        factor = s.get("factor", 1.0) if isinstance(s, dict) else None
+        # no default factor: transformers refuses linear scaling without one, and a silent 1.0
+        # would run a model meant for scaled positions unscaled
+        factor = s.get("factor") if isinstance(s, dict) else None
         if kind == "default":
             return 1.0
         if kind != "linear" or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
                 or not 0 < factor < math.inf:
             raise ConfigError(f"config key 'rope_scaling' = {_show(s)} is not supported; unmask "
-                              "builds null, default, or linear with a positive factor")
+                              "builds null, default, or linear with a positive factor (written)")
         return float(factor)
 
     # --- JSON -------------------------------------------------------------------------------

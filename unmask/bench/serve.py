@@ -487,8 +487,11 @@ async def check_servers(client: Any, servers: list[Server]) -> dict[str, Any]:
             r.raise_for_status()
             models[s.name] = [m.get("id") for m in r.json().get("data", [])]
         except Exception as e:  # noqa: BLE001 - reported as bad input: nothing was measured
+            why = (str(e).strip().splitlines() or ["no message"])[0]  # httpx adds a help line
+            hint = ("give the server's root URL, without /v1" if s.url.rstrip("/").endswith("/v1")
+                    else "start one with `unmask serve`")
             raise InputError(f"--url {s.url}: no OpenAI-compatible server answers there "
-                             f"({type(e).__name__}: {e}); start one with `unmask serve`") from None
+                             f"({type(e).__name__}: {why}); {hint}") from None
     return models
 
 

@@ -609,8 +609,11 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             gen.set_state(st["gen_state"])
             torch.set_rng_state(st["torch_rng"])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            # load_state_dict lists every mismatched tensor on a line of its own: one line here
+            why = " ".join(str(e).split())
             raise CheckpointError(f"{state_path} does not fit this run (same --d-model, --n-layers, "
-                                  f"... as the run that wrote it?): {e}") from None
+                                  f"... as the run that wrote it?): "
+                                  f"{why if len(why) <= 300 else why[:300] + '...'}") from None
         console.print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min)")
     (out / "args.json").write_text(json.dumps(_args_dict(args), indent=2) + "\n")
     prog = "python -m unmask.training" if sys.argv[0].endswith("__main__.py") else "unmask train"
@@ -712,8 +715,13 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         last_solve, last_parse = decode_rates()
     save_state()
     _export(model, out / "final", tok_dir)
+    # No step in this call (a resumed run already at --max-steps): the loss the run last logged
+    # (NaN, as every value here not measured, when it logged none: --max-steps 0 --init).
+    if ema_loss is None and history:
+        ema_loss = history[-1]["loss"]
     summary = {"command": command, "params": n_params, "steps": step, "train_minutes": round(elapsed / 60, 2),
-               "tokens": tokens_seen, "final_train_loss": round(ema_loss or float("nan"), 4),
+               "tokens": tokens_seen,
+               "final_train_loss": float("nan") if ema_loss is None else round(ema_loss, 4),
                "final_heldout_loss": round(last_eval_loss, 4), "final_digit_recall": round(last_recall, 3),
                "final_solve_rate": round(last_solve, 3), "final_parse_rate": round(last_parse, 3),
                "config": asdict(config),
