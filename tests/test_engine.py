@@ -267,6 +267,35 @@ def test_abort_waiting_and_running() -> None:
                for b in eng.batches.values())
 
 
+def test_abort_from_another_thread_during_a_step_waits_for_it() -> None:
+    """An abort from another thread in the middle of a step shrank the batch under it: every
+    other request of the batch failed ("operands could not be broadcast")."""
+    import threading
+
+    m = model("llada")
+    eng = engine(m, max_running=8)
+    reqs = [eng.add_request([5 + i, 6], params("static-1", 16)) for i in range(4)]
+    inner, threads = m.forward, []
+
+    def forward(*a, **k):
+        if not threads:  # the first model call: abort the first request from another thread
+            t = threading.Thread(target=eng.abort, args=(reqs[0].request_id,))
+            threads.append(t)
+            t.start()
+            t.join(0.2)  # without the engine's lock, the abort lands inside this step
+        return inner(*a, **k)
+
+    m.forward = forward
+    try:
+        eng.step()
+        threads[0].join()  # with the lock, the abort runs here: between steps
+        eng.run()
+    finally:
+        del m.forward
+    assert reqs[0].finish_reason == "abort"
+    assert all(r.finish_reason in ("eos", "length") and r.error is None for r in reqs[1:])
+
+
 def test_idle_decoders_are_bounded() -> None:
     """A server sees many specs: decoders without rows are kept for reuse, but only a few."""
     eng = engine(model("llada"))

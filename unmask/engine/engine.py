@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import numbers
+import threading
 import time
 from collections.abc import Callable, Hashable
 
@@ -42,6 +43,16 @@ def decoder_key(params: DecodeParams) -> Hashable:
     return dataclasses.replace(params, seed=0, gen_length=params.block_length, steps=None, name="")
 
 
+def _locked(method: Callable) -> Callable:
+    """One engine call at a time: an abort from another thread in the middle of a step used to
+    shrink the batch under it, and every other request of that batch failed with it."""
+    @functools.wraps(method)
+    def run(self: Engine, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Engine:
     def __init__(self, model: nn.Module, config: SchedulerConfig | None = None,
                  mask_id: int | None = None, eos_id: int | None = None) -> None:
@@ -61,9 +72,11 @@ class Engine:
         self.model_calls = 0
         self.max_idle = 8  # decoders kept while they have no rows (_drop_idle)
         self.token_forwards = 0  # token positions those calls processed
+        self._lock = threading.RLock()  # add_request, abort and step (_locked)
         tune_for(model)  # a CPU forward's activations reuse freed memory (allocator.py)
 
     # --- requests ----------------------------------------------------------------------------
+    @_locked
     def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None,
                     trace: bool = False) -> Request:
         """Queue a request; it joins the running batch at the next step."""
@@ -125,6 +138,7 @@ class Engine:
                                 f"<= {self.max_sequence_length}")
         return prompt_ids
 
+    @_locked
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """Stop a waiting or running request now (reason `abort`, or `stop` when the caller saw a
         stop string). Its event comes with the next `step()`. False if it is not in the engine."""
@@ -158,6 +172,7 @@ class Engine:
         return len(self.scheduler.running)
 
     # --- the step ----------------------------------------------------------------------------
+    @_locked
     @torch.no_grad()
     def step(self) -> list[StepEvent]:
         events, self._pending = self._pending, []
