@@ -78,3 +78,21 @@ def test_a_tiny_alg_temp_ranks_by_confidence(spec: str) -> None:
     out = decode(model, params, PROMPTS, mask_id=MASK, eos_id=EOS)
     assert [r.finish_reason for r in out] != ["error"] * len(out)
     assert all(r.finish_reason in ("eos", "length") for r in out)
+
+
+@pytest.mark.parametrize("temperature", [1e3, 1e6, 1e300])
+def test_a_huge_temperature_samples_near_uniformly(temperature: float) -> None:
+    """(-log U) ** T underflowed to 0, exp(l) / 0 was inf for most tokens, and argmax took the
+    first inf: every position got one of the lowest ids. The score's log keeps the ranking."""
+    g = torch.Generator().manual_seed(0)
+    n, v = 256, 64
+    logits = torch.randn(n, v, generator=g)
+    u = torch.rand(n, v + 1, generator=g, dtype=torch.float64)
+    tok = score(logits, "low_confidence", temperature, u, [MASK]).token
+    assert MASK not in tok.tolist()
+    assert len(set(tok.tolist())) > v // 2 and tok.float().mean() > v / 4  # not the lowest ids
+    # the log form picks what the reference formula picks wherever that formula is finite
+    t = 1.5
+    ref = (logits.double().exp() / (-torch.log(u[:, :v])) ** t)
+    ref[:, MASK] = -1.0
+    assert torch.equal(score(logits, "low_confidence", t, u, [MASK]).token, ref.argmax(-1))
