@@ -78,11 +78,23 @@ def test_stream_side_by_side_matches_the_api(base_url: str) -> None:
     ({"prompt": "   ", "decoders": ["static-1"]}, "empty prompt"),
     ({"prompt": PROMPT, "decoders": ["static-1"], "max_tokens": 100_000}, "max_sequence_length"),
     ({"prompt": PROMPT, "decoders": []}, "decoders"),
+    ({"prompt": PROMPT, "decoders": [""]}, "empty decoder spec"),
+    ({"prompt": PROMPT, "decoder": ""}, "empty decoder spec"),
     ({"prompt": PROMPT, "stop": ["x"]}, "stop"),
 ])
 def test_bad_input_is_a_400(base_url: str, body: dict, needle: str) -> None:
     assert needle in trace_error(base_url, body)
     assert httpx.get(f"{base_url}/health").json()["running"] == 0
+
+
+def test_the_servers_spec_takes_max_tokens_as_on_the_other_routes() -> None:
+    """With `serve --decoder fast,gen_length=64`, a trace without a decoder and with max_tokens
+    128 was refused ("gen_length is set twice"): the server's spec was passed as the request's."""
+    config = ServerConfig(decoder="threshold,gen_length=64", max_running=4)
+    with LiveServer(build_app(LLM(), config)) as s:
+        events = trace_events(s.url, {"prompt": PROMPT, "max_tokens": 128})
+        assert events[0]["gen_length"] == 128 and events[-1]["event"] == "done", events[-1]
+        assert chat(s.url, PROMPT, None, 128)["unmask"]["decoder"].startswith("threshold")
 
 
 def test_page_and_assets_are_served_locally(base_url: str) -> None:

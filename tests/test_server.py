@@ -292,6 +292,8 @@ BAD = [
     ("n x prompts", {"prompt": ["hi"] * 9, "n": 8}, 400, "n"),  # 72 choices, over 64
     ("echo", {"prompt": "hi", "echo": True}, 400, "echo"),
     ("bad spec", {"prompt": "hi", "decoder": "warp-drive"}, 400, "decoder"),
+    # "" used to mean the server's spec, where " " was an error
+    ("empty spec", {"prompt": "hi", "decoder": ""}, 400, "decoder"),
     ("bad spec key", {"prompt": "hi", "decoder": "threshold,threshold=2"}, 400, "decoder"),
     ("too long", {"prompt": "hi", "max_tokens": 5000}, 400, None),
     ("negative tokens", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),

@@ -551,7 +551,8 @@ def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
     """The request's decoder: its `decoder` spec (or the server's), with max_tokens (rounded up
     to block_length), temperature, seed and top_p from the request. Against the server's default spec
     the request's fields win; in a spec the request wrote itself, a conflict is an error."""
-    spec = body.decoder or config.decoder
+    # "" is an empty spec (a 400, as --decoder ''), not a request for the server's
+    spec = config.decoder if body.decoder is None else body.decoder
     try:
         base = DecodeParams.parse(spec)
         fields: dict[str, Any] = {}

@@ -82,14 +82,17 @@ def add_live_routes(app: FastAPI, state: ServerState) -> None:
     async def trace(body: TraceRequest, request: Request) -> StreamingResponse:
         _check(state, body)
         _check_prompt_chars(state, len(body.prompt), "prompt")
-        specs = body.decoders or [body.decoder or state.config.decoder]
+        # None: the server's spec, under the request's fields as for the other routes (passed as
+        # the request's own spec, a max_tokens would conflict with a gen_length in it)
+        specs = body.decoders if body.decoders else [body.decoder]
         _check_capacity(state, len(specs), "decoder lanes")
         params = []
         for i, spec in enumerate(specs):
             try:
                 params.append(request_params(state.config, body.model_copy(update={"decoder": spec})))
             except APIError as e:
-                which = f"decoder {i + 1} ({spec!r})" if len(specs) > 1 else f"decoder {spec!r}"
+                shown = state.config.decoder if spec is None else spec
+                which = f"decoder {i + 1} ({shown!r})" if len(specs) > 1 else f"decoder {shown!r}"
                 raise APIError(e.status, f"{which}: {e}", e.kind, f"decoders[{i}]") from None
         ids = await run_in_threadpool(_encode, state.llm, body.prompt, body.chat)
         _check_ids(state, [ids] * len(params), params, ["prompt"] * len(params), body)
