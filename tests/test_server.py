@@ -515,3 +515,26 @@ def test_serve_on_a_port_in_use_is_one_line_before_loading(capsys, monkeypatch) 
         assert main(["serve", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_window_gauges_fall_to_zero_when_idle() -> None:
+    """The "last 10 s" gauges were set when a sample arrived, so an idle server kept showing its
+    last busy window's rates for ever; they are read when scraped."""
+    from prometheus_client import generate_latest
+
+    from unmask.server.metrics import ServerMetrics
+
+    def gauges(m: ServerMetrics) -> dict[str, float]:
+        text = generate_latest(m.registry).decode()
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith(("unmask_model_calls_per_second", "unmask_tpf",
+                                    "unmask_useful_tokens_per_second"))}
+
+    m = ServerMetrics(window=0.2)
+    m.engine_totals(model_calls=4, token_forwards=100)
+    m.finished("stop", nfe=4, decided=8, useful=6)
+    busy = gauges(m)
+    assert busy == {"unmask_model_calls_per_second": 20.0, "unmask_useful_tokens_per_second": 30.0,
+                    "unmask_tpf": 2.0}
+    time.sleep(0.3)
+    assert gauges(m) == dict.fromkeys(busy, 0.0)

@@ -50,6 +50,12 @@ class ServerMetrics:
         self._lock = threading.Lock()
         self._samples: deque[tuple[float, int, int, int, int, int]] = deque()
         self._last = (0, 0)
+        # Read when scraped, not set when a sample arrives: set on arrival they kept the last
+        # busy window's values for as long as the server stayed idle.
+        self.nfe_rate.set_function(lambda: self._window_sums()[0] / self.window)
+        self.tf_rate.set_function(lambda: self._window_sums()[1] / self.window)
+        self.useful_rate.set_function(lambda: self._window_sums()[2] / self.window)
+        self.tpf.set_function(lambda: (lambda s: s[3] / s[4] if s[4] else 0.0)(self._window_sums()))
 
     def engine_totals(self, model_calls: int, token_forwards: int) -> None:
         """Called after each step with the engine's running totals."""
@@ -68,13 +74,17 @@ class ServerMetrics:
         self._add(0, 0, useful, decided, nfe)
 
     def _add(self, calls: int, tf: int, useful: int, decided: int, nfe: int) -> None:
-        now = time.monotonic()
         with self._lock:
-            self._samples.append((now, calls, tf, useful, decided, nfe))
-            while self._samples and self._samples[0][0] < now - self.window:
-                self._samples.popleft()
-            sums = [sum(s[i] for s in self._samples) for i in range(1, 6)]
-        self.nfe_rate.set(sums[0] / self.window)
-        self.tf_rate.set(sums[1] / self.window)
-        self.useful_rate.set(sums[2] / self.window)
-        self.tpf.set(sums[3] / sums[4] if sums[4] else 0.0)
+            self._samples.append((time.monotonic(), calls, tf, useful, decided, nfe))
+            self._prune()
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        while self._samples and self._samples[0][0] < now - self.window:
+            self._samples.popleft()
+
+    def _window_sums(self) -> list[int]:
+        """(calls, token-forwards, useful, decided, nfe) of the last `window` seconds."""
+        with self._lock:
+            self._prune()
+            return [sum(s[i] for s in self._samples) for i in range(1, 6)]
