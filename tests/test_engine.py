@@ -140,10 +140,11 @@ def test_events_describe_the_decode(spec: str) -> None:
     eng = engine(m)
     req = eng.add_request([5, 6, 7], params(spec, 32), trace=True)
     seen: dict[int, int] = {}
-    prefix, last, drafted = 0, None, 0
+    prefix, last, drafted, calls = 0, None, 0, 0
     while eng.has_unfinished:
         for ev in eng.step():
             assert ev.request_id == req.request_id
+            calls += ev.forwarded
             for pos, tok in zip(ev.positions, ev.tokens, strict=True):
                 assert pos not in seen
                 seen[pos] = tok
@@ -158,10 +159,27 @@ def test_events_describe_the_decode(spec: str) -> None:
     assert sorted(seen) == list(range(32))
     assert [seen[i] for i in range(32)] == req.token_ids
     assert (last.nfe, last.token_forwards, last.decided) == (req.nfe, req.token_forwards, req.decided)
+    assert calls == req.nfe  # `forwarded` marks each step that counted a forward
     if spec.startswith("freedave"):
         assert drafted > 0  # FreeDave accepted drafts past the rule's own step
     if "early_exit" not in spec and spec != "fast":
         assert req.decided == 32  # every position was decided by a forward
+
+
+def test_forwarded_events_add_up_to_nfe_on_the_embedded_model() -> None:
+    """A FreeDave row whose accepted draft needed no forward (its last step) counted one in NFE
+    while its event said `forwarded` False: summing the events undercounted NFE."""
+    from unmask import LLM
+
+    llm = LLM()
+    eng = Engine(llm.model)
+    reqs = [eng.add_request(llm.encode_prompt(q), DecodeParams.parse(spec, gen_length=64))
+            for q in ("What is 47 + 38?", "What is 12 + 9?") for spec in ("exact", "fast")]
+    calls = dict.fromkeys((r.request_id for r in reqs), 0)
+    while eng.has_unfinished:
+        for ev in eng.step():
+            calls[ev.request_id] += ev.forwarded
+    assert calls == {r.request_id: r.nfe for r in reqs}
 
 
 def test_tpf_counts_only_forward_decisions() -> None:

@@ -47,8 +47,8 @@ class StepResult:
 
     before: np.ndarray  # (R, S) canvases before the step
     drafted: np.ndarray  # (R, S) bool slots accepted from drafts past the rule's own step
-    forwarded: np.ndarray  # (R,) bool a model call ran for the row
-    refreshed: np.ndarray  # (R,) bool that call was a full refresh
+    forwarded: np.ndarray  # (R,) bool a model call ran for the row (for any of its drafts)
+    refreshed: np.ndarray  # (R,) bool that call was a full refresh of the accepted draft
     kept: np.ndarray | None  # (R, S) bool slots in the row's forward (None: not recorded)
     block_start: np.ndarray  # (R,) slot of each row's current block before the step
     stalled: np.ndarray  # (R,) bool a row that had predictions committed nothing
@@ -115,13 +115,17 @@ class Decoder:
                 kept = np.zeros(b.x.shape, dtype=bool)
                 kept[forwarded] = fw.visible[fwd_index[chosen[forwarded]]]
         drafted = drafts.added[chosen] & ~drafts.added[first]
+        # A row took part in the call if any of its drafts did, as its NFE counts (_count); the
+        # accepted draft may be one that needed none (complete, or ready to exit).
+        called = np.zeros(len(b), dtype=bool)
+        called[drafts.parent[need]] = True
         self._accept(b, drafts, fw, chosen, need, fwd_index, draft_start)
         masked_after = draft_masked[chosen]  # b.x is now drafts.x[chosen]
         stalled = had_preds & (masked_after.sum(-1) == masked_before) & (masked_before > 0)
         # The accepted canvases are drafts: their early-exit state is already known.
         finished, masked_after = self._finish(
             b, masked_after, None if exit_ready is None else exit_ready[chosen])
-        return StepResult(before, drafted, forwarded, refreshed, kept, start, stalled, finished,
+        return StepResult(before, drafted, called, refreshed, kept, start, stalled, finished,
                           masked_after, fw is not None)
 
     # --- pieces ------------------------------------------------------------------------------
