@@ -7,6 +7,7 @@ error body; nothing a client does takes the server down.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -445,32 +446,52 @@ def test_fuzz_openapi_schema_no_5xx(llm: LLM, tmp_path) -> None:
 
 
 # --- shutdown --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def serve_process(tmp_path, *argv: str):
+    """`unmask serve --port 0 ...` in a process of its own: (process, url, log path); killed on
+    the way out if still running."""
+    path = tmp_path / "server.log"
+    log = open(path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "unmask.cli", "serve", "--port", "0",
+                             "--threads", "1", *argv], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            # as from a terminal: a shell's background job ignores SIGINT
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"running on http://127\.0\.0\.1:(\d+)", path.read_text())):
+            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+            time.sleep(0.2)
+        assert int(m[1]) > 0
+        yield proc, f"http://127.0.0.1:{m[1]}", path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def _stream_in_thread(url: str, body: dict, lines: list[str]) -> threading.Thread:
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                lines.extend(x for x in r.iter_lines() if x)
+        except httpx.TransportError:
+            lines.append("cut")
+    t = threading.Thread(target=stream)
+    t.start()
+    # running: static-1 sends its first text only once the canvas's start is committed
+    while not lines and httpx.get(f"{url}/health", timeout=5).json()["running"] == 0:
+        time.sleep(0.02)
+    return t
+
+
 def test_sigterm_finishes_running_requests_then_exits(tmp_path) -> None:
     """Also: --port 0 takes a free port and the log names it (the socket is bound before the
     model loads, and uvicorn names only addresses it bound itself)."""
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "unmask.cli", "serve", "--port", "0",
-                             "--threads", "1", "--decoder", "static-1"], stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + 60
-        while not (m := re.search(r"running on http://127\.0\.0\.1:(\d+)",
-                                  (tmp_path / "server.log").read_text())):
-            assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(0.2)
-        url = f"http://127.0.0.1:{m[1]}"
-        assert int(m[1]) > 0 and httpx.get(f"{url}/health", timeout=5).status_code == 200
+    with serve_process(tmp_path, "--decoder", "static-1") as (proc, url, _):
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         lines: list[str] = []
-        body = {"prompt": "hi", "max_tokens": 256, "stream": True}
-
-        def stream() -> None:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                lines.extend(x for x in r.iter_lines() if x)
-
-        t = threading.Thread(target=stream)
-        t.start()
-        while not lines:
-            time.sleep(0.02)
+        t = _stream_in_thread(url, {"prompt": "hi", "max_tokens": 256, "stream": True}, lines)
         proc.send_signal(signal.SIGTERM)
         t.join(60)
         assert lines[-1] == "data: [DONE]"  # the running request finished
@@ -479,10 +500,25 @@ def test_sigterm_finishes_running_requests_then_exits(tmp_path) -> None:
         assert proc.wait(30) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{url}/health", timeout=1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
+
+
+def test_a_second_ctrl_c_quits_at_once_without_aborting(tmp_path) -> None:
+    """A second SIGINT (uvicorn: "CTRL+C to force quit") with streams open skipped the app's
+    shutdown, so the process ended inside a torch call on the engine thread: SIGABRT,
+    "terminate called without an active exception". It now exits as Ctrl-C does."""
+    with serve_process(tmp_path, "--decoder", "static-1") as (proc, url, log):
+        lines: list[str] = []
+        t = _stream_in_thread(url, {"prompt": "hi", "max_tokens": 1024, "stream": True}, lines)
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while "Shutting down" not in log.read_text():  # uvicorn took the first one
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) in (130, -signal.SIGINT)  # 130: the shell's way of saying SIGINT
+        t.join(30)
+        assert "terminate called" not in log.read_text()
+        assert lines[-1] != "data: [DONE]"  # cut off: a forced quit does not wait
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -1,8 +1,9 @@
 """Running the server: arguments of `unmask serve`, uvicorn, and a graceful SIGTERM.
 
-On SIGTERM (or Ctrl-C) the server stops admitting (new requests get 503 and /health says
-"draining"), lets running requests finish for up to --shutdown-timeout seconds, then exits;
-requests still running then are aborted and their clients get an error, never silence.
+On SIGTERM (or Ctrl-C) uvicorn stops listening and closes idle connections (a request that
+still reaches the app gets 503, /health "draining"), lets running requests finish for up to
+--shutdown-timeout seconds, then exits 0; streams still running then are cut off (uvicorn
+cancels them). A second Ctrl-C forces the exit: the engine thread is stopped first.
 
 With --ray the same app runs as --replicas engine replicas on Ray Serve (ray_serve.py).
 """
@@ -117,8 +118,15 @@ def run_serve(args: argparse.Namespace) -> int:
         def handle_exit(self, sig: int, frame: object) -> None:
             state.draining = True
             super().handle_exit(sig, frame)
-            # uvicorn re-raises the signal once it has shut down; a drained server exits 0.
-            getattr(self, "_captured_signals", []).clear()
+            if not self.force_exit:
+                # uvicorn re-raises the signal once it has shut down; a drained server exits 0,
+                # a forced one as the signal says (130 for Ctrl-C)
+                getattr(self, "_captured_signals", []).clear()
+            else:
+                # A second signal skips the app's shutdown, which stops the engine thread: the
+                # process then ended inside a torch call on that thread and aborted (SIGABRT,
+                # "terminate called without an active exception"). It stops after its step.
+                state.engine.stop(timeout=5.0)
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
