@@ -80,6 +80,7 @@ def test_stream_side_by_side_matches_the_api(base_url: str) -> None:
     ({"prompt": PROMPT, "decoders": []}, "decoders"),
     ({"prompt": PROMPT, "decoders": [""]}, "empty decoder spec"),
     ({"prompt": PROMPT, "decoder": ""}, "empty decoder spec"),
+    ({"prompt": PROMPT, "stream": False}, "always streams"),  # was accepted, and streamed
     ({"prompt": PROMPT, "stop": ["x"]}, "stop"),
 ])
 def test_bad_input_is_a_400(base_url: str, body: dict, needle: str) -> None:

@@ -62,6 +62,10 @@ class TraceRequest(_Common):
             raise Unsupported("n", "the trace stream has lanes, not choices: give `decoders`")
         if self.decoders is not None and self.decoder is not None:
             raise Unsupported("decoder", "give either decoder or decoders")
+        # the OpenAI routes' stream fields: this route always streams, so either would be ignored
+        if "stream" in self.model_fields_set or self.stream_options is not None:
+            raise Unsupported("stream", "the trace route always streams its events; drop stream "
+                                        "and stream_options")
         check_text(self.prompt, "prompt")
 
 
