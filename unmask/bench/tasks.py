@@ -15,7 +15,7 @@ from typing import Any
 
 from unmask.errors import InputError
 from unmask.tasks import TASKS
-from unmask.tasks.math import final_number, parse_number
+from unmask.tasks.math import ANSWER_RE, final_number, parse_number
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,6 @@ def _project_task(kind: str, n: int | None, seed: int, stratify: bool = False) -
 
 # --------------------------------------------------------------------------- GSM8K
 
-_FINAL_RE = re.compile(r"####\s*([^\n]*)")
 def gsm8k_check(ex: BenchExample, text: str) -> bool:
     # one reader (unmask.tasks.math) for the gold answer and the output, here and in lm-eval's
     # unmask_gsm8k task: '1/2' is a half in both, '.5' is not 5
@@ -146,7 +145,7 @@ def _read_gsm8k(path: Path, n: int | None) -> list[BenchExample]:
                                  f"{type(question).__name__} and {type(answer).__name__}")
             if not question.strip():
                 raise InputError(f"{path}:{lineno}: 'question' is empty")
-            finals = _FINAL_RE.findall(answer)
+            finals = ANSWER_RE.findall(answer)
             if not finals:
                 raise InputError(f"{path}:{lineno}: answer has no '#### N' final line")
             # Without a number to compare, every output would silently score as wrong.

@@ -274,12 +274,12 @@ def make_split(split: Split, n: int, seed: int = 0) -> list[Problem]:
     raise AssertionError("unreachable")
 
 
-_ANSWER_RE = re.compile(r"####\s*([^\n]*)")
+ANSWER_RE = re.compile(r"####\s*([^\n]*)")
 
 
 def extract_answer(text: str) -> str | None:
     """The final answer after the first ``####`` mark, whitespace/trailing-period stripped."""
-    m = _ANSWER_RE.search(text)
+    m = ANSWER_RE.search(text)
     if m is None:
         return None
     ans = m.group(1).strip().rstrip(".").strip()
@@ -323,7 +323,7 @@ def parse_number(text: str) -> Fraction | None:
 def final_number(text: str) -> Fraction | None:
     """A model's numeric answer: the number after the last ``####`` in text, else the last
     number in it."""
-    finals = _ANSWER_RE.findall(text)
+    finals = ANSWER_RE.findall(text)
     if finals:
         got = parse_number(finals[-1])
         if got is not None:
