@@ -553,6 +553,18 @@ def test_likelihood_refuses_the_mask_token(embedded: UnmaskLM) -> None:
         embedded.loglikelihood_rolling(requests("loglikelihood_rolling", [(f"a {mask} b",)]))
 
 
+def test_a_lone_surrogate_is_named_not_a_tokenizer_type_error(embedded: UnmaskLM) -> None:
+    """A context with a lone surrogate (a bad \\ud800 escape) stopped the run with the
+    tokenizer's bare "TextEncodeInput must be Union[...]" TypeError."""
+    bad = "hi \ud800 there"
+    with pytest.raises(InputError, match="generate_until request 0.*lone surrogate"):
+        embedded.generate_until(requests("generate_until", [(bad, {"until": ["\n"]})]))
+    with pytest.raises(InputError, match="loglikelihood request 0.*lone surrogate"):
+        embedded.loglikelihood(requests("loglikelihood", [(bad, " x")]))
+    with pytest.raises(InputError, match="loglikelihood_rolling request 0.*lone surrogate"):
+        embedded.loglikelihood_rolling(requests("loglikelihood_rolling", [(bad,)]))
+
+
 @pytest.mark.parametrize("gold, output, right", [
     (".5", "#### 0.5", True), ("5", "#### .5", False),
     ("-.25", "so -0.25", True), ("25", "#### -.25", False),

@@ -45,7 +45,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import simple_parse_args_string
 from tqdm import tqdm
 
-from unmask.api import LLM, Generation
+from unmask.api import LLM, Generation, check_text
 from unmask.decoding.params import SPEC_KEYS, DecodeParams
 from unmask.errors import InputError, UnmaskError
 from unmask.evaluation.likelihood import estimate_bound
@@ -239,7 +239,7 @@ class UnmaskLM(LM):
         if not context.strip():
             raise InputError(f"generate_until {which}: the context is empty; give the model "
                              "something to answer")
-        prompt = self._encode(context)
+        prompt = self._encode(context, f"generate_until {which}")
         self._refuse_mask("generate_until", which, context=prompt)
         return prompt
 
@@ -291,7 +291,7 @@ class UnmaskLM(LM):
         targets = []
         for i, req in enumerate(requests):
             (text,) = req.args
-            target = self._encode(text)
+            target = self._encode(text, f"loglikelihood_rolling {_which(i, req)}")
             if len(target) > room:
                 raise InputError(
                     f"loglikelihood_rolling {_which(i, req)}: a document of {len(target)} tokens "
@@ -334,7 +334,8 @@ class UnmaskLM(LM):
         params = DecodeParams(method="static-1", gen_length=len(target), block_length=len(target))
         return self.llm.generate_ids([prompt], params)[0].token_ids == target
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, which: str = "a request") -> list[int]:
+        check_text(text, f"{which}'s text")  # the tokenizer raises a bare TypeError on it
         return self.llm.tokenizer.encode(text, add_special_tokens=False)
 
     def _bos(self) -> list[int]:
@@ -349,14 +350,15 @@ class UnmaskLM(LM):
         n = len(context) - len(context.rstrip())
         if n:
             context, continuation = context[:-n], context[-n:] + continuation
+        where = f"loglikelihood {which}"
         if not context:
-            prompt, target = self._bos(), self._encode(continuation)
+            prompt, target = self._bos(), self._encode(continuation, where)
         else:
-            whole, prompt = self._encode(context + continuation), self._encode(context)
+            whole, prompt = self._encode(context + continuation, where), self._encode(context, where)
             if whole[: len(prompt)] == prompt:
                 target = whole[len(prompt) :]
             else:  # the boundary merged into one token: score the continuation's own tokens
-                target = self._encode(continuation)
+                target = self._encode(continuation, where)
         limit = self.llm.config.max_sequence_length
         if len(target) >= limit:
             raise InputError(f"loglikelihood {which}: a continuation of {len(target)} tokens "
