@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_model_dir
+from helpers import edit_config, tiny_model_dir
 
 from unmask.api import LLM, InputError
 from unmask.checkpoint import CheckpointError
@@ -443,9 +443,7 @@ def _copy_with_config(src: Path, dst: Path, **change) -> Path:
     import shutil
 
     shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    raw.update(change)
-    (dst / "config.json").write_text(json.dumps(raw))
+    edit_config(dst, **change)
     return dst
 
 
