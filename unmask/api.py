@@ -18,7 +18,7 @@ import torch
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
-from unmask.errors import InputError  # noqa: F401  (re-exported)
+from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
 
@@ -94,13 +94,10 @@ def check_tokenizer(tokenizer, config, folder: Path) -> None:
 
 
 def check_text(text: str, which: str) -> None:
-    """Refuse text with a lone surrogate (half of a UTF-16 pair, e.g. from a bad \\ud800
-    escape): Python keeps it in a str, but the tokenizer, a UTF-8 codec, fails on it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InputError(f"{which} is not valid UTF-8 text: it contains a lone surrogate "
-                         f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
+    """Refuse text with a lone surrogate, which the tokenizer (a UTF-8 codec) fails on."""
+    why = lone_surrogate(text)
+    if why is not None:
+        raise InputError(f"{which} is not valid UTF-8 text: {why}")
 
 
 def _first_line(e: Exception) -> str:
@@ -193,6 +190,10 @@ class LLM:
         if not prompt.strip():
             raise InputError("empty prompt: give the model something to answer")
         check_text(prompt, "the prompt")
+        return self._encode(prompt, chat)
+
+    def _encode(self, prompt: str, chat: bool) -> list[int]:
+        """encode_prompt past its checks (generate has made them, naming each prompt)."""
         tok = self.tokenizer
         if chat and tok.chat_template:
             text = self.render_chat([{"role": "user", "content": prompt}])
@@ -252,7 +253,7 @@ class LLM:
                 raise InputError(f"empty prompt (prompt {i}): give the model something to answer")
             check_text(prompt, f"prompt {i}")
         params = resolve_params(params, overrides)
-        ids = [self.encode_prompt(p, chat) for p in prompts]
+        ids = [self._encode(p, chat) for p in prompts]
         return self.generate_ids(ids, params, batch_size=batch_size, on_event=on_event)
 
     def generate_ids(self, prompt_ids: list[list[int]], params: DecodeParams,

@@ -6,13 +6,33 @@ its traceback (exit code 1).
 
 from __future__ import annotations
 
+import re
+
 
 class UnmaskError(ValueError):
     """Bad input from the caller (spec, model folder, prompt, lengths, paths, ...)."""
 
 
 class SpecError(UnmaskError):
-    """A decoder spec or parameter value that is not valid; the message lists valid choices."""
+    """A decoder spec or parameter value that is not valid; the message lists valid choices.
+    key: the DecodeParams field it is about, where one is (a server names its own field)."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def lone_surrogate(text: str) -> str | None:
+    """Where text holds a lone surrogate (half of a UTF-16 pair, e.g. from a bad \\ud800
+    escape: Python keeps it in a str, no tokenizer can encode it), as 'it contains a lone
+    surrogate (U+D800) at character 3'; None when it holds none."""
+    m = _SURROGATE.search(text)
+    if m is None:
+        return None
+    return f"it contains a lone surrogate (U+{ord(m.group()):04X}) at character {m.start()}"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ConfigError(UnmaskError):

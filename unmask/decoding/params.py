@@ -104,8 +104,9 @@ class DecodeParams:
         if self.top_k < 0:
             raise SpecError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if (self.top_p < 1 or self.top_k > 0) and self.temperature == 0:
-            raise SpecError("top_p / top_k restrict sampling, and temperature=0 does not sample: "
-                            "set temperature > 0 or drop them")
+            raise SpecError("top_p / top_k restrict sampling, and temperature 0 does not sample: "
+                            "set temperature > 0 or drop them",
+                            key="top_p" if self.top_p < 1 else "top_k")
         if not (self.alg_temp >= 0 and math.isfinite(self.alg_temp)):
             raise SpecError(f"alg_temp must be a finite number >= 0, got {self.alg_temp}")
         if not 0 < self.threshold <= 1:

@@ -62,19 +62,24 @@ def score(logits: Tensor, remasking: str, temperature: float, noise_u: Tensor | 
         assert noise_u is not None
         allowed = _nucleus(p, top_p, top_k)
         e = -torch.log(noise_u[:, : logits.shape[-1]])  # (N, V) Exp(1) draws
-        noisy = logits.double().exp() / e**temperature
+        # NaN (0/0 of a suppressed token), suppressed and filtered tokens rank below every
+        # real score (all >= 0).
+        inf = float("inf")  # kept as inf (nan_to_num's default makes it the largest float)
+        noisy = (logits.double().exp() / e**temperature).nan_to_num(nan=-1.0, posinf=inf)
+        noisy = noisy.masked_fill(~allowed, -1.0)
+        noisy[:, suppressed] = -1.0
         # A huge temperature underflows e ** T to 0 (or overflows it): exp(l) / 0 is inf for
         # every token with e < 1, and argmax took the first of them, so the lowest ids always
-        # won. Such rows rank by the same score's log, l - T log e, which stays finite; the
-        # rows that need no help keep the reference's formula, bit for bit.
-        bad = torch.isinf(noisy).any(-1) | ~(noisy.masked_fill(~allowed, 0) > 0).any(-1)
+        # won. Such rows (an inf, or no score above 0) rank by the same score's log,
+        # l - T log e, which stays finite; the other rows keep the reference's formula, bit for
+        # bit, and pay one reduction for the check.
+        top = noisy.amax(-1)
+        bad = top.isinf() | (top <= 0)
         if bad.any():
-            noisy[bad] = logits[bad].double() - temperature * e[bad].log()
-        # NaN (0/0 of a suppressed token), suppressed and filtered tokens rank below every
-        # real score (all >= 0; the log rows' scores are finite but any sign: -inf).
-        floor = torch.where(bad, noisy.new_tensor(float("-inf")), noisy.new_tensor(-1.0))[:, None]
-        noisy = torch.where(noisy.isnan() | ~allowed, floor, noisy)
-        noisy[:, suppressed] = floor
+            log = (logits[bad].double() - temperature * e[bad].log()).masked_fill(
+                ~allowed[bad], -inf)
+            log[:, suppressed] = -inf
+            noisy[bad] = log
         token = argmax(noisy)
     else:
         token = argmax(logits)

@@ -334,8 +334,11 @@ class UnmaskLM(LM):
         params = DecodeParams(method="static-1", gen_length=len(target), block_length=len(target))
         return self.llm.generate_ids([prompt], params)[0].token_ids == target
 
-    def _encode(self, text: str, which: str = "a request") -> list[int]:
-        check_text(text, f"{which}'s text")  # the tokenizer raises a bare TypeError on it
+    def _encode(self, text: str, which: str | None = None) -> list[int]:
+        """Token ids of text; with `which` (the request), checked first: the tokenizer raises a
+        bare TypeError on a lone surrogate."""
+        if which is not None:
+            check_text(text, f"{which}'s text")
         return self.llm.tokenizer.encode(text, add_special_tokens=False)
 
     def _bos(self) -> list[int]:
@@ -350,15 +353,15 @@ class UnmaskLM(LM):
         n = len(context) - len(context.rstrip())
         if n:
             context, continuation = context[:-n], context[-n:] + continuation
-        where = f"loglikelihood {which}"
+        check_text(context + continuation, f"loglikelihood {which}'s text")  # once, not per encode
         if not context:
-            prompt, target = self._bos(), self._encode(continuation, where)
+            prompt, target = self._bos(), self._encode(continuation)
         else:
-            whole, prompt = self._encode(context + continuation, where), self._encode(context, where)
+            whole, prompt = self._encode(context + continuation), self._encode(context)
             if whole[: len(prompt)] == prompt:
                 target = whole[len(prompt) :]
             else:  # the boundary merged into one token: score the continuation's own tokens
-                target = self._encode(continuation, where)
+                target = self._encode(continuation)
         limit = self.llm.config.max_sequence_length
         if len(target) >= limit:
             raise InputError(f"loglikelihood {which}: a continuation of {len(target)} tokens "

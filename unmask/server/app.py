@@ -43,7 +43,7 @@ from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
 from unmask.engine import Engine, SchedulerConfig, StepEvent
 from unmask.engine import Request as EngineRequest
 from unmask.engine.scheduler import QueueFull
-from unmask.errors import CanvasTooLong, InputError, UnmaskError
+from unmask.errors import CanvasTooLong, InputError, SpecError, UnmaskError
 from unmask.server.async_engine import EngineThread, Handle
 from unmask.server.metrics import ServerMetrics
 from unmask.server.protocol import (
@@ -563,14 +563,14 @@ def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
         if body.seed is not None:
             fields["seed"] = body.seed
         if body.top_p is not None and body.top_p < 1:  # 1 is off: clients send it by default
-            if fields.get("temperature", base.temperature) == 0:
-                raise APIError(400, f"top_p {body.top_p} restricts the sampled token, and "
-                                    "temperature 0 does not sample: set temperature > 0, or "
-                                    "top_p 1", param="top_p")
             fields["top_p"] = body.top_p
         if body.decoder is None:
             return base.replace(**fields, name=base.spec) if fields else base
         return DecodeParams.parse(spec, explicit=fields)
+    except SpecError as e:  # named by the request's field where the error is about one it set
+        field = {"gen_length": "max_tokens"}.get(e.key, e.key)
+        raise APIError(400, str(e), param=field if field in body.model_fields_set else "decoder"
+                       ) from None
     except UnmaskError as e:
         raise APIError(400, str(e), param="decoder") from None
 

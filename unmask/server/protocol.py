@@ -7,12 +7,11 @@ field; unknown fields are refused too. `decoder` (our spec grammar) is the one e
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from unmask.errors import InputError
+from unmask.errors import InputError, lone_surrogate
 
 # Prompts per completion request. Each is its own engine request, submitted one engine round
 # trip at a time (a round trip waits for the step in flight), so a long list keeps its handler
@@ -22,15 +21,13 @@ MAX_PROMPTS = 64
 
 # JSON's \uXXXX escapes can spell half of a UTF-16 surrogate pair on its own: Python keeps it in
 # the str, but it is not a character, and the tokenizer (a UTF-8 codec) fails on it.
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def check_text(text: str, field: str) -> None:
     """Refuse text that is not valid Unicode (a lone surrogate), naming the field."""
-    m = _SURROGATE.search(text)
-    if m is not None:
-        raise FieldError(field, f"{field} is not valid Unicode text: it contains a lone surrogate "
-                                f"(U+{ord(m.group()):04X}) at character {m.start()}")
+    why = lone_surrogate(text)
+    if why is not None:
+        raise FieldError(field, f"{field} is not valid Unicode text: {why}")
 
 
 # strict: pydantic's lax mode would read "8" or true as max_tokens, "yes" as stream=true; OpenAI
