@@ -1,0 +1,576 @@
+"""The GPU check: what unmask does on an accelerator, in one command (README § GPU).
+
+    python scripts/gpu_check.py --out DIR [--tiny] [--device cuda] [--budget 420]
+        [--reference .ref/fast_dllm_llada] [--models llada,dream]
+
+Random-weight models of the published LLaDA-8B-Instruct and Dream-v0-Instruct-7B shapes (their
+config.json files are tests/data/*.config.json; `--tiny` shrinks the widths and depths but keeps
+the vocabularies) are built on the device, and each section below writes its rows to
+DIR/gpu_check.json and DIR/gpu_check.md as soon as they are measured, so a run stopped at its
+time limit still reports what it measured. Random weights: these are speed and numerics
+numbers, not accuracy.
+
+1. logits: bfloat16 logits against float32 logits of the same weights (max and mean |diff|,
+   the float32 logits' standard deviation for scale, top-1 agreement); with `--reference DIR`
+   (a folder holding Fast-dLLM's LLaDA modeling files, carried in the working tree, never part
+   of the package), ours against that `LLaDAModelLM` on the same weights, in each dtype.
+2. forward: one bfloat16 forward's time against rows and canvas width (the last 32 positions of
+   each row scored, as a block decoder does), median of 5 after warm-up; `x rows=1` is the time
+   relative to one row of the same width, so K FreeDave drafts (K rows of one canvas) cost about
+   one forward where it stays near 1.
+3. decode: the engine (unmask.engine.Engine) decoding random prompts with each decoder at batch
+   1 and 16, in bfloat16, and where available compiled (unmask.compiling) and int8/int4
+   weight-only (unmask.quantize). Columns: `canvas tok/s` = generated positions (requests x
+   gen_length, EOS fill included: random weights rarely stop) per second of wall time;
+   `nfe` = model calls per request (mean); `host ms/step` = the wall time of engine steps
+   spent outside `model.forward` (scoring, K/V store, bookkeeping; the forward is timed with a
+   device synchronisation at its end), per engine step; `peak GiB` = peak device memory
+   allocated during the decode (CUDA only).
+4. load: a bfloat16 checkpoint of the LLaDA shape written to disk and loaded onto the device
+   by `unmask.checkpoint.load_model` in a fresh process: seconds and the process's peak host
+   memory (ru_maxrss), against the weights' size.
+
+`--budget` seconds: a cell that would start after it is skipped (reported as skipped), so the
+whole run fits a time limit. Exit status 0 when every cell that ran succeeded, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import functools
+import importlib
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from unmask.config import ModelConfig  # noqa: E402
+from unmask.decoding.params import DecodeParams  # noqa: E402
+from unmask.engine import Engine, SchedulerConfig  # noqa: E402
+from unmask.models import build_model  # noqa: E402
+
+PUBLISHED = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b"}
+TINY = {  # the published architecture shrunk: same key set, head/kv-head ratio and vocabulary
+    "llada": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "n_layers": 2, "mlp_hidden_size": 128},
+    "dream": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "intermediate_size": 128},
+}
+DECODERS = ("static-1", "threshold", "exact", "balanced", "fast")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The shapes each section runs at (full or --tiny)."""
+
+    logit_rows: int
+    logit_width: int
+    rows: tuple[int, ...]
+    widths: tuple[int, ...]
+    prompt: int
+    gen_length: int
+    block_length: int
+    batches: tuple[int, ...]
+    reps: int
+
+    @classmethod
+    def of(cls, tiny: bool) -> Sizes:
+        if tiny:
+            return cls(2, 32, (1, 2), (32, 64), 8, 16, 8, (1, 2), 1)
+        return cls(4, 256, (1, 2, 4, 8, 16, 32), (256, 512, 1024), 64, 64, 32, (1, 16), 5)
+
+
+@dataclass
+class Report:
+    """Rows by section, written to DIR as JSON and markdown after every row."""
+
+    out: Path
+    meta: dict[str, Any]
+    sections: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    failed: int = 0
+
+    def add(self, section: str, row: dict[str, Any]) -> None:
+        self.sections.setdefault(section, []).append(row)
+        self.failed += "error" in row
+        self.write()
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        data = {"meta": self.meta, "sections": self.sections}
+        (self.out / "gpu_check.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
+        (self.out / "gpu_check.md").write_text(self.markdown())
+
+    def markdown(self) -> str:
+        lines = ["# unmask GPU check", ""]
+        lines += [f"- {k}: {v}" for k, v in self.meta.items()]
+        for name, rows in self.sections.items():
+            lines += ["", f"## {name}", ""] + table(rows)
+        return "\n".join(lines) + "\n"
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    cols: list[str] = []
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |")
+    return out
+
+
+def cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v).replace("|", "/").replace("\n", " ")[:160]
+
+
+class Clock:
+    """The run's time budget."""
+
+    def __init__(self, budget: float) -> None:
+        self.start, self.budget = time.perf_counter(), budget
+
+    def left(self) -> float:
+        return self.budget - (time.perf_counter() - self.start)
+
+
+@contextlib.contextmanager
+def cell_guard(report: Report, section: str, clock: Clock, row: dict[str, Any],
+               need: float = 0.0) -> Iterator[dict[str, Any] | None]:
+    """Run one cell: skipped past the budget; an exception is reported in its row, not raised,
+    so one failing cell (an unsupported kernel, memory) leaves the others measured."""
+    if clock.left() < need:
+        report.add(section, {**row, "skipped": f"budget ({clock.left():.0f} s left)"})
+        yield None
+        return
+    try:
+        yield row
+    except Exception as e:  # noqa: BLE001  (any failure is a reported result here)
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        traceback.print_exc()
+    report.add(section, row)
+
+
+# --- models -------------------------------------------------------------------------------------
+def published_raw(family: str, tiny: bool) -> dict[str, Any]:
+    """The published config.json of `family` (shrunk with --tiny)."""
+    raw = json.loads((ROOT / "tests" / "data" / f"{PUBLISHED[family]}.config.json").read_text())
+    if tiny:
+        raw.update(TINY[family])
+    return raw
+
+
+def published_config(family: str, tiny: bool) -> ModelConfig:
+    return ModelConfig.from_dict(published_raw(family, tiny))
+
+
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 seed: int = 0) -> nn.Module:
+    """A model with seeded random weights, allocated on `device` in `dtype` directly (an 8B model
+    in float32 first would take 32 GB more)."""
+    torch.manual_seed(seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(config)
+            model.init_weights()
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval()
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- 1. logits ----------------------------------------------------------------------------------
+def canvas(config: ModelConfig, rows: int, width: int, device: torch.device,
+           seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, width) token ids: random text, its second half masked (a canvas mid-decode), and
+    the mask of those positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, min(config.vocab_size, config.mask_token_id), (rows, width), generator=g)
+    masked = torch.zeros(rows, width, dtype=torch.bool)
+    masked[:, width // 2:] = True
+    ids[masked] = config.mask_token_id
+    return ids.to(device), masked.to(device)
+
+
+def compare(a: torch.Tensor, b: torch.Tensor, at: torch.Tensor) -> dict[str, Any]:
+    """a, b: (B, T, V) logits; scores over all positions, top-1 over the masked ones `at`."""
+    d = (a.float() - b.float()).abs()
+    return {"max |diff|": d.max().item(), "mean |diff|": d.mean().item(),
+            "logit std": b.float().std().item(),
+            "top-1 agree": (a[at].argmax(-1) == b[at].argmax(-1)).float().mean().item(),
+            "bit-identical": bool(torch.equal(a.float(), b.float()))}
+
+
+def ours_logits(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    with torch.no_grad():
+        return model(ids, pos)
+
+
+def reference_model(folder: Path, ours: nn.Module, raw: dict[str, Any]) -> nn.Module:
+    """Fast-dLLM's LLaDAModelLM sharing `ours`'s weight tensors (no copy): built on the meta
+    device, then given our tensors with assign=True (the parameter names are the same)."""
+    sys.path.insert(0, str(folder.parent))
+    pkg = importlib.import_module(folder.name)
+    modeling = importlib.import_module(f"{folder.name}.modeling_llada")
+    config = pkg.LLaDAConfig(**raw)
+    inner = modeling.create_model_config_from_pretrained_config(config)
+    inner.init_device = "meta"
+    ref = pkg.LLaDAModelLM(config, model=modeling.LLaDAModel(inner, init_params=False))
+    ref.load_state_dict(ours.state_dict(), assign=True)
+    return ref.eval()
+
+
+def reference_logits(ref: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # transformers 5 configs lack use_cache: pass what the forward reads
+        return ref(ids, use_cache=False, return_dict=True).logits
+
+
+def divergence(ours: nn.Module, ref: nn.Module, ids: torch.Tensor) -> dict[str, Any]:
+    """Where ours and the reference part: the first block whose output differs, and whether
+    the ops that could round differently on this device (the RMSNorm, the LM head's product)
+    give the same bits on the same input."""
+    got: dict[str, list[torch.Tensor]] = {"ours": [], "ref": []}
+    hooks = [b.register_forward_hook(lambda m, i, o: got["ours"].append(o))
+             for b in ours.model.transformer.blocks]
+    hooks += [b.register_forward_hook(lambda m, i, o: got["ref"].append(o[0]))
+              for b in ref.model.transformer.blocks]
+    try:
+        ours_logits(ours, ids)
+        reference_logits(ref, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    pairs = enumerate(zip(got["ours"], got["ref"], strict=True))
+    first = next((i for i, (a, b) in pairs if not torch.equal(a, b)), None)
+    t, rt = ours.model.transformer, ref.model.transformer
+    with torch.no_grad():
+        x = t.wte(ids)
+        h = t.blocks[0].attn_norm(x)
+        head = t.wte.weight if ours.config.weight_tying else t.ff_out.weight
+        return {"first block differing": first,
+                "rmsnorm same": bool(torch.equal(h, rt.blocks[0].attn_norm(x))),
+                "q_proj same": bool(torch.equal(t.blocks[0].q_proj(h), rt.blocks[0].q_proj(h))),
+                "x@W.T == linear": bool(torch.equal(h @ head.T, torch.nn.functional.linear(h, head)))}
+
+
+def section_logits(report: Report, clock: Clock, family: str, device: torch.device, sz: Sizes,
+                   reference: Path | None, tiny: bool) -> None:
+    config = published_config(family, tiny)
+    ids, masked = canvas(config, sz.logit_rows, sz.logit_width, device)
+    fp32 = bf16 = None
+    with cell_guard(report, "logits", clock, {"model": family, "compare": "bf16 vs fp32"},
+                    need=30) as row:
+        if row is None:
+            return
+        fp32 = random_model(config, device, torch.float32)
+        bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+        ref32 = ours_logits(fp32, ids)
+        row.update(compare(ours_logits(bf16, ids), ref32, masked))
+        row["params"] = n_params(fp32)
+    if reference is not None and family == "llada" and row is not None and "error" not in row:
+        raw = published_raw(family, tiny)
+        for name, ours in (("fp32", fp32), ("bf16", bf16)):
+            with cell_guard(report, "logits", clock,
+                            {"model": family, "compare": f"ours vs Fast-dLLM, {name}"}) as r:
+                if r is None:
+                    break
+                ref = reference_model(reference, ours, raw)
+                r.update(compare(ours_logits(ours, ids), reference_logits(ref, ids), masked))
+                if not r["bit-identical"]:
+                    r.update(divergence(ours, ref, ids))
+                del ref
+    fp32 = bf16 = None  # noqa: F841  (free the weights before the next section)
+    free(device)
+
+
+# --- 2. forward ---------------------------------------------------------------------------------
+def time_call(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """Median seconds of fn() after two warm-up calls, each timed to a device synchronisation."""
+    for _ in range(2):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def scored_forward(model: nn.Module, ids: torch.Tensor, pos: torch.Tensor,
+                   at: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, pos, logits_at=at)
+
+
+def section_forward(report: Report, clock: Clock, family: str, device: torch.device, sz: Sizes,
+                    model: nn.Module) -> None:
+    config = model.config
+    base: dict[int, float] = {}
+    for width in sz.widths:
+        for rows in sz.rows:
+            with cell_guard(report, "forward", clock,
+                            {"model": family, "rows": rows, "width": width}, need=5) as row:
+                if row is None:
+                    return
+                ids, _ = canvas(config, rows, width, device)
+                pos = torch.arange(width, device=device).expand(rows, width)
+                block = width - 32 + torch.arange(32, device=device)
+                at = (torch.arange(rows, device=device).repeat_interleave(32), block.repeat(rows))
+
+                s = time_call(functools.partial(scored_forward, model, ids, pos, at), device, sz.reps)
+                base.setdefault(width, s)
+                row.update({"ms": s * 1e3, "tokens/s": rows * width / s,
+                            "x rows=1": s / base[width]})
+
+
+# --- 3. decode ----------------------------------------------------------------------------------
+class ForwardTimer:
+    """Wraps model.forward: seconds inside it, each call ended by a device synchronisation."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.seconds, self.calls = 0.0, 0
+        self.model, self.inner, self.device = model, model.forward, device
+        model.forward = self  # nn.Module.__call__ looks up forward on the instance first
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        sync(self.device)
+        self.seconds += time.perf_counter() - t
+        self.calls += 1
+        return out
+
+    def remove(self) -> None:
+        self.model.forward = self.inner
+
+
+def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch.device,
+               seed: int = 0) -> dict[str, Any]:
+    """One decode of `batch` random prompts through the engine; its metrics."""
+    c = model.config
+    params = DecodeParams.parse(spec, gen_length=sz.gen_length, block_length=sz.block_length)
+    g = torch.Generator().manual_seed(seed)
+    high = min(c.vocab_size, c.mask_token_id)
+    prompts = [torch.randint(0, high, (sz.prompt,), generator=g).tolist() for _ in range(batch)]
+    engine = Engine(model, SchedulerConfig(max_running=batch))
+    timer = ForwardTimer(model, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        reqs = [engine.add_request(p, params) for p in prompts]
+        steps, t = 0, time.perf_counter()
+        while engine.has_unfinished:
+            engine.step()
+            steps += 1
+        sync(device)
+        wall = time.perf_counter() - t
+    finally:
+        timer.remove()
+    failed = [r.error for r in reqs if r.finish_reason == "error"]
+    if failed:
+        raise RuntimeError(f"request failed in the engine: {failed[0]}")
+    row = {"canvas tok/s": batch * sz.gen_length / wall, "wall s": wall,
+           "nfe": statistics.mean(r.nfe for r in reqs), "steps": steps,
+           "host ms/step": (wall - timer.seconds) / steps * 1e3,
+           "model ms/call": timer.seconds / max(timer.calls, 1) * 1e3}
+    if device.type == "cuda":
+        row["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return row
+
+
+def variant_model(family: str, variant: str, device: torch.device, sz: Sizes,
+                  tiny: bool) -> tuple[nn.Module, dict[str, Any]]:
+    """The bfloat16 model of `variant` (eager, compile, int8, int4) and what preparing it cost."""
+    config = published_config(family, tiny)
+    model = random_model(config, device, torch.bfloat16)
+    info: dict[str, Any] = {}
+    if variant in ("int8", "int4"):
+        quantize = importlib.import_module("unmask.quantize")
+        quantize.check_quantize(variant, device)
+        before = quantize.weight_bytes(model)
+        t = time.perf_counter()
+        quantize.quantize_model(model, variant)
+        sync(device)
+        info = {"prepare s": time.perf_counter() - t,
+                "weights GiB": quantize.weight_bytes(model) / 2**30, "bf16 GiB": before / 2**30}
+    elif variant.startswith("compile"):
+        compiling = importlib.import_module("unmask.compiling")
+        compiling.check_compile(device)
+        mode = variant.partition(":")[2] or "default"
+        compiling.compile_model(model, mode=mode)
+    return model, info
+
+
+def section_decode(report: Report, clock: Clock, family: str, device: torch.device, sz: Sizes,
+                   variants: list[str], tiny: bool) -> None:
+    for variant in variants:
+        head = {"model": family, "variant": variant}
+        row0 = {**head, "decoder": "(warm-up: threshold)", "batch": sz.batches[0]}
+        with cell_guard(report, "decode", clock, row0, need=20) as row:
+            if row is None:
+                return
+            model, info = variant_model(family, variant, device, sz, tiny)
+            row.update(info)
+            compiled = variant.startswith("compile")
+            counter = importlib.import_module("unmask.compiling").recompile_count if compiled else None
+            before, t = counter() if counter else 0, time.perf_counter()
+            # warm-up (kernel selection, allocator; compilation): the first cell would pay it
+            run_decode(model, "threshold", sz.batches[0], sz, device)
+            row["warm-up s"] = time.perf_counter() - t
+            if counter:
+                row["recompiles"] = counter() - before
+        if row is None or "error" in row:
+            continue
+        for batch in sz.batches:
+            for spec in DECODERS:
+                with cell_guard(report, "decode", clock,
+                                {**head, "decoder": spec, "batch": batch}, need=5) as r:
+                    if r is None:
+                        break
+                    r.update(run_decode(model, spec, batch, sz, device))
+        del model
+        free(device)
+
+
+# --- 4. load ------------------------------------------------------------------------------------
+LOAD_CHILD = """
+import json, resource, sys, time, torch
+sys.path.insert(0, sys.argv[3])
+from unmask.checkpoint import load_model
+t = time.perf_counter()
+m = load_model(sys.argv[1], sys.argv[2])
+if sys.argv[2].startswith("cuda"):
+    torch.cuda.synchronize()
+print(json.dumps({"load s": time.perf_counter() - t,
+                  "peak host GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+"""
+
+
+def section_load(report: Report, clock: Clock, device: torch.device, tiny: bool) -> None:
+    from unmask.checkpoint import save_checkpoint
+
+    with cell_guard(report, "load", clock, {"model": "llada", "dtype": "bfloat16"},
+                    need=5 if tiny else 90) as row:
+        if row is None:
+            return
+        model = random_model(published_config("llada", tiny), device, torch.bfloat16)
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        with tempfile.TemporaryDirectory() as tmp:
+            t = time.perf_counter()
+            save_checkpoint(model, tmp, max_shard_size=5 << 30)
+            del model
+            free(device)
+            row["save s"] = time.perf_counter() - t
+            out = subprocess.run([sys.executable, "-c", LOAD_CHILD, tmp, str(device), str(ROOT)],
+                                 capture_output=True, text=True, check=True)
+            row.update(json.loads(out.stdout.strip().splitlines()[-1]))
+        row["weights GiB"] = size / 2**30
+
+
+# --- the run ------------------------------------------------------------------------------------
+def meta(device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip() or "unknown"
+    m = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+         "unmask commit": commit, "torch": torch.__version__, "python": platform.python_version(),
+         "device": str(device), "tiny": args.tiny, "budget s": args.budget}
+    if device.type == "cuda":
+        m["gpu"] = torch.cuda.get_device_name(device)
+        m["cuda"] = torch.version.cuda
+    else:
+        m["cpu"] = platform.processor() or platform.machine()
+        m["threads"] = torch.get_num_threads()
+    return m
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json and .md")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run, < 2 minutes)")
+    p.add_argument("--device", default=None, help="cuda when available, else cpu")
+    p.add_argument("--budget", type=float, default=420.0,
+                   help="seconds; cells that would start later are skipped")
+    p.add_argument("--reference", type=Path, default=None,
+                   help="folder of Fast-dLLM's LLaDA modeling files (configuration_llada.py, "
+                        "modeling_llada.py, __init__.py) to compare LLaDA logits against")
+    p.add_argument("--models", default="llada,dream", help="comma-separated: llada, dream")
+    p.add_argument("--variants", default="eager,int8,int4,compile",
+                   help="decode variants for the first model (the others run eager only): eager, "
+                        "int8, int4, compile[:MODE] (torch.compile mode, e.g. reduce-overhead)")
+    p.add_argument("--sections", default="logits,forward,decode,load")
+    args = p.parse_args(argv)
+    for name in args.models.split(","):
+        if name not in PUBLISHED:
+            p.error(f"--models: unknown model {name!r}; valid: {', '.join(PUBLISHED)}")
+    if args.reference is not None and not (args.reference / "modeling_llada.py").is_file():
+        p.error(f"--reference {args.reference}: no modeling_llada.py there")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    sz, clock = Sizes.of(args.tiny), Clock(args.budget)
+    sections = args.sections.split(",")
+    report = Report(args.out, meta(device, args))
+    report.write()
+    families = args.models.split(",")
+    for i, family in enumerate(families):
+        if "logits" in sections:
+            section_logits(report, clock, family, device, sz, args.reference, args.tiny)
+        if "forward" in sections:
+            model = random_model(published_config(family, args.tiny), device, torch.bfloat16)
+            section_forward(report, clock, family, device, sz, model)
+            del model
+            free(device)
+        if "decode" in sections:
+            variants = args.variants.split(",") if i == 0 else ["eager"]
+            section_decode(report, clock, family, device, sz, variants, args.tiny)
+    if "load" in sections:
+        section_load(report, clock, device, args.tiny)
+    report.meta["seconds"] = round(time.perf_counter() - clock.start, 1)
+    report.write()
+    print(report.markdown())
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

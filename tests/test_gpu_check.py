@@ -1,0 +1,42 @@
+"""scripts/gpu_check.py --tiny on the CPU: the GPU check runs every section and decode variant on
+tiny shapes, so the command a GPU session runs once does not rot between such sessions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from unmask.engine import Engine  # noqa: F401  (the script drives it; fail here first if it moved)
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
+    variants = "eager"
+    out = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--out",
+                          str(tmp_path), "--variants", variants, "--budget", "600"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    sections = data["sections"]
+    assert set(sections) == {"logits", "forward", "decode", "load"}
+    rows = [r for rs in sections.values() for r in rs]
+    assert not [r for r in rows if "error" in r or "skipped" in r]
+    # bf16 against fp32 of the same weights: close, not equal
+    for r in sections["logits"]:
+        assert 0 < r["max |diff|"] < 0.1 and not r["bit-identical"]
+    forward = {(r["model"], r["rows"], r["width"]) for r in sections["forward"]}
+    assert forward == {(m, n, w) for m in ("llada", "dream") for n in (1, 2) for w in (32, 64)}
+    decoded = {(r["model"], r["variant"], r["decoder"], r.get("batch")) for r in sections["decode"]}
+    for v in variants.split(","):
+        for spec in ("static-1", "threshold", "exact", "balanced", "fast"):
+            assert ("llada", v, spec, 2) in decoded
+    for r in sections["decode"]:
+        if not r["decoder"].startswith("(warm-up"):
+            assert r["nfe"] >= 1 and r["canvas tok/s"] > 0 and r["host ms/step"] >= 0
+    assert sections["load"][0]["load s"] > 0
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "## decode" in md and "| llada | eager | fast | 2 |" in md
