@@ -18,7 +18,7 @@ from unmask.errors import InputError
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from unmask.cli import add_model_arguments, positive
+    from unmask.cli_args import add_model_arguments, positive
 
     add_model_arguments(p)
     p.add_argument("--decoder", default=DEFAULT_DECODER,
