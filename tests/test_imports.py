@@ -5,6 +5,7 @@ modules import each other one way only."""
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import unmask
@@ -40,3 +41,12 @@ def test_no_module_imports_the_command() -> None:
     assert "unmask.cli_args" in graph
     assert [m for m, deps in graph.items() if "unmask.cli" in deps] == []
 
+
+def test_the_server_modules_import_each_other_one_way() -> None:
+    graph = import_graph()
+    server = {m: {d for d in deps if d.startswith("unmask.server")}
+              for m, deps in graph.items() if m.startswith("unmask.server")}
+    try:
+        tuple(TopologicalSorter(server).static_order())
+    except CycleError as e:
+        raise AssertionError(f"an import circle: {' -> '.join(e.args[1])}") from None

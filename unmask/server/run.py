@@ -90,7 +90,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from unmask.server.app import ServerConfig, build_app
+        from unmask.server.app import build_app
+        from unmask.server.state import ServerConfig
     except ImportError as e:
         raise InputError(f"the server needs its extra: pip install 'unmask[serve]' ({e})") from None
     from unmask.api import LLM
