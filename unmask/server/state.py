@@ -12,6 +12,7 @@ from unmask.api import LLM
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
 from unmask.errors import InputError
 from unmask.server.engine_client import EngineClient
+from unmask.server.metrics import ServerMetrics
 
 # Request bodies past this are refused (413) before they are read: JSON parsing and validation
 # run on the event loop (about 5 ms per MB of text, 50 ms per MB of token ids). Valid requests
@@ -46,6 +47,10 @@ class ServerState:
     chars_per_token: int  # the most characters one token can stand for (check_prompt_chars)
     draining: bool = False
     started: float = field(default_factory=time.time)
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        return self.engine.metrics
 
 
 def server_state(request: Request) -> ServerState:
