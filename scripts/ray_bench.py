@@ -23,8 +23,8 @@ import httpx
 import ray
 from ray import serve
 
-from unmask.server.app import ServerConfig
 from unmask.server.ray_serve import RayServeOptions, deploy, free_port
+from unmask.server.state import ServerConfig
 
 
 def routing_ms(url: str, n: int = 200) -> float:

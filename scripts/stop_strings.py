@@ -15,7 +15,7 @@ import time
 from types import SimpleNamespace
 
 from unmask.engine.request import StepEvent
-from unmask.server.app import TextStream
+from unmask.server.output import TextStream
 
 SPELL = ["", "a", "b", "c"]  # token ids 1-3 spell one character each; 0 is EOS
 

@@ -354,7 +354,8 @@ def test_every_decoder_key_flag_is_explicit_only_when_typed() -> None:
     defaults to None in every command, so that parse_decoder can tell typed from unset."""
     import argparse
 
-    from unmask.cli import DECODER_FLAGS, build_parser, parse_decoder
+    from unmask.cli import build_parser
+    from unmask.cli_args import DECODER_FLAGS, parse_decoder
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     found = set()

@@ -49,7 +49,7 @@ def server(llm: LLM):
 
 def offline(llm: LLM, prompt: str, spec: str, max_tokens: int, chat: bool = True,
             seed: int | None = None, **fields) -> str:
-    from unmask.server.app import request_params
+    from unmask.server.intake import request_params
     from unmask.server.protocol import CompletionRequest
 
     body = CompletionRequest(prompt=prompt, max_tokens=max_tokens, decoder=spec, seed=seed,
@@ -95,7 +95,7 @@ def test_openai_client_matches_offline(server: LiveServer, llm: LLM, spec: str) 
 def test_top_p_samples_as_the_decoder_does(server: LiveServer, llm: LLM) -> None:
     """OpenAI's top_p is the decoder's top_p (it was refused as "not implemented", though the
     spec grammar has it); 1, which clients send by default, changes nothing."""
-    from unmask.server.app import request_params
+    from unmask.server.intake import request_params
 
     body = CompletionRequest(prompt="hi", temperature=0.8, top_p=0.5)
     assert request_params(ServerConfig(decoder="threshold"), body).top_p == 0.5
@@ -152,7 +152,7 @@ def test_concurrent_mixed_load(server: LiveServer, llm: LLM) -> None:
         for n in (32, 64):
             ps = sorted({j[0] for j in jobs if j[1] == spec and j[2] == n})
             if ps:
-                from unmask.server.app import request_params
+                from unmask.server.intake import request_params
 
                 params = request_params(ServerConfig(), CompletionRequest(
                     prompt="x", max_tokens=n, decoder=spec))
@@ -216,7 +216,7 @@ def test_streamed_text_with_stops_is_the_final_text(canvas: list[int], data) -> 
     search for stops reads only the unsent text, on the invariant that the sent text never ends
     where a stop could begin."""
     from unmask.engine.request import StepEvent
-    from unmask.server.app import TextStream
+    from unmask.server.output import TextStream
 
     llm = _CharLLM()
     spelled = llm.detokenize(canvas)  # stops cut from the whole text occur in it (unless EOS)

@@ -19,8 +19,9 @@ from helpers import LiveServer
 from unmask import LLM
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, Request
-from unmask.server.app import MAX_BODY_BYTES, ServerConfig, build_app
+from unmask.server.app import build_app
 from unmask.server.protocol import MAX_PROMPTS
+from unmask.server.state import MAX_BODY_BYTES, ServerConfig
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,15 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import fields
-from typing import TYPE_CHECKING, Any
 
-from unmask.decoding.params import DEFAULT_DECODER, METHODS, PRESETS, DecodeParams
-from unmask.errors import InputError, SpecError, UnmaskError
-
-if TYPE_CHECKING:
-    from unmask.api import LLM
+from unmask.cli_args import (
+    add_decode_arguments,
+    add_model_arguments,
+    chat_for,
+    check_prompts,
+    parse_decoder,
+)
+from unmask.errors import UnmaskError
 
 EXIT_CODES = """\
 exit codes:
@@ -32,18 +33,6 @@ exit codes:
   2    bad input: one line on stderr says what is wrong and what is valid
   130  interrupted (Ctrl-C)"""
 
-DEVICE_HELP = "cpu, cuda or cuda:N (default: cuda when this torch has it, else cpu)"
-
-
-def positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (the promise of this module), exit code 2."""
@@ -51,83 +40,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         print(f"unmask: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
-    p.add_argument("--device", default=None, help=DEVICE_HELP)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights/compute dtype (default: the config's torch_dtype)")
-    p.add_argument("--threads", type=positive, default=None,
-                   help="torch CPU threads (default: torch's choice)")
-
-
-def decoder_names() -> str:
-    """The spec grammar's names, from the registry the parser itself uses."""
-    return f"methods {', '.join(METHODS)}; presets {', '.join(PRESETS)}"
-
-
-def add_decode_arguments(p: argparse.ArgumentParser, default: str = DEFAULT_DECODER) -> None:
-    p.add_argument("--decoder", default=default,
-                   help=f"decoder spec NAME[,key=value]* (default: {default}); NAME is one of the "
-                        f"{decoder_names()}; keys in README")
-    add_length_arguments(p)
-
-
-def add_length_arguments(p: argparse.ArgumentParser, gen_length: int | None = None,
-                         block_length: int | None = None) -> None:
-    """--gen-length and --block-length, unset by default (see DECODER_FLAGS); their help names
-    the command's defaults (None: DecodeParams')."""
-    defaults = {f.name: f.default for f in fields(DecodeParams)}
-    for flag, key, what, value in (("--gen-length", "gen_length", "generated positions L", gen_length),
-                                   ("--block-length", "block_length", "semi-AR block length",
-                                    block_length)):
-        p.add_argument(flag, type=positive, default=None,
-                       help=f"{what} (a spec that also sets {key} must agree; default: the spec's "
-                            f"{key}, else {defaults[key] if value is None else value})")
-
-
-# Flags whose argparse dest is a decoder key. They default to None so that a value the user typed
-# can be told from one left unset: typed, it is explicit (a spec key that disagrees is an error,
-# as neither may silently lose); unset, the command's own default applies and the spec's keys win.
-DECODER_FLAGS = ("gen_length", "block_length", "seed")
-
-
-def parse_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> DecodeParams:
-    """``spec`` with the command's decoder-key flags (those of DECODER_FLAGS that ``args`` has)
-    as explicit values when typed, and ``defaults`` (the command's defaults) under the spec.
-    A command whose flag of one of these names is not a decoder key must not pass its args."""
-    typed = {key: getattr(args, key) for key in DECODER_FLAGS if getattr(args, key, None) is not None}
-    try:
-        return DecodeParams.parse(spec, explicit=typed, **defaults)
-    except SpecError as e:  # with several --decoder, say which one
-        raise SpecError(f"--decoder {spec!r}: {e}") from None
-
-
-def check_prompts(prompts: list[str]) -> None:
-    """Every prompt is non-empty text. A command-line argument that is not valid UTF-8 reaches
-    Python with its bad bytes as lone surrogates, which no tokenizer can encode."""
-    for i, prompt in enumerate(prompts, 1):
-        which = f"prompt {i} of {len(prompts)}" if len(prompts) > 1 else "the prompt"
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raw = prompt.encode("utf-8", "surrogateescape")  # the bytes the shell passed
-            shown = raw.decode("utf-8", "backslashreplace").replace("\n", "\\n").replace("\r", "\\r")
-            shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise InputError(f"{which} is not valid UTF-8 (a bad byte at character {e.start}): "
-                             f"\"{shown}\"; pass text in UTF-8") from None
-        if not prompt.strip():
-            raise InputError(f"empty prompt ({which}): give the model something to answer")
-
-
-def chat_for(llm: LLM, raw: bool, raw_flag: str | None = "--raw") -> bool:
-    """Whether a command applies the chat template: unless --raw, when the checkpoint has one.
-    Without one (a base model) the prompt goes as written, and stderr says so (raw_flag: the
-    command's flag for the raw prompt, None when it has none)."""
-    if not raw and not llm.has_chat_template:
-        print(f"note: {llm.no_chat_template_note(raw_flag)}", file=sys.stderr)
-    return not raw and llm.has_chat_template
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -342,7 +342,7 @@ WRITERS = {".html": write_html, ".gif": write_gif, ".png": write_png}
 
 # --- the command ---------------------------------------------------------------------------------
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
-    from unmask.cli import add_length_arguments, add_model_arguments
+    from unmask.cli_args import add_length_arguments, add_model_arguments
 
     p.add_argument("prompt", metavar="PROMPT", help="the prompt (chat template applied)")
     p.add_argument("--decoder", action="append", default=None, metavar="SPEC",
@@ -358,7 +358,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_trace(args: argparse.Namespace) -> int:
     from unmask.bench.cli import check_outputs
-    from unmask.cli import chat_for, check_prompts, parse_decoder
+    from unmask.cli_args import chat_for, check_prompts, parse_decoder
 
     out = Path(args.out)
     if out.suffix.lower() not in WRITERS:

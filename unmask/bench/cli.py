@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unmask.cli import add_length_arguments, add_model_arguments, chat_for, parse_decoder, positive
+from unmask.cli_args import add_length_arguments, add_model_arguments, chat_for, parse_decoder, positive
 from unmask.decoding.params import DecodeParams
 from unmask.errors import InputError
 

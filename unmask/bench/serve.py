@@ -65,7 +65,7 @@ def _positive_float(text: str) -> float:
 
 def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     from unmask.bench.cli import _non_negative
-    from unmask.cli import positive
+    from unmask.cli_args import positive
 
     p.add_argument("--url", action="append", default=None, metavar="[NAME=]URL",
                    help=f"server base URL (default: {DEFAULT_URL}); repeat to compare servers "
@@ -81,7 +81,7 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", action="store_true",
                    help="with several --decoder: mix them in one run (request i gets decoder "
                         "i mod D) instead of one cell each")
-    # Unset by default, as the CLI's decoder-key flags (unmask.cli.DECODER_FLAGS): a typed value
+    # Unset by default, as the CLI's decoder-key flags (unmask.cli_args.DECODER_FLAGS): a typed value
     # must agree with a spec's gen_length, the default yields to it.
     p.add_argument("--max-tokens", type=_int_list, default=None, metavar="N[,N...]",
                    help=f"max_tokens of each request (default: {DEFAULT_MAX_TOKENS}, or the "

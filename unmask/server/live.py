@@ -19,27 +19,23 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, StreamingResponse
-from fastapi.staticfiles import StaticFiles
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from unmask.decoding.params import METHODS, PRESETS, DecodeParams, to_spec
-from unmask.server.app import (
-    APIError,
-    ServerState,
-    _check,
-    _check_capacity,
-    _check_ids,
-    _check_prompt_chars,
-    _check_slots,
-    _encode,
-    _submit,
+from unmask.server.engine_client import Handle
+from unmask.server.errors import APIError
+from unmask.server.intake import (
+    check_prompt_chars,
+    check_request,
+    encode_prompt,
     request_params,
+    submissions,
 )
-from unmask.server.async_engine import Handle
 from unmask.server.protocol import Unsupported, _Common, check_text, error_body
+from unmask.server.state import ServerState, State
 from unmask.trace import STATIC, Lane
 
 MAX_LANES = 4
@@ -69,51 +65,47 @@ class TraceRequest(_Common):
         check_text(self.prompt, "prompt")
 
 
-def add_live_routes(app: FastAPI, state: ServerState) -> None:
-    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+router = APIRouter()
 
-    @app.get("/", include_in_schema=False)
-    async def page() -> FileResponse:
-        return FileResponse(STATIC / "index.html")
 
-    @app.get("/v1/unmask/decoders")
-    async def decoders() -> dict[str, Any]:
-        presets = {name: to_spec(DecodeParams.parse(name)) for name in PRESETS}
-        return {"model": state.model_name, "default": state.config.decoder,
-                "presets": presets, "methods": list(METHODS)}
+@router.get("/", include_in_schema=False)
+async def page() -> FileResponse:
+    return FileResponse(STATIC / "index.html")
 
-    @app.post("/v1/unmask/trace")
-    async def trace(body: TraceRequest, request: Request) -> StreamingResponse:
-        _check(state, body)
-        _check_prompt_chars(state, len(body.prompt), "prompt")
-        # None: the server's spec, under the request's fields as for the other routes (passed as
-        # the request's own spec, a max_tokens would conflict with a gen_length in it)
-        specs = body.decoders if body.decoders else [body.decoder]
-        _check_capacity(state, len(specs), "decoder lanes")
-        params = []
-        for i, spec in enumerate(specs):
-            try:
-                params.append(request_params(state.config, body.model_copy(update={"decoder": spec})))
-            except APIError as e:
-                shown = state.config.decoder if spec is None else spec
-                which = f"decoder {i + 1} ({shown!r})" if len(specs) > 1 else f"decoder {shown!r}"
-                raise APIError(e.status, f"{which}: {e}", e.kind, f"decoders[{i}]") from None
-        ids = await run_in_threadpool(_encode, state.llm, body.prompt, body.chat)
-        _check_ids(state, [ids] * len(params), params, ["prompt"] * len(params), body)
-        _check_slots(state, [ids] * len(params), params, "decoder lanes")
-        handles: list[Handle] = []
-        try:
-            for p in params:
-                handles.append(await _submit(state, ids, p, trace=True))
-        except BaseException:  # e.g. a 429 for a later lane: the submitted ones will not run
-            for h in handles:
-                state.engine.abort(h.request.request_id)
-                _record(state, h, None, "abort")
-            raise
-        lanes = [Lane(state.llm, i, body.prompt, h.request) for i, h in enumerate(handles)]
-        return StreamingResponse(_stream(state, handles, lanes, request),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+
+@router.get("/v1/unmask/decoders")
+async def decoders(state: State) -> dict[str, Any]:
+    presets = {name: to_spec(DecodeParams.parse(name)) for name in PRESETS}
+    return {"model": state.model_name, "default": state.config.decoder,
+            "presets": presets, "methods": list(METHODS)}
+
+
+@router.post("/v1/unmask/trace")
+async def trace(body: TraceRequest, request: Request, state: State) -> StreamingResponse:
+    check_request(state, body)
+    check_prompt_chars(state, len(body.prompt), "prompt")
+    # None: the server's spec, under the request's fields as for the other routes (passed as
+    # the request's own spec, a max_tokens would conflict with a gen_length in it)
+    specs = body.decoders if body.decoders else [body.decoder]
+    params = [_lane_params(state, body, i, spec, len(specs)) for i, spec in enumerate(specs)]
+    ids = await run_in_threadpool(encode_prompt, state.llm, body.prompt, body.chat)
+    items = submissions(body, [ids] * len(params), params, ["prompt"] * len(params))
+    handles = await state.engine.submit(items, "decoder lanes", trace=True)
+    lanes = [Lane(state.llm, i, body.prompt, h.request) for i, h in enumerate(handles)]
+    return StreamingResponse(_stream(state, handles, lanes, request),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _lane_params(state: ServerState, body: TraceRequest, i: int, spec: str | None,
+                 n: int) -> DecodeParams:
+    """Lane i's decoder; an error names the lane (decoders[i])."""
+    try:
+        return request_params(state.config, body.model_copy(update={"decoder": spec}))
+    except APIError as e:
+        shown = state.config.decoder if spec is None else spec
+        which = f"decoder {i + 1} ({shown!r})" if n > 1 else f"decoder {shown!r}"
+        raise APIError(e.status, f"{which}: {e}", e.kind, f"decoders[{i}]") from None
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -163,11 +155,7 @@ async def _stream(state: ServerState, handles: list[Handle], lanes: list[Lane],
                 _record(state, h, lanes[i], "abort")
 
 
-def _record(state: ServerState, handle: Handle, lane: Lane | None, reason: str) -> None:
-    """The request's outcome in /metrics, as the OpenAI routes count theirs (lane None: aborted
-    before its stream began)."""
-    req = handle.request
+def _record(state: ServerState, handle: Handle, lane: Lane, reason: str) -> None:
+    """The request's outcome in /metrics, as the OpenAI routes count theirs."""
     outcome = {"eos": "stop"}.get(reason, reason)
-    useful = lane.text(lane.ids)[1] if lane is not None else 0
-    state.metrics.finished(outcome, req.nfe, req.decided, useful)
-    state.metrics.latency.observe(time.perf_counter() - handle.submitted)
+    state.engine.record(handle, outcome, lane.text(lane.ids)[1])

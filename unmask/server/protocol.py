@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from unmask.errors import InputError, lone_surrogate
 
 # Prompts per completion request. Each is its own engine request, submitted one engine round
-# trip at a time (a round trip waits for the step in flight), so a long list keeps its handler
-# submitting for seconds; 64 covers evaluation harnesses' batches, and a larger batch can be
-# split over several requests, which the engine batches together all the same.
+# trip at a time (EngineClient.submit; a round trip waits for the step in flight), so a long
+# list keeps its handler submitting for seconds; 64 covers evaluation harnesses' batches, and a
+# larger batch can be split over several requests, which the engine batches together all the same.
 MAX_PROMPTS = 64
 
 # JSON's \uXXXX escapes can spell half of a UTF-16 surrogate pair on its own: Python keeps it in
@@ -213,9 +213,10 @@ class ChatCompletionRequest(_Common):
 
 
 class FieldError(InputError):
-    """A request field with a value the server refuses; `field` names it (the error's param)."""
+    """A request field with a value the server refuses; `field` names it (the error's param;
+    None when the request as a whole is refused)."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str | None, message: str) -> None:
         super().__init__(message)
         self.field = field
 

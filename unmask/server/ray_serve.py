@@ -3,7 +3,7 @@
 Deployments of the Serve application "unmask":
 
 - `engine-0` ... `engine-{N-1}`: one deployment per engine replica, one replica each. A replica
-  hosts the whole single-process app, `build_app(llm, config)` (its own EngineThread and
+  hosts the whole single-process app, `build_app(llm, config)` (its own EngineClient and
   Engine), and answers raw HTTP requests through an in-process ASGI call (`asgi_call`), sending
   the response back as a stream: its head (status, headers), then its body chunks.
 - `ingress`: the FastAPI ingress Serve's HTTP proxy sends every request to. It forwards the
@@ -53,8 +53,9 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from unmask.server.app import BodyLimit, ServerConfig, http_error
+from unmask.server.errors import BodyLimit, http_error
 from unmask.server.protocol import error_body
+from unmask.server.state import ServerConfig
 
 log = logging.getLogger("unmask.server")
 

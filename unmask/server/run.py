@@ -18,7 +18,7 @@ from unmask.errors import InputError
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from unmask.cli import add_model_arguments, positive
+    from unmask.cli_args import add_model_arguments, positive
 
     add_model_arguments(p)
     p.add_argument("--decoder", default=DEFAULT_DECODER,
@@ -90,7 +90,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from unmask.server.app import ServerConfig, build_app
+        from unmask.server.app import build_app
+        from unmask.server.state import ServerConfig
     except ImportError as e:
         raise InputError(f"the server needs its extra: pip install 'unmask[serve]' ({e})") from None
     from unmask.api import LLM

@@ -522,215 +522,290 @@ def _export(model: nn.Module, folder: Path, tok_dir: Path) -> None:
 
 def run_train(args: argparse.Namespace) -> dict[str, Any]:
     """Train (or resume) a run in ``args.out``; returns a summary dict (also saved as JSON)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    return Trainer(args).run()
 
-    from unmask.api import set_threads
-    from unmask.models import build_model
-    from unmask.tasks import code as code_task
-    from unmask.tasks.math import make_split
-    from unmask.training.tokenizer import train_tokenizer
 
-    check_train_args(args)
-    console = Console(stderr=False)
-    auto_threads = args.threads == "auto"
-    if auto_threads:
-        torch.set_num_threads(2)
-    else:
-        set_threads(int(args.threads))
-    device = _device(args.device)
-    out = Path(args.out)
-    tok_dir = Path(args.tokenizer) if args.tokenizer else out / "tokenizer"
-    _check_run_folder(out, args.resume)
-    tok_file = tok_dir / "tokenizer.json"
-    enc = TextEncoder(tok_file) if tok_file.is_file() else None
-    if enc is not None:
-        _check_vocab(args, tok_dir, enc)
-    _check_out_paths(out, tok_dir, Path(args.export) if args.export else None)
-    if enc is None:
-        asked = args.vocab_size or DEFAULT_VOCAB
-        console.print(f"training tokenizer (vocab {asked}) -> {tok_dir}")
-        train_tokenizer(tok_dir, vocab_size=asked, seed=args.seed)
-        enc = TextEncoder(tok_file)
-        if enc.vocab_size != asked:
-            console.print(f"the tokenizer has {enc.vocab_size} tokens, not {asked}: the training "
-                          "texts have no more merges")
-    # args.json and the summary record the vocabulary the run has, not the flag's default.
-    args.vocab_size = enc.vocab_size
-    weights = LossWeights(pad=args.pad_weight, digit=args.digit_weight, digit_ids=enc.digit_ids())
+class Trainer:
+    """One training run: set up (tokenizer, model, data, a resumed state) on construction, then
+    `run` steps until the step or time budget is spent, logging, evaluating and checkpointing
+    on their schedules, and writes the final checkpoint and summary."""
 
-    torch.manual_seed(args.seed)
-    config = _model_config(args, enc)
-    _check_fits(config, longest_canvas(args.buckets) + MAX_PROMPT, device)
-    model = build_model(config)
-    model.init_weights()
-    if args.init and not (args.resume and (out / "state.pt").is_file()):
-        from unmask.checkpoint import load_model
+    def __init__(self, args: argparse.Namespace) -> None:
+        from rich.console import Console
 
-        src = load_model(args.init)
-        # `extra` only carries the source file's informational keys (architectures, ...).
-        theirs, ours = ({k: v for k, v in asdict(c).items() if k != "extra"} for c in (src.config, config))
-        if theirs != ours:
-            diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
-            raise InputError(f"--init {args.init}: its config differs from this run's (theirs, ours): {diff}")
-        model.load_state_dict(src.state_dict())
-        console.print(f"initialised from the weights in {args.init}")
-    model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    opt = _optimizer(model, args)
-    data = DataStream(enc, code_frac=args.code_frac, batch_tokens=args.batch_tokens,
-                      buckets=args.buckets, seed=args.seed,
-                      code_max_tokens=args.code_max_tokens)
-    # Held-out batches and problems are drawn with seed 0, not --seed: eval_loss and the solve
-    # rates then compare across runs (with --seed they differed 10x between A/B arms by draw alone).
-    eval_data = DataStream(enc, split="heldout", code_frac=args.code_frac,
-                           batch_tokens=args.batch_tokens, buckets=args.buckets, seed=0)
-    eval_batches = [eval_data.next_batch() for _ in range(args.eval_batches)]
-    solve_problems = make_split("heldout", args.solve_n, seed=0) if args.solve_every else []
-    code_problems = (code_task.make_split("heldout", args.solve_n, seed=0)
-                     if args.solve_every and args.code_frac > 0 else [])
+        from unmask.api import set_threads
 
-    def decode_rates() -> tuple[float, float]:
-        """(math solve rate, code parse rate) of the fixed held-out problems."""
-        parse = solve_rate(model, enc, code_problems,
-                           check=lambda text, ex: code_task.check(ex.prompt, text))
-        return solve_rate(model, enc, solve_problems), parse
-    gen = torch.Generator(device=device).manual_seed(args.seed)
+        check_train_args(args)
+        self.args = args
+        self.console = Console(stderr=False)
+        self.auto_threads = args.threads == "auto"
+        if self.auto_threads:
+            torch.set_num_threads(2)
+        else:
+            set_threads(int(args.threads))
+        self.device = _device(args.device)
+        self.out = Path(args.out)
+        self.tok_dir = Path(args.tokenizer) if args.tokenizer else self.out / "tokenizer"
+        _check_run_folder(self.out, args.resume)
+        self.enc = self._tokenizer()
+        self.weights = LossWeights(pad=args.pad_weight, digit=args.digit_weight,
+                                   digit_ids=self.enc.digit_ids())
+        torch.manual_seed(args.seed)
+        self.config = _model_config(args, self.enc)
+        _check_fits(self.config, longest_canvas(args.buckets) + MAX_PROMPT, self.device)
+        self.model = self._model()
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.opt = _optimizer(self.model, args)
+        self._data()
+        self.gen = torch.Generator(device=self.device).manual_seed(args.seed)
+        self.step, self.elapsed, self.tokens_seen, self.history = 0, 0.0, 0, []
+        self.state_path = self.out / "state.pt"
+        if args.resume and self.state_path.is_file():
+            self._resume()
+        (self.out / "args.json").write_text(json.dumps(_args_dict(args), indent=2) + "\n")
+        self.command = _command_line()
+        self.console.print(f"model: {self.n_params / 1e6:.2f}M params, config "
+                           f"{asdict(self.config)}; device {self.device}")
+        self.n_threads = torch.get_num_threads()
+        self.last_eval_loss = self.last_recall = self.last_solve = self.last_parse = float("nan")
+        self.ema_loss: float | None = None
 
-    step, elapsed, tokens_seen, history = 0, 0.0, 0, []
-    state_path = out / "state.pt"
-    if args.resume and state_path.is_file():
-        st = load_state(state_path, device)
+    # --- setup -----------------------------------------------------------------------------------
+    def _tokenizer(self) -> TextEncoder:
+        """The run's tokenizer: the one in its folder, or one trained now."""
+        from unmask.training.tokenizer import train_tokenizer
+
+        args, tok_dir = self.args, self.tok_dir
+        tok_file = tok_dir / "tokenizer.json"
+        enc = TextEncoder(tok_file) if tok_file.is_file() else None
+        if enc is not None:
+            _check_vocab(args, tok_dir, enc)
+        _check_out_paths(self.out, tok_dir, Path(args.export) if args.export else None)
+        if enc is None:
+            asked = args.vocab_size or DEFAULT_VOCAB
+            self.console.print(f"training tokenizer (vocab {asked}) -> {tok_dir}")
+            train_tokenizer(tok_dir, vocab_size=asked, seed=args.seed)
+            enc = TextEncoder(tok_file)
+            if enc.vocab_size != asked:
+                self.console.print(f"the tokenizer has {enc.vocab_size} tokens, not {asked}: the "
+                                   "training texts have no more merges")
+        # args.json and the summary record the vocabulary the run has, not the flag's default.
+        args.vocab_size = enc.vocab_size
+        return enc
+
+    def _model(self) -> nn.Module:
+        """A freshly initialised model, or --init's weights (unless a state is resumed)."""
+        from unmask.models import build_model
+
+        args, config = self.args, self.config
+        model = build_model(config)
+        model.init_weights()
+        if args.init and not (args.resume and (self.out / "state.pt").is_file()):
+            from unmask.checkpoint import load_model
+
+            src = load_model(args.init)
+            # `extra` only carries the source file's informational keys (architectures, ...).
+            theirs, ours = ({k: v for k, v in asdict(c).items() if k != "extra"}
+                            for c in (src.config, config))
+            if theirs != ours:
+                diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
+                raise InputError(f"--init {args.init}: its config differs from this run's "
+                                 f"(theirs, ours): {diff}")
+            model.load_state_dict(src.state_dict())
+            self.console.print(f"initialised from the weights in {args.init}")
+        return model.to(self.device)
+
+    def _data(self) -> None:
+        """The training stream, and the fixed held-out batches and problems."""
+        from unmask.tasks import code as code_task
+        from unmask.tasks.math import make_split
+
+        args, enc = self.args, self.enc
+        self.data = DataStream(enc, code_frac=args.code_frac, batch_tokens=args.batch_tokens,
+                               buckets=args.buckets, seed=args.seed,
+                               code_max_tokens=args.code_max_tokens)
+        # Held-out batches and problems are drawn with seed 0, not --seed: eval_loss and the
+        # solve rates then compare across runs (with --seed they differed 10x between A/B arms
+        # by draw alone).
+        eval_data = DataStream(enc, split="heldout", code_frac=args.code_frac,
+                               batch_tokens=args.batch_tokens, buckets=args.buckets, seed=0)
+        self.eval_batches = [eval_data.next_batch() for _ in range(args.eval_batches)]
+        self.solve_problems = make_split("heldout", args.solve_n, seed=0) if args.solve_every else []
+        self.code_problems = (code_task.make_split("heldout", args.solve_n, seed=0)
+                              if args.solve_every and args.code_frac > 0 else [])
+
+    def _resume(self) -> None:
+        st = load_state(self.state_path, self.device)
         try:
-            model.load_state_dict(st["model"])
-            opt.load_state_dict(st["optimizer"])
-            step, elapsed, tokens_seen, history = st["step"], st["elapsed"], st["tokens"], st["history"]
-            data.rng.setstate(st["data_rng"])
-            gen.set_state(st["gen_state"])
+            self.model.load_state_dict(st["model"])
+            self.opt.load_state_dict(st["optimizer"])
+            self.step, self.elapsed = st["step"], st["elapsed"]
+            self.tokens_seen, self.history = st["tokens"], st["history"]
+            self.data.rng.setstate(st["data_rng"])
+            self.gen.set_state(st["gen_state"])
             torch.set_rng_state(st["torch_rng"])
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             # load_state_dict lists every mismatched tensor on a line of its own: one line here
             why = " ".join(str(e).split())
-            raise CheckpointError(f"{state_path} does not fit this run (same --d-model, --n-layers, "
-                                  f"... as the run that wrote it?): "
+            raise CheckpointError(f"{self.state_path} does not fit this run (same --d-model, "
+                                  f"--n-layers, ... as the run that wrote it?): "
                                   f"{why if len(why) <= 300 else why[:300] + '...'}") from None
-        console.print(f"resumed from {state_path} at step {step} ({elapsed / 60:.1f} min)")
-    (out / "args.json").write_text(json.dumps(_args_dict(args), indent=2) + "\n")
-    prog = "python -m unmask.training" if sys.argv[0].endswith("__main__.py") else "unmask train"
-    argv = sys.argv[1:]
-    if prog == "unmask train" and argv[:1] == ["train"]:
-        argv = argv[1:]  # the subcommand is already in `prog`
-    command = " ".join([prog, *argv])
-    console.print(f"model: {n_params / 1e6:.2f}M params, config {asdict(config)}; device {device}")
+        self.console.print(f"resumed from {self.state_path} at step {self.step} "
+                           f"({self.elapsed / 60:.1f} min)")
 
-    def progress_of() -> float:
-        p = step / args.max_steps if args.max_steps > 0 else 1.0  # 0 steps: just export --init
+    # --- measures and checkpoints --------------------------------------------------------------
+    def progress(self) -> float:
+        args = self.args
+        p = self.step / args.max_steps if args.max_steps > 0 else 1.0  # 0 steps: just export --init
         if args.time_budget_min:
-            p = max(p, elapsed / (args.time_budget_min * 60))
+            p = max(p, self.elapsed / (args.time_budget_min * 60))
         return p
 
-    def save_state() -> None:
-        _atomic_save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                      "elapsed": elapsed, "tokens": tokens_seen, "history": history,
-                      "data_rng": data.rng.getstate(), "gen_state": gen.get_state(),
-                      "torch_rng": torch.get_rng_state(), "args": _args_dict(args)}, state_path)
-        _export(model, out / "latest", tok_dir)
-
-    def evaluate() -> tuple[float, float]:
+    def evaluate(self) -> None:
         """Held-out loss and digit recall on the fixed held-out batches."""
-        return (heldout_loss(model, eval_batches, config.mask_token_id, device, weights),
-                digit_recall(model, eval_batches, config.mask_token_id, weights.digit_ids, device))
+        mask_id = self.config.mask_token_id
+        self.last_eval_loss = heldout_loss(self.model, self.eval_batches, mask_id, self.device,
+                                           self.weights)
+        self.last_recall = digit_recall(self.model, self.eval_batches, mask_id,
+                                        self.weights.digit_ids, self.device)
 
-    def pick_threads() -> int:
+    def decode_rates(self) -> None:
+        """Math solve rate and code parse rate of the fixed held-out problems."""
+        from unmask.tasks import code as code_task
+
+        self.last_parse = solve_rate(self.model, self.enc, self.code_problems,
+                                     check=lambda text, ex: code_task.check(ex.prompt, text))
+        self.last_solve = solve_rate(self.model, self.enc, self.solve_problems)
+
+    def save_state(self) -> None:
+        _atomic_save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                      "step": self.step, "elapsed": self.elapsed, "tokens": self.tokens_seen,
+                      "history": self.history, "data_rng": self.data.rng.getstate(),
+                      "gen_state": self.gen.get_state(), "torch_rng": torch.get_rng_state(),
+                      "args": _args_dict(self.args)}, self.state_path)
+        _export(self.model, self.out / "latest", self.tok_dir)
+
+    def pick_threads(self) -> int:
         """Time forward+backward of a fixed small batch with 1 and 2 threads; keep the faster."""
-        probe = batch_to(eval_batches[0], device)
+        probe = batch_to(self.eval_batches[0], self.device)
         best, best_t = 1, float("inf")
         for n in (1, 2):
             torch.set_num_threads(n)
             t0 = time.time()
             for _ in range(2):
-                sft_loss(model, probe, config.mask_token_id, gen, weights).backward()
+                sft_loss(self.model, probe, self.config.mask_token_id, self.gen,
+                         self.weights).backward()
             if time.time() - t0 < best_t:
                 best, best_t = n, time.time() - t0
-        opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad(set_to_none=True)
         torch.set_num_threads(best)
         return best
 
-    n_threads = torch.get_num_threads()
-    last_ckpt = time.time()
-    last_eval_loss = last_recall = last_solve = last_parse = float("nan")
-    ema_loss, win_tokens, win_time = None, 0, 0.0
-    columns = [TextColumn("step {task.fields[step]}"), BarColumn(), TextColumn("{task.percentage:>5.1f}%"),
-               TextColumn("loss {task.fields[loss]:.4f} eval {task.fields[eval]:.4f}"),
-               TextColumn("{task.fields[tps]:.0f} tok/s"), TimeElapsedColumn()]
-    model.train()
-    with Progress(*columns, console=console, transient=False) as bar:
-        task = bar.add_task("train", total=1.0, loss=float("nan"), eval=float("nan"), tps=0.0, step=step)
-        tick = time.time()  # `elapsed` is wall time (eval, checkpoints included) so budgets hold
-        while progress_of() < 1.0:
-            if auto_threads and device.type == "cpu" and step % 200 == 0:
-                n_threads = pick_threads()
-            t0 = time.time()
-            lr = lr_at(progress_of(), args.lr, args.warmup)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            batch = batch_to(data.next_batch(), device)
-            loss = sft_loss(model, batch, config.mask_token_id, gen, weights, args.semi_ar)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = float(nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
-            opt.step()
-            dt = time.time() - t0
-            step += 1
-            elapsed += time.time() - tick
-            tick = time.time()
-            n_tok = batch.input_ids.numel()
-            tokens_seen += n_tok
-            win_tokens, win_time = win_tokens + n_tok, win_time + dt
-            lv = float(loss.detach())
-            ema_loss = lv if ema_loss is None else 0.98 * ema_loss + 0.02 * lv
-            if step % args.eval_every == 0:
-                last_eval_loss, last_recall = evaluate()
-            if args.solve_every and step % args.solve_every == 0:
-                last_solve, last_parse = decode_rates()
-            if step % args.log_every == 0 or step % args.eval_every == 0:
-                tps = win_tokens / max(win_time, 1e-9)
-                rec = {"step": step, "minutes": round(elapsed / 60, 2), "loss": round(ema_loss, 4),
-                       "eval_loss": round(last_eval_loss, 4), "digit_recall": round(last_recall, 3),
-                       "solve_rate": round(last_solve, 3), "parse_rate": round(last_parse, 3),
-                       "lr": lr, "grad_norm": round(gnorm, 3),
-                       "tok_per_s": round(tps), "tokens": tokens_seen, "threads": n_threads}
-                history.append(rec)
-                bar.update(task, completed=min(1.0, progress_of()), step=step, loss=ema_loss,
-                           eval=last_eval_loss, tps=tps)
-                if not console.is_terminal:  # under nohup the live bar is invisible: log lines
-                    print(json.dumps(rec), flush=True)
-                win_tokens, win_time = 0, 0.0
-            if time.time() - last_ckpt > args.ckpt_minutes * 60:
-                save_state()
-                last_ckpt = time.time()
+    # --- the run ---------------------------------------------------------------------------------
+    def train_step(self) -> tuple[float, float, float, int]:
+        """One optimizer step: (loss, gradient norm, learning rate, tokens in the batch)."""
+        lr = lr_at(self.progress(), self.args.lr, self.args.warmup)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        batch = batch_to(self.data.next_batch(), self.device)
+        loss = sft_loss(self.model, batch, self.config.mask_token_id, self.gen, self.weights,
+                        self.args.semi_ar)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = float(nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip))
+        self.opt.step()
+        return float(loss.detach()), gnorm, lr, batch.input_ids.numel()
 
-    last_eval_loss, last_recall = evaluate()
-    if args.solve_every:
-        last_solve, last_parse = decode_rates()
-    save_state()
-    _export(model, out / "final", tok_dir)
-    # No step in this call (a resumed run already at --max-steps): the loss the run last logged
-    # (NaN, as every value here not measured, when it logged none: --max-steps 0 --init).
-    if ema_loss is None and history:
-        ema_loss = history[-1]["loss"]
-    summary = {"command": command, "params": n_params, "steps": step, "train_minutes": round(elapsed / 60, 2),
-               "tokens": tokens_seen,
-               "final_train_loss": float("nan") if ema_loss is None else round(ema_loss, 4),
-               "final_heldout_loss": round(last_eval_loss, 4), "final_digit_recall": round(last_recall, 3),
-               "final_solve_rate": round(last_solve, 3), "final_parse_rate": round(last_parse, 3),
-               "config": asdict(config),
-               "args": _args_dict(args)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if args.export:
-        _export(model, Path(args.export), tok_dir)
-    console.print(f"done: {step} steps, {elapsed / 60:.1f} min, final held-out loss {last_eval_loss:.4f}")
-    return summary
+    def run(self) -> dict[str, Any]:
+        self._loop()
+        self.evaluate()
+        if self.args.solve_every:
+            self.decode_rates()
+        self.save_state()
+        _export(self.model, self.out / "final", self.tok_dir)
+        summary = self.summary()
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.args.export:
+            _export(self.model, Path(self.args.export), self.tok_dir)
+        self.console.print(f"done: {self.step} steps, {self.elapsed / 60:.1f} min, final held-out "
+                           f"loss {self.last_eval_loss:.4f}")
+        return summary
+
+    def _loop(self) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        args = self.args
+        last_ckpt = time.time()
+        win_tokens, win_time = 0, 0.0
+        columns = [TextColumn("step {task.fields[step]}"), BarColumn(),
+                   TextColumn("{task.percentage:>5.1f}%"),
+                   TextColumn("loss {task.fields[loss]:.4f} eval {task.fields[eval]:.4f}"),
+                   TextColumn("{task.fields[tps]:.0f} tok/s"), TimeElapsedColumn()]
+        self.model.train()
+        with Progress(*columns, console=self.console, transient=False) as bar:
+            task = bar.add_task("train", total=1.0, loss=float("nan"), eval=float("nan"), tps=0.0,
+                                step=self.step)
+            tick = time.time()  # `elapsed` is wall time (eval, checkpoints included): budgets hold
+            while self.progress() < 1.0:
+                if self.auto_threads and self.device.type == "cpu" and self.step % 200 == 0:
+                    self.n_threads = self.pick_threads()
+                t0 = time.time()
+                lv, gnorm, lr, n_tok = self.train_step()
+                dt = time.time() - t0
+                self.step += 1
+                self.elapsed += time.time() - tick
+                tick = time.time()
+                self.tokens_seen += n_tok
+                win_tokens, win_time = win_tokens + n_tok, win_time + dt
+                self.ema_loss = lv if self.ema_loss is None else 0.98 * self.ema_loss + 0.02 * lv
+                if self.step % args.eval_every == 0:
+                    self.evaluate()
+                if args.solve_every and self.step % args.solve_every == 0:
+                    self.decode_rates()
+                if self.step % args.log_every == 0 or self.step % args.eval_every == 0:
+                    tps = win_tokens / max(win_time, 1e-9)
+                    self._log(lr, gnorm, tps)
+                    bar.update(task, completed=min(1.0, self.progress()), step=self.step,
+                               loss=self.ema_loss, eval=self.last_eval_loss, tps=tps)
+                    win_tokens, win_time = 0, 0.0
+                if time.time() - last_ckpt > args.ckpt_minutes * 60:
+                    self.save_state()
+                    last_ckpt = time.time()
+
+    def _log(self, lr: float, gnorm: float, tps: float) -> None:
+        rec = {"step": self.step, "minutes": round(self.elapsed / 60, 2),
+               "loss": round(self.ema_loss, 4), "eval_loss": round(self.last_eval_loss, 4),
+               "digit_recall": round(self.last_recall, 3), "solve_rate": round(self.last_solve, 3),
+               "parse_rate": round(self.last_parse, 3), "lr": lr, "grad_norm": round(gnorm, 3),
+               "tok_per_s": round(tps), "tokens": self.tokens_seen, "threads": self.n_threads}
+        self.history.append(rec)
+        if not self.console.is_terminal:  # under nohup the live bar is invisible: log lines
+            print(json.dumps(rec), flush=True)
+
+    def summary(self) -> dict[str, Any]:
+        # No step in this call (a resumed run already at --max-steps): the loss the run last
+        # logged (NaN, as every value here not measured, when it logged none: --max-steps 0
+        # --init).
+        ema = self.ema_loss
+        if ema is None and self.history:
+            ema = self.history[-1]["loss"]
+        return {"command": self.command, "params": self.n_params, "steps": self.step,
+                "train_minutes": round(self.elapsed / 60, 2), "tokens": self.tokens_seen,
+                "final_train_loss": float("nan") if ema is None else round(ema, 4),
+                "final_heldout_loss": round(self.last_eval_loss, 4),
+                "final_digit_recall": round(self.last_recall, 3),
+                "final_solve_rate": round(self.last_solve, 3),
+                "final_parse_rate": round(self.last_parse, 3),
+                "config": asdict(self.config), "args": _args_dict(self.args)}
+
+
+def _command_line() -> str:
+    """The command that started the run, as the summary records it."""
+    prog = "python -m unmask.training" if sys.argv[0].endswith("__main__.py") else "unmask train"
+    argv = sys.argv[1:]
+    if prog == "unmask train" and argv[:1] == ["train"]:
+        argv = argv[1:]  # the subcommand is already in `prog`
+    return " ".join([prog, *argv])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,265 @@
+"""The server's one door into the engine: `EngineClient.submit(items)`, `abort`, and the
+accounting of each request's outcome in /metrics.
+
+Concurrency. The engine belongs to one thread, `unmask-engine`: it steps the engine while
+anything is unfinished and, between steps, applies the commands the event loop queues (add,
+abort); each step's events go to the asyncio queue of the request they belong to. No other
+thread calls into the Engine (so its own lock, there for callers that share an engine between
+threads, is never contended here), and the event loop never waits on a step: a command is a
+queue put, and the counts /health reports are published by the engine thread after each pass.
+An abort takes effect before the next step: a cancelled request costs at most the step in
+flight.
+
+Validation. `submit` refuses a response's engine requests all together or not at all, with the
+engine's own checks (Engine.check_prompt: the ids and the canvas; the scheduler's slot budget,
+and how many of them an idle engine admits at once), before it submits any of them; a refusal
+is a `FieldError` naming the request's field it is about. The checks read only the engine's
+configuration, so they run on the event loop without touching the engine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from unmask.decoding.params import DecodeParams
+from unmask.engine import Engine, QueueFull, Request, StepEvent
+from unmask.errors import CanvasTooLong, InputError
+from unmask.server.metrics import ServerMetrics
+from unmask.server.protocol import FieldError
+
+log = logging.getLogger("unmask.server")
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread died (a bug); the server answers 503 until it is restarted."""
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One engine request of an HTTP request, and the request's fields that an error about it
+    names."""
+
+    prompt_ids: list[int]
+    params: DecodeParams
+    field: str  # where the prompt came from: "prompt", "prompt[2]", "messages"
+    length_field: str | None = None  # the field that set gen_length, when the request set one
+
+
+@dataclass
+class Handle:
+    """A submitted request as the event loop sees it."""
+
+    request: Request
+    events: asyncio.Queue[StepEvent]
+    loop: asyncio.AbstractEventLoop
+    submitted: float = field(default_factory=time.perf_counter)
+    counted: bool = False  # its outcome is in /metrics (EngineClient.record)
+
+
+class EngineClient:
+    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.n_running = self.n_waiting = 0  # published by the engine thread (_publish)
+        self._cmds: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._handles: dict[str, Handle] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="unmask-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(("wake", None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- the door (the event loop) -------------------------------------------------------------
+    async def submit(self, items: list[Submission], what: str, trace: bool = False,
+                     left: Callable[[], Awaitable[bool]] | None = None) -> list[Handle] | None:
+        """Check every item, then submit them in order, one engine round trip each (a round trip
+        waits for the step in flight). None when `left()` says the client left before all were
+        submitted: those that were are aborted. Raises FieldError (a refusal naming the field),
+        QueueFull (none aborted but those submitted before it) or EngineStopped. `what` names
+        the items in messages ("choices", "decoder lanes")."""
+        if self.error is not None:
+            raise EngineStopped("the engine has stopped; see the server log")
+        self.check(items, what)
+        handles: list[Handle] = []
+        try:
+            for item in items:
+                if left is not None and await left():
+                    self._abort_all(handles)
+                    return None
+                handles.append(await self._add(item, trace))
+        except QueueFull:
+            self.metrics.requests.labels("rejected").inc()
+            self._abort_all(handles)
+            raise
+        except BaseException:
+            self._abort_all(handles)
+            raise
+        return handles
+
+    def check(self, items: list[Submission], what: str) -> None:
+        """The engine's refusal of any item, and of the items together, as a FieldError."""
+        for item in items:
+            try:
+                self.engine.check_prompt(item.prompt_ids, item.params)
+            except CanvasTooLong as e:
+                raise FieldError(item.length_field or item.field, str(e)) from None
+            except InputError as e:
+                raise FieldError(item.field, f"{item.field}: {e}") from None
+        scheduler = self.engine.scheduler
+        c = scheduler.config
+        if c.max_slots is None and (c.max_queue is None or len(items) <= c.max_running + c.max_queue):
+            return  # no budget but rows: every item fits alone, and the count fits
+        reqs = [Request(list(i.prompt_ids), i.params) for i in items]
+        for item, r in zip(items, reqs, strict=True):
+            try:
+                scheduler.check_fits(r)
+            except InputError as e:
+                raise FieldError(item.field, f"{item.field}: {e}") from None
+        if c.max_queue is None or len(reqs) <= c.max_queue + 1:
+            return  # each fits alone, so an idle engine runs one at least and queues the rest
+        at_once = scheduler.admitted_when_idle(reqs)
+        if len(reqs) > at_once + c.max_queue:
+            raise FieldError(None, never_together(len(reqs), what, at_once, c))
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._cmds.put(("abort", (request_id, reason)))
+
+    def record(self, handle: Handle, outcome: str, useful: int,
+               first_text: float | None = None) -> None:
+        """The request's outcome in /metrics, once: stop, length, abort or error, with its useful
+        tokens and (when it sent text) when the first came."""
+        if handle.counted:
+            return
+        handle.counted = True
+        req = handle.request
+        self.metrics.finished(outcome, req.nfe, req.decided, useful)
+        self.metrics.latency.observe(time.perf_counter() - handle.submitted)
+        if first_text is not None:
+            self.metrics.ttft.observe(first_text - handle.submitted)
+
+    async def _add(self, item: Submission, trace: bool) -> Handle:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Handle] = loop.create_future()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        self._cmds.put(("add", (item.prompt_ids, item.params, request_id, trace, loop, done)))
+        try:
+            return await done
+        except asyncio.CancelledError:  # the client left before the engine took it
+            self.abort(request_id)
+            raise
+
+    def _abort_all(self, handles: list[Handle]) -> None:
+        """Abort submitted requests nobody will read, counted as aborted."""
+        for h in handles:
+            self.abort(h.request.request_id)
+            self.record(h, "abort", 0)
+
+    # --- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.engine.has_unfinished)
+                if self.engine.has_unfinished:
+                    self._dispatch(self.engine.step())
+                self._publish()
+        except BaseException as e:  # noqa: BLE001 - reported by /health and failed requests
+            log.exception("engine thread died")
+            self.error = e
+            for h in list(self._handles.values()):
+                _deliver(h, StepEvent(
+                    h.request.request_id, 0, [], [], [], False, False, (0, 0), 0, 0, 0, 0,
+                    finished="error", error=f"engine stopped: {type(e).__name__}: {e}"))
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=0.05) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*cmd)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, arg: Any) -> None:
+        if kind == "add":
+            prompt_ids, params, request_id, trace, loop, done = arg
+            try:
+                req = self.engine.add_request(prompt_ids, params, request_id, trace=trace)
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, done, e)
+                return
+            h = Handle(req, asyncio.Queue(), loop)
+            self._handles[req.request_id] = h
+            loop.call_soon_threadsafe(_set_result, done, h)
+        elif kind == "abort":
+            request_id, reason = arg
+            self.engine.abort(request_id, reason)
+
+    def _dispatch(self, events: list[StepEvent]) -> None:
+        for ev in events:
+            h = self._handles.get(ev.request_id)
+            if h is None:
+                continue
+            if ev.finished:
+                del self._handles[ev.request_id]
+            _deliver(h, ev)
+        e = self.engine
+        self.metrics.engine_totals(e.model_calls, e.token_forwards)
+
+    def _publish(self) -> None:
+        self.n_running, self.n_waiting = self.engine.n_running, self.engine.n_waiting
+        self.metrics.queue_depth.set(self.n_waiting)
+        self.metrics.running.set(self.n_running)
+
+
+def never_together(n: int, what: str, at_once: int, c: Any) -> str:
+    """Why n requests can never be admitted together (c: the engine's SchedulerConfig)."""
+    most = at_once + c.max_queue
+    if c.max_slots is None:
+        return (f"{n} {what} in one request can never be admitted together: this server holds "
+                f"at most {most} requests (--max-running {c.max_running} decoding + --max-queue "
+                f"{c.max_queue} waiting); send at most {most} per request")
+    return (f"{n} {what} in one request can never be admitted together: under --max-slots "
+            f"{c.max_slots} (each holds prompt + gen_length slots, padded to the longest of its "
+            f"decoder batch) an idle server runs {at_once} of them at once, and --max-queue "
+            f"{c.max_queue} more can wait; send at most {most} per request, or shorter prompts "
+            f"or max_tokens")
+
+
+def _deliver(h: Handle, ev: StepEvent) -> None:
+    """Hand an event to its request's event loop; one whose loop has closed (a caller's thread
+    that ended without reading it to the end) has no reader, and must not stop the engine."""
+    try:
+        h.loop.call_soon_threadsafe(h.events.put_nowait, ev)
+    except RuntimeError:  # "Event loop is closed"
+        pass
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

@@ -1,0 +1,126 @@
+"""What a request body becomes before it reaches the engine: the checks that can be made
+before tokenizing (cheap, on the event loop), its token ids (on a worker thread) and its
+decoder parameters. The engine's own checks of the ids come after, at the door
+(EngineClient.submit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unmask.api import LLM
+from unmask.decoding.params import DecodeParams
+from unmask.errors import SpecError, UnmaskError
+from unmask.server.engine_client import Submission
+from unmask.server.errors import APIError
+from unmask.server.protocol import ChatCompletionRequest, CompletionRequest, _Common
+from unmask.server.state import ServerConfig, ServerState
+
+
+def check_request(state: ServerState, body: _Common) -> list[str] | list[list[int]]:
+    """Refuse what can be refused before tokenizing; a completion's prompts."""
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "server_error")
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                            f"{state.model_name!r}", param="model")
+    body.check_supported()  # a FieldError: a 400 naming the field
+    n = state.llm.config.max_sequence_length
+    if body.max_tokens is not None and body.max_tokens > n:
+        # No prompt fits beside it: refused by the field that set it, before a spec is built.
+        name = max_tokens_field(body)
+        raise APIError(400, f"{name} is {body.max_tokens}; this model's max_sequence_length is "
+                            f"{n} tokens, prompt and completion together", param=name)
+    if isinstance(body, CompletionRequest):
+        prompts = body.prompts()
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                check_prompt_chars(state, len(p), body.prompt_field(i))
+        return prompts
+    if isinstance(body, ChatCompletionRequest):
+        if len(body.messages) > n:  # each message renders to a token or more (its role marker)
+            raise APIError(400, f"{len(body.messages)} messages cannot fit the model's "
+                                f"max_sequence_length {n} tokens; the limit is {n} messages",
+                           param="messages")
+        chars = sum(len(m.text()) + len(m.name or "") for m in body.messages)
+        check_prompt_chars(state, chars, "messages")
+    return []
+
+
+def check_prompt_chars(state: ServerState, chars: int, field: str) -> None:
+    """Refuse a prompt too long to fit max_sequence_length tokens, by its characters: cheap, where
+    tokenizing it would cost time in proportion to its length."""
+    n = state.llm.config.max_sequence_length
+    limit = n * state.chars_per_token
+    if chars > limit:
+        raise APIError(400, f"{field} has {chars} characters; the limit is {limit} "
+                            f"(max_sequence_length {n} tokens x {state.chars_per_token} "
+                            f"characters, the longest token in the vocabulary)", param=field)
+
+
+def max_tokens_field(body: _Common) -> str:
+    """The field that set max_tokens (chat's check_supported copies max_completion_tokens)."""
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
+
+
+
+def encode_prompt(llm: LLM, prompt: str | list[int], chat: bool, field: str = "prompt") -> list[int]:
+    """Token ids of a prompt (blocking: call it off the event loop, with run_in_threadpool)."""
+    if isinstance(prompt, list):  # token ids: the engine checks them (non-empty, in the vocabulary)
+        return prompt
+    try:
+        return llm.encode_prompt(prompt, chat=chat)
+    except UnmaskError as e:
+        raise APIError(400, str(e), param=field) from None
+
+
+def encode_chat(llm: LLM, messages: list[dict]) -> list[int]:
+    """Token ids of a chat through the template (blocking: call it off the event loop)."""
+    tok = llm.tokenizer
+    if not tok.chat_template:
+        raise APIError(400, "this checkpoint has no chat template; use /v1/completions",
+                       param="messages")
+    if not any(m["content"].strip() for m in messages):
+        raise APIError(400, "empty messages: give the model something to answer", param="messages")
+    try:
+        text = llm.render_chat(messages)
+    except UnmaskError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return tok.encode(text, add_special_tokens=False)
+
+
+def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
+    """The request's decoder: its `decoder` spec (or the server's), with max_tokens (rounded up
+    to block_length), temperature, seed and top_p from the request. Against the server's default spec
+    the request's fields win; in a spec the request wrote itself, a conflict is an error."""
+    # "" is an empty spec (a 400, as --decoder ''), not a request for the server's
+    spec = config.decoder if body.decoder is None else body.decoder
+    try:
+        base = DecodeParams.parse(spec)
+        fields: dict[str, Any] = {}
+        if body.max_tokens is not None:
+            fields["gen_length"] = base.canvas_for(body.max_tokens)
+        if body.temperature is not None:
+            fields["temperature"] = body.temperature
+        if body.seed is not None:
+            fields["seed"] = body.seed
+        if body.top_p is not None and body.top_p < 1:  # 1 is off: clients send it by default
+            fields["top_p"] = body.top_p
+        if body.decoder is None:
+            return base.replace(**fields, name=base.spec) if fields else base
+        return DecodeParams.parse(spec, explicit=fields)
+    except SpecError as e:  # named by the request's field where the error is about one it set
+        field = {"gen_length": "max_tokens"}.get(e.key, e.key)
+        raise APIError(400, str(e), param=field if field in body.model_fields_set else "decoder"
+                       ) from None
+    except UnmaskError as e:
+        raise APIError(400, str(e), param="decoder") from None
+
+
+
+def submissions(body: _Common, ids: list[list[int]], params: list[DecodeParams],
+                fields: list[str]) -> list[Submission]:
+    """The engine requests of a request: prompt ids, decoder, and the fields an error names."""
+    length = max_tokens_field(body) if body.max_tokens is not None else None
+    return [Submission(p, q, f, length) for p, q, f in zip(ids, params, fields, strict=True)]
