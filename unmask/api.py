@@ -6,6 +6,7 @@ token ids only.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -19,8 +20,17 @@ from unmask.checkpoint import CheckpointError, load_model
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
+from unmask.quantize import (
+    check_quantize,
+    mib,
+    quantize_model,
+    quantized_scheme,
+    torchao_version,
+    weight_bytes,
+)
 
 DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
+log = logging.getLogger("unmask")
 
 
 @dataclass
@@ -160,7 +170,9 @@ class LLM:
     """A dLLM checkpoint ready to generate. path None = the embedded default model."""
 
     def __init__(self, path: str | Path | None = None, device: str | None = None,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, quantize: str | None = None) -> None:
+        """quantize: None, or "int8" / "int4": the transformer blocks' linear weights quantized
+        at load (unmask.quantize). A folder saved quantized loads quantized as saved."""
         if path is not None:
             try:
                 name = os.fspath(path)
@@ -181,10 +193,30 @@ class LLM:
                     "pass a model folder with --model / LLM(path=...)")
         self.path = Path(path)
         self.device = resolve_device(device)
+        if quantize is not None:  # before the load: a scheme that cannot run fails at once
+            check_quantize(quantize, self.device)
         self.model = load_model(self.path, self.device, dtype)
+        self.load_note = self._quantize(quantize)
+        log.info("%s: %s", self.path, self.load_note)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
         check_tokenizer(self.tokenizer, self.config, self.path)
+
+    def _quantize(self, scheme: str | None) -> str:
+        """Quantize the loaded model to `scheme` (None: leave it as loaded); returns a line
+        saying what its weights hold now, and held before when it changed them."""
+        held = weight_bytes(self.model)
+        saved = quantized_scheme(self.model)
+        if saved is not None:
+            if scheme not in (None, saved):
+                raise InputError(f"{self.path} was saved quantized as {saved}; load it without "
+                                 f"quantize, or quantize its float checkpoint as {scheme}")
+            return f"weights {mib(held)} (saved quantized as {saved})"
+        if scheme is None:
+            return f"weights {mib(held)}"
+        quantize_model(self.model, scheme)
+        return (f"weights {mib(weight_bytes(self.model))} quantized {scheme} with torchao "
+                f"{torchao_version()} ({mib(held)} before)")
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         if not prompt.strip():

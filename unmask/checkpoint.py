@@ -23,6 +23,7 @@ from torch import nn
 from unmask.config import TORCH_DTYPES, ConfigError, ModelConfig
 from unmask.errors import CheckpointError  # noqa: F401  (re-exported)
 from unmask.models import build_model
+from unmask.quantize import QUANTIZED_FILE, load_quantized, quantized_scheme, save_quantized
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPES}
@@ -35,16 +36,35 @@ def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | 
 
     max_shard_size (bytes): None writes one model.safetensors; otherwise shards of at most that
     many bytes of tensor data (a larger tensor gets a shard of its own), named
-    model-0000i-of-0000n.safetensors and listed in model.safetensors.index.json. Weight files
-    of an earlier save to the same folder are removed first, so the folder has one set.
+    model-0000i-of-0000n.safetensors and listed in model.safetensors.index.json. A model
+    quantized with torchao is written as one unmask.quantize.QUANTIZED_FILE instead. Weight
+    files of an earlier save to the same folder are removed first, so the folder has one set.
     """
     if max_shard_size is not None and (isinstance(max_shard_size, bool)
                                        or not isinstance(max_shard_size, int) or max_shard_size <= 0):
         raise CheckpointError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("model*.safetensors"), out / INDEX]:
+    for old in [*out.glob("model*.safetensors"), out / INDEX, out / QUANTIZED_FILE]:
         old.unlink(missing_ok=True)
+    scheme = quantized_scheme(model)
+    if scheme is not None:  # torchao tensors: torch.save, as torchao documents (unmask.quantize)
+        if max_shard_size is not None:
+            raise CheckpointError("a quantized model is saved as one file; leave max_shard_size unset")
+        state = model.state_dict()
+        _written_config(model.config, state).save(out)
+        save_quantized(state, scheme, out)
+    else:
+        _save_safetensors(model, out, max_shard_size)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.is_file() and src.resolve() != (out / name).resolve():
+                shutil.copy(src, out / name)
+    return out
+
+
+def _save_safetensors(model: nn.Module, out: Path, max_shard_size: int | None) -> None:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     _written_config(model.config, state).save(out)
     shards = _split(state, max_shard_size)
@@ -59,12 +79,6 @@ def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | 
         total = sum(t.numel() * t.element_size() for t in state.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    if tokenizer_dir is not None:
-        for name in TOKENIZER_FILES:
-            src = Path(tokenizer_dir) / name
-            if src.is_file() and src.resolve() != (out / name).resolve():
-                shutil.copy(src, out / name)
-    return out
 
 
 def _written_config(config: ModelConfig, state: dict[str, torch.Tensor]) -> ModelConfig:
@@ -107,11 +121,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         config = ModelConfig.load(folder)
     except ConfigError as e:
         raise CheckpointError(f"{folder}: {e}") from e
-    dtype = _resolve_dtype(config, torch.device(device), dtype)
-    files = weight_files(folder)
-
+    quantized = (folder / QUANTIZED_FILE).is_file()
+    # a quantized folder runs in the dtype it was saved in: no advice to load it in another
+    dtype = _resolve_dtype(config, torch.device(device), dtype, advise=not quantized)
     with torch.device("meta"):
         model = build_model(config)
+    if quantized:
+        return load_quantized(folder, model, torch.device(device), dtype)
+    files = weight_files(folder)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
@@ -154,7 +171,7 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 def _resolve_dtype(config: ModelConfig, device: torch.device,
-                   dtype: str | torch.dtype | None) -> torch.dtype:
+                   dtype: str | torch.dtype | None, advise: bool = True) -> torch.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise CheckpointError(f"dtype {dtype!r} is not supported; valid: {', '.join(DTYPES)}")
@@ -163,7 +180,7 @@ def _resolve_dtype(config: ModelConfig, device: torch.device,
         if dtype not in DTYPES.values():
             raise CheckpointError(f"dtype {dtype} is not supported; valid: {', '.join(DTYPES)}")
         return dtype
-    if device.type == "cpu" and config.torch_dtype != "float32":
+    if advise and device.type == "cpu" and config.torch_dtype != "float32":
         warnings.warn(f"running in {config.torch_dtype} (the checkpoint's torch_dtype) on the CPU, "
                       "where it is slower than float32 on most machines; dtype='float32' "
                       "(--dtype float32) trades twice the memory for speed", stacklevel=3)

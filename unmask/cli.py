@@ -22,6 +22,7 @@ from unmask.cli_args import (
     add_model_arguments,
     chat_for,
     check_prompts,
+    load_llm,
     parse_decoder,
 )
 from unmask.errors import UnmaskError
@@ -45,9 +46,7 @@ class _Parser(argparse.ArgumentParser):
 def cmd_generate(args: argparse.Namespace) -> int:
     params = parse_decoder(args.decoder, args)
     check_prompts(args.prompts)
-    from unmask.api import LLM
-
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = load_llm(args)
     with decode_progress(len(args.prompts) * params.gen_length) as on_event:
         outs = llm.generate(args.prompts, params, chat=chat_for(llm, args.raw), on_event=on_event)
     several = len(outs) > 1

@@ -38,6 +38,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights/compute dtype (default: the config's torch_dtype)")
     p.add_argument("--threads", type=positive, default=None,
                    help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quantize", default=None, metavar="int8|int4",
+                   help="weight-only quantization of the transformer blocks' linear layers at "
+                        "load, with torchao (needs unmask[quant]; default: none)")
+
+
+def load_llm(args: argparse.Namespace) -> LLM:
+    """The model the arguments of add_model_arguments name; with --quantize, a note on stderr
+    says what its weights hold before and after."""
+    from unmask.api import LLM
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    if args.quantize is not None:
+        print(f"note: {llm.load_note}", file=sys.stderr)
+    return llm
 
 
 def decoder_names() -> str:

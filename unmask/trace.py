@@ -358,7 +358,7 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_trace(args: argparse.Namespace) -> int:
     from unmask.bench.cli import check_outputs
-    from unmask.cli_args import chat_for, check_prompts, parse_decoder
+    from unmask.cli_args import chat_for, check_prompts, load_llm, parse_decoder
 
     out = Path(args.out)
     if out.suffix.lower() not in WRITERS:
@@ -368,9 +368,7 @@ def run_trace(args: argparse.Namespace) -> int:
     # Parsed before the model loads, so that a bad spec or a spec/flag conflict fails fast.
     params = [parse_decoder(spec, args) for spec in args.decoder or ["static-1"]]
     check_prompts([args.prompt])
-    from unmask.api import LLM
-
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = load_llm(args)
     trace = record(llm, args.prompt, params, chat=chat_for(llm, args.raw))
     # Written even when a lane failed: the steps up to a failure are what one debugs it with.
     WRITERS[out.suffix.lower()](trace, out)

@@ -15,7 +15,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from unmask.cli_args import add_length_arguments, add_model_arguments, chat_for, parse_decoder, positive
+from unmask.cli_args import (
+    add_length_arguments,
+    add_model_arguments,
+    chat_for,
+    load_llm,
+    parse_decoder,
+    positive,
+)
 from unmask.decoding.params import DecodeParams
 from unmask.errors import InputError
 
@@ -120,7 +127,7 @@ def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> st
     argv = ["unmask", command]
     if args.model:
         argv += ["--model", str(args.model)]
-    for flag in ("device", "dtype"):
+    for flag in ("device", "dtype", "quantize"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]
     argv += ["--task", args.task]
@@ -160,7 +167,6 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
         TimeRemainingColumn,
     )
 
-    from unmask.api import LLM
     from unmask.bench.report import machine_info
     from unmask.bench.runner import early_exit_baseline, reference_indices, run_side_by_side, summarize
     from unmask.bench.tasks import load_task
@@ -171,7 +177,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     task = load_task(args.task, args.n, seed=prompt_seed(args),
                      allow_code_execution=args.allow_code_execution,
                      stratify=getattr(args, "stratify", False))
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = load_llm(args)
     chat = chat_for(llm, raw=False, raw_flag=None)
 
     total = len(task.examples) * len(decoders)
@@ -205,6 +211,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     doc = {
         "machine": machine_info(llm.device),
         "model": str(args.model) if args.model else "embedded default model",
+        "weights": llm.load_note,
         "task": args.task,
         "gen_length": decoders[0].gen_length,
         "block_length": shared(decoders, "block_length"),  # None: per decoder, in its result

@@ -94,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from unmask.server.state import ServerConfig
     except ImportError as e:
         raise InputError(f"the server needs its extra: pip install 'unmask[serve]' ({e})") from None
-    from unmask.api import LLM
+    from unmask.cli_args import load_llm
 
     if args.max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -108,7 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--{given[0].replace('_', '-')} needs --ray")
     sock = listen(args.host, args.port)
     try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype)
+        llm = load_llm(args)
     except BaseException:
         sock.close()
         raise

@@ -1,0 +1,270 @@
+"""Weight-only int8 / int4 quantization of the transformer blocks' linear layers, with torchao.
+
+What is quantized: every nn.Linear inside the model's block stack (the nn.ModuleList of blocks:
+q/k/v/output projections and the MLP), weight-only: activations, the K/V store, scoring and
+every decoder run in the model's dtype as before. What is not, and why:
+
+- embeddings: a row lookup, not a matmul; torchao's weight-only tensors implement F.linear;
+- norms: a vector per layer, a negligible share of the bytes;
+- the LM head: the models read it as a matrix (``x @ head.T``, the embedding itself when
+  tied), not through F.linear, and every decoder's confidence comes from its logits. At the
+  published 8B shapes it is 6-7% of the weights (LLaDA-8B: 126,464 x 4,096).
+
+Which torchao tensor holds the weights (torchao 0.18):
+
+- int8: ``Int8WeightOnlyConfig`` (symmetric, one scale per output row): an ``Int8Tensor``; its
+  linear is a matmul in the activation dtype, so it runs wherever torch does;
+- int4 on the CPU: ``PrototypeInt4WeightOnlyConfig``: an ``Int4OpaqueTensor`` packed for
+  torch's own ``_weight_int4pack_mm_for_cpu``;
+- int4 on CUDA: ``Int4WeightOnlyConfig`` with the ``tile_packed_to_4d`` packing: an
+  ``Int4TilePackedTo4dTensor`` for torch's own tinygemm kernel ``_weight_int4pack_mm``, which
+  needs a GPU of compute capability 8.0 or newer. (torchao's default int4 packing calls
+  kernels of the separate ``mslk`` package.)
+
+int4 needs a model in bfloat16, on both: the CUDA packing takes nothing else, and the CPU
+kernel's float32 and float16 paths are 50-70x slower than a float32 linear (measured on this
+project's CPU, a 1024 x 2816 layer, 16 and 256 rows; bfloat16: 0.6-2.4x the time of a bfloat16 linear).
+
+int4 groups: one scale and zero point per group of input features, the largest of 128, 64
+and 32 that divides every quantized layer's input width (torchao's default is 128; it skips a
+layer whose width its group size does not divide, which here is an error instead).
+
+A quantized model is saved as torchao documents for its tensors (its "Serialization" page):
+``torch.save`` of the state dict, loaded into a model built on the meta device with
+``load_state_dict(assign=True)``. ``save_checkpoint`` of a quantized model writes
+QUANTIZED_FILE beside config.json; ``load_model`` (and so ``LLM(folder)``) reads it back.
+
+Importing this module imports torch, not torchao: torchao loads on first use.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from unmask.errors import CheckpointError, InputError
+
+SCHEMES = ("int8", "int4")
+INSTALL = "pip install 'unmask[quant]'"
+MIN_TORCHAO = (0, 18)  # PrototypeInt4WeightOnlyConfig (0.17 names it otherwise)
+INT4_GROUP_SIZES = (128, 64, 32)  # what both int4 packings accept, largest first
+QUANTIZED_FILE = "model.torchao.pt"
+# The torchao tensor types this module creates, by class name (no torchao import needed to ask).
+TENSOR_SCHEMES = {"Int8Tensor": "int8", "Int4OpaqueTensor": "int4",
+                  "Int4TilePackedTo4dTensor": "int4"}
+
+
+def check_quantize(scheme: str, device: torch.device) -> None:
+    """Refuse, in one line saying what works instead, a scheme this install cannot run on
+    `device`: an unknown name, torchao missing or too old, int4 where no int4 kernel runs."""
+    if scheme not in SCHEMES:
+        raise InputError(f"quantize {scheme!r} is not a quantization scheme; valid: "
+                         f"{', '.join(SCHEMES)} (or none, for the checkpoint's dtype)")
+    torchao_version()
+    if scheme == "int4":
+        _check_int4_device(torch.device(device))
+
+
+def torchao_version() -> str:
+    """torchao's version, importing it (quietly) on first use; InputError when it is missing
+    or older than this module needs."""
+    try:
+        # torchao logs a warning for each of its CUDA extensions a CPU torch cannot load, and
+        # torch one for an enum torchao registers: noise on every load, about nothing used here
+        with _quiet("torchao", "torch.utils._pytree"):
+            import torchao
+            import torchao.prototype.quantization.int4  # noqa: F401  (registers Int4OpaqueTensor)
+    except ImportError as e:
+        raise InputError(f"quantization needs torchao, which is not installed ({e}): "
+                         f"{INSTALL}") from None
+    version = torchao.__version__
+    found = tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+    if found < MIN_TORCHAO:
+        raise InputError(f"quantization needs torchao >= {'.'.join(map(str, MIN_TORCHAO))}, "
+                         f"found {version}: pip install -U 'unmask[quant]'")
+    return version
+
+
+class _quiet:
+    """Raise the named loggers to ERROR while the block runs."""
+
+    def __init__(self, *names: str) -> None:
+        self.loggers = [logging.getLogger(n) for n in names]
+
+    def __enter__(self) -> None:
+        self.levels = [lg.level for lg in self.loggers]
+        for lg in self.loggers:
+            lg.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        for lg, level in zip(self.loggers, self.levels, strict=True):
+            lg.setLevel(level)
+
+
+def _check_int4_device(device: torch.device) -> None:
+    if device.type == "cpu":
+        if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+            raise InputError(f"int4 on the CPU needs torch's _weight_int4pack_mm_for_cpu, which "
+                             f"torch {torch.__version__} lacks; use quantize int8")
+        return
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 0):
+            raise InputError(f"int4 on {device} needs a GPU of compute capability 8.0 or newer "
+                             f"(torch's tinygemm kernel); this one is {capability[0]}."
+                             f"{capability[1]}: use quantize int8")
+        return
+    raise InputError(f"int4 runs on cpu and cuda, not {device.type}: use quantize int8 there, "
+                     f"or int4 with device cpu")
+
+
+def quantize_model(model: nn.Module, scheme: str) -> None:
+    """Quantize `model`'s transformer-block linear weights to `scheme` in place (module
+    docstring: what and how). InputError as check_quantize does, and for a model already
+    quantized, int4 on a model not in bfloat16, an int4 layer width no group size divides."""
+    linears = block_linears(model)
+    weight = next(iter(linears.values())).weight
+    check_quantize(scheme, weight.device)
+    found = quantized_scheme(model)
+    if found is not None:
+        raise InputError(f"the model is already quantized ({found}); load its float "
+                         f"checkpoint to quantize it as {scheme}")
+    from torchao.quantization import quantize_
+
+    targets = {id(m) for m in linears.values()}
+    quantize_(model, _torchao_config(scheme, linears, weight),
+              filter_fn=lambda module, fqn: id(module) in targets)
+    skipped = [name for name, m in linears.items() if not _is_torchao(m.weight)]
+    if skipped:  # torchao leaves a layer it cannot quantize as it was, with only a log line
+        raise InputError(f"torchao left {skipped[0]} unquantized ({scheme}); its weight is "
+                         f"{tuple(linears[skipped[0]].weight.shape)}")
+
+
+def _torchao_config(scheme: str, linears: dict[str, nn.Linear], weight: torch.Tensor):
+    """The torchao config for `scheme` on the weights' device. set_inductor_config=False:
+    torchao's default changes torch._inductor's global settings, which quantizing the weights
+    has no business doing."""
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if scheme == "int8":
+        return Int8WeightOnlyConfig(set_inductor_config=False)
+    if weight.dtype != torch.bfloat16:
+        raise InputError(f"int4 needs a model in bfloat16, this one is in "
+                         f"{str(weight.dtype).removeprefix('torch.')} (torch's int4 kernels run "
+                         f"bfloat16; on the CPU other dtypes take a path 50-70x slower): load it "
+                         f"with dtype bfloat16, or use quantize int8")
+    group_size = _int4_group_size(linears)
+    if weight.device.type == "cpu":
+        from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+        return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
+    return Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d",
+                                set_inductor_config=False)
+
+
+def _int4_group_size(linears: dict[str, nn.Linear]) -> int:
+    for size in INT4_GROUP_SIZES:
+        if all(m.in_features % size == 0 for m in linears.values()):
+            return size
+    name, m = next((n, m) for n, m in linears.items()
+                   if any(m.in_features % s for s in INT4_GROUP_SIZES))
+    raise InputError(f"int4 groups input features by {', '.join(map(str, INT4_GROUP_SIZES))}; "
+                     f"{name} has {m.in_features}, which none divides: use quantize int8")
+
+
+def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The nn.Linear layers inside the model's block stacks (its nn.ModuleLists), by name."""
+    inside = {id(m) for stack in model.modules() if isinstance(stack, nn.ModuleList)
+              for m in stack.modules()}
+    found = {name: m for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and id(m) in inside}
+    if not found:
+        raise InputError(f"{type(model).__name__} has no linear layers in a block stack to "
+                         f"quantize")
+    return found
+
+
+def _is_torchao(t: torch.Tensor) -> bool:
+    return type(t).__name__ in TENSOR_SCHEMES
+
+
+def quantized_scheme(model: nn.Module) -> str | None:
+    """The scheme `model`'s weights are quantized with, None for plain tensors."""
+    for p in model.parameters():
+        if _is_torchao(p):
+            return TENSOR_SCHEMES[type(p).__name__]
+    return None
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's parameters and buffers hold: a torchao tensor counts the tensors it
+    is made of (packed values, scales, zero points), not its logical shape times its dtype."""
+    return sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers()))
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+# --- saved quantized folders ----------------------------------------------------------------------
+def save_quantized(state: dict[str, torch.Tensor], scheme: str, out: Path) -> None:
+    """Write a quantized model's state dict to out/QUANTIZED_FILE, with what loading checks."""
+    device = next(iter(state.values())).device.type
+    torch.save({"scheme": scheme, "device": device, "torchao": torchao_version(),
+                "state_dict": state}, out / QUANTIZED_FILE)
+
+
+def load_quantized(folder: Path, model: nn.Module, device: torch.device,
+                   dtype: torch.dtype) -> nn.Module:
+    """`model` (built on the meta device) with the quantized weights of folder/QUANTIZED_FILE
+    assigned on `device`. The weights run as saved: int4 on the device type it was packed for,
+    every tensor in the dtype it was saved in."""
+    file = folder / QUANTIZED_FILE
+    if any(folder.glob("*.safetensors")):
+        raise CheckpointError(f"{folder} holds both {QUANTIZED_FILE} and *.safetensors weights; "
+                              f"keep one set")
+    try:
+        torchao_version()
+    except InputError as e:
+        raise CheckpointError(f"{file} holds torchao-quantized weights: {e}") from None
+    try:
+        saved = torch.load(file, map_location=device, weights_only=True, mmap=True)
+        scheme, packed_for, state = saved["scheme"], saved["device"], saved["state_dict"]
+    # torch.load raises many types for a damaged or foreign file (pickle, zip, runtime errors)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{file} is not a quantized state dict saved by unmask "
+                              f"({type(e).__name__}: {str(e).strip()[:200]})") from None
+    if scheme == "int4" and packed_for != device.type:
+        raise CheckpointError(f"{file}: int4 weights packed for {packed_for} cannot run on "
+                              f"{device.type}; quantize the float checkpoint on {device.type}")
+    _check_state(file, state, model, dtype)
+    model.load_state_dict(state, assign=True)
+    return model.eval()
+
+
+def _check_state(file: Path, state: dict, model: nn.Module, dtype: torch.dtype) -> None:
+    expected = model.state_dict()
+    for key, t in state.items():
+        if key not in expected:
+            raise CheckpointError(f"{file.name}: unexpected tensor {key!r}")
+        if tuple(t.shape) != tuple(expected[key].shape):
+            raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, config expects "
+                                  f"{tuple(expected[key].shape)}")
+        if t.dtype != dtype:
+            raise CheckpointError(f"{file.name}: tensor {key!r} is {t.dtype}; a quantized folder "
+                                  f"runs in the dtype it was saved in, {dtype}")
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise CheckpointError(f"{file.name}: missing tensor {missing[0]!r}")
