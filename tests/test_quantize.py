@@ -83,6 +83,20 @@ def test_weight_bytes_counts_the_packed_tensors(scheme: str, bytes_per_weight) -
     assert float_linears / packed > 3.7
 
 
+def test_quantizing_on_the_cpu_lets_go_of_the_mapped_checkpoint(folders) -> None:
+    """load_model leaves the weights as views of the memory-mapped file: the tensors kept as
+    they were are copied out, so the mapping (and the float weights' pages) can go."""
+    from unmask.checkpoint import load_model
+
+    model = load_model(folders["llada"], "cpu")
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    quantize_model(model, "int8")
+    kept = {n: p for n, p in model.named_parameters() if type(p) is torch.nn.Parameter}
+    assert len(kept) == 2 * model.config.n_layers + 3  # two norms a block; wte, ln_f, ff_out
+    for name, p in kept.items():
+        assert p.data_ptr() != before[name][0] and torch.equal(p, before[name][1]), name
+
+
 # --- numerics ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def embedded() -> LLM:
