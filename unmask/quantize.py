@@ -39,10 +39,12 @@ Importing this module imports torch, not torchao: torchao loads on first use.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import platform
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -92,19 +94,17 @@ def torchao_version() -> str:
     return version
 
 
-class _quiet:
-    """Raise the named loggers to ERROR while the block runs."""
-
-    def __init__(self, *names: str) -> None:
-        self.loggers = [logging.getLogger(n) for n in names]
-
-    def __enter__(self) -> None:
-        self.levels = [lg.level for lg in self.loggers]
-        for lg in self.loggers:
-            lg.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc: object) -> None:
-        for lg, level in zip(self.loggers, self.levels, strict=True):
+@contextlib.contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """The named loggers at ERROR while the block runs."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
 
 
