@@ -100,7 +100,7 @@ class ModelConfig:
     # head_dim: 128 with hidden_size 2560 and 32 heads in SDAR-4B); None: d_model / n_heads.
     head_size: int | None = None
     # Block-diffusion families only (SDAR): the block size the model was trained with. Attention
-    # is block-causal: a position sees its own block and every earlier one (docs/design.md § 8).
+    # is block-causal: a position sees its own block and every earlier one (docs/design.md § Checkpoints).
     # None: bidirectional (LLaDA, Dream).
     block_size: int | None = None
     torch_dtype: str = "float32"

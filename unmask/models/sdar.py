@@ -5,7 +5,7 @@ RoPE, SwiGLU, no biases, a head width set by the config (`head_dim`, which need 
 hidden_size / num_attention_heads). Module names mirror the published tensor names
 (model.layers.N.self_attn.q_norm...), so state_dict() keys are the safetensors keys.
 
-Attention is block-causal, a property of the family (docs/design.md § 8): the sequence is cut
+Attention is block-causal, a property of the family (docs/design.md § Checkpoints): the sequence is cut
 into blocks of `block_size` positions by position id, and a position attends to its own block
 and every earlier one, never a later one. Without a frame the forward builds that mask from the
 position ids; a `Frame` passed by the engine decides instead what a call attends to (stored K/V
