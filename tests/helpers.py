@@ -50,6 +50,8 @@ def tiny_config(model_type: str = "llada", vocab_size: int = 300, **overrides: A
                               embedding_size=vocab_size, mask_token_id=2, eos_token_id=1)
     if model_type == "Dream":
         kw["qkv_bias"] = True
+    if model_type == "sdar":
+        kw["block_size"] = 4
     kw.update(overrides)
     return ModelConfig(**kw)
 

@@ -1,7 +1,8 @@
-"""The published config.json files of LLaDA-8B-Instruct, LLaDA-1.5 and Dream-v0-Instruct-7B
-(tests/data): every key honoured or refused with one line, and tiny random models with their
-exact key sets and real vocabularies, saved sharded in bfloat16, load, round-trip bit-exact and
-generate with every decoder."""
+"""The published config.json files of LLaDA-8B-Instruct, LLaDA-1.5, Dream-v0-Instruct-7B and
+SDAR-4B/8B-Chat (tests/data; SDAR's from JetAstra/SDAR training/model/SDAR-*-Chat/): every key
+honoured or refused with one line, and tiny random models with their exact key sets and real
+vocabularies, saved sharded in bfloat16, load, round-trip bit-exact and generate with every
+decoder (SDAR: refused in one line until block-diffusion decoding exists)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from unmask.checkpoint import INDEX, CheckpointError, load_model, save_checkpoin
 from unmask.cli import main
 from unmask.config import ConfigError, ModelConfig, json_keys
 from unmask.decoding.params import DecodeParams
+from unmask.errors import InputError
 from unmask.models import build_model
 
 DATA = Path(__file__).parent / "data"
@@ -25,12 +27,19 @@ PUBLISHED = {  # fixture -> (parameters of the full-size model, vocabulary)
     "llada-8b-instruct": (8_015_581_184, 126_464),
     "llada-1.5": (8_015_581_184, 126_464),
     "dream-v0-instruct-7b": (7_615_616_512, 152_064),
+    # the published model.safetensors.index.json's total_size / 2 (bfloat16), and its tensor names
+    "sdar-4b-chat": (4_411_424_256, 151_936),
+    "sdar-8b-chat": (8_190_735_360, 151_936),
 }
+BIDIRECTIONAL = [name for name in PUBLISHED if not name.startswith("sdar")]
 # The published architecture shrunk: same key set, head/kv-head ratio and vocabulary.
 TINY = {
     "llada": {"d_model": 32, "n_heads": 4, "n_kv_heads": 4, "n_layers": 2, "mlp_hidden_size": 64},
     "Dream": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
               "num_hidden_layers": 2, "intermediate_size": 64},
+    # head_dim set apart from hidden_size / heads (8), as SDAR-4B's 128 is from 2560 / 32
+    "sdar": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "num_hidden_layers": 2, "intermediate_size": 64, "head_dim": 16},
 }
 SHARD = 4 << 20  # bytes: the bf16 embedding and LM head (~8 MiB each) get a shard of their own
 
@@ -48,6 +57,11 @@ REFUSED = {
         "hidden_act": "gelu", "use_sliding_window": True, "torch_dtype": "int8",
         "rope_scaling": {"type": "yarn", "factor": 4.0}, "embedding_size": 152_064,
         "some_new_key": 1,
+    },
+    "sdar": {
+        "hidden_act": "gelu", "use_sliding_window": True, "attention_bias": True,
+        "torch_dtype": "int8", "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+        "block_size": 0, "head_dim": 0, "embedding_size": 152_064, "some_new_key": 1,
     },
 }
 
@@ -75,7 +89,7 @@ def test_every_variant_key_has_a_refusal_test(model_type: str) -> None:
 
 
 def _refused_cases() -> list[tuple[str, str, object]]:
-    names = {"llada": "llada-8b-instruct", "Dream": "dream-v0-instruct-7b"}
+    names = {"llada": "llada-8b-instruct", "Dream": "dream-v0-instruct-7b", "sdar": "sdar-8b-chat"}
     return [(names[t], k, v) for t, keys in REFUSED.items() for k, v in keys.items()]
 
 
@@ -158,6 +172,7 @@ def test_sharded_round_trip_bit_exact(folder, tmp_path: Path) -> None:
         (path / "config.json").read_text())
 
 
+@pytest.mark.parametrize("folder", BIDIRECTIONAL, indirect=True)
 def test_generate_with_every_decoder(folder) -> None:
     model, path = folder
     with warnings.catch_warnings():
@@ -171,6 +186,21 @@ def test_generate_with_every_decoder(folder) -> None:
         assert len(g.token_ids) == 16 and mask not in g.token_ids, spec
         assert all(0 <= t < llm.config.vocab_size for t in g.token_ids), spec
         assert g.nfe >= 1
+
+
+@pytest.mark.parametrize("folder", [n for n in PUBLISHED if n not in BIDIRECTIONAL], indirect=True)
+def test_block_model_loads_but_decoding_is_refused(folder) -> None:
+    """An SDAR folder loads (model and tokenizer) and runs forwards; generating is one line."""
+    model, path = folder
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        llm = unmask.LLM(path, device="cpu")
+    assert llm.config.block_size == 4 and llm.config.head_dim == 16
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert torch.equal(llm.model(ids, torch.arange(5)[None]), model(ids, torch.arange(5)[None]))
+    with pytest.raises(InputError, match="block-diffusion decoding is not implemented yet"):
+        llm.generate("what is 12 + 34?", DecodeParams.parse("static", gen_length=16, block_length=8))
 
 
 def test_float32_on_request(folder) -> None:
@@ -202,6 +232,11 @@ PUBLISHED_TOKENIZERS = {
                               "mask_token": "<|mask|>"}),
 }
 PUBLISHED_TOKENIZERS["llada-1.5"] = PUBLISHED_TOKENIZERS["llada-8b-instruct"]
+# SDAR's (Qwen3's vocabulary plus <|MASK|>) names <|endoftext|> (151643) and <|MASK|> (151669).
+PUBLISHED_TOKENIZERS["sdar-8b-chat"] = (
+    151_670, {151_643: "<|endoftext|>", 151_669: "<|MASK|>"},
+    {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "mask_token": "<|MASK|>"})
+PUBLISHED_TOKENIZERS["sdar-4b-chat"] = PUBLISHED_TOKENIZERS["sdar-8b-chat"]
 
 
 def _word_tokenizer(out: Path, size: int, specials: dict[int, str], settings: dict) -> Path:

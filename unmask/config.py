@@ -1,7 +1,7 @@
 """Model configuration: one dataclass for every checkpoint format, validated on construction.
 
 The field names are LLaDA's config.json keys. Each model file says how its format's config.json
-maps onto them (a `JsonKeys`): which keys are renamed (Dream's Qwen2 names), which keys name an
+maps onto them (a `JsonKeys`): which keys are renamed (Dream's and SDAR's Qwen names), which keys name an
 architecture variant unmask builds only one value of, and which keys do not change inference.
 Every key of a config.json is one of those or a field; any other key is refused, so nothing a
 checkpoint asks for is silently ignored. (`dtype`, transformers 5's name for `torch_dtype`, is read
@@ -19,7 +19,7 @@ from typing import Any
 
 from unmask.errors import ConfigError  # noqa: F401  (re-exported)
 
-MODEL_TYPES = ("llada", "Dream")
+MODEL_TYPES = ("llada", "Dream", "sdar")
 # The dtypes a checkpoint can run in; the names are config.json's torch_dtype values.
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 # Sanity bounds, orders of magnitude above any published model (LLaDA-8B: d_model 4096, 32 layers,
@@ -35,7 +35,7 @@ MAX_POSITIONS = 1 << 28
 # Qwen2's), not ours, so an absent key would silently build a model the reference does not.
 # Absent LLaDA n_kv_heads / mlp_hidden_size are derived by the model file's `prepare`.
 REQUIRED = ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size",
-            "mask_token_id", "eos_token_id")
+            "mask_token_id", "eos_token_id", "head_size", "block_size")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class JsonKeys:
 
 @dataclass
 class ModelConfig:
-    """Architecture of a LLaDA (`llada`) or Dream (`Dream`) checkpoint.
+    """Architecture of a LLaDA (`llada`), Dream (`Dream`) or SDAR (`sdar`) checkpoint.
 
     Fields left None take the model type's reference value in `__post_init__`.
     """
@@ -94,8 +94,15 @@ class ModelConfig:
     # Rotate q/k in float32 and cast back (LLaDA's rope_full_precision, default true in its
     # configuration file); Dream (Qwen2) rotates in the model's dtype.
     rope_full_precision: bool | None = None
-    # Dream (Qwen2) only: None, or {"type" (or "rope_type"): "linear" | "default", "factor": f}.
+    # Dream (Qwen2) and SDAR: None, or {"type" (or "rope_type"): "linear" | "default", "factor": f}.
     rope_scaling: dict[str, Any] | None = None
+    # Width of one attention head where the format sets it apart from d_model / n_heads (SDAR's
+    # head_dim: 128 with hidden_size 2560 and 32 heads in SDAR-4B); None: d_model / n_heads.
+    head_size: int | None = None
+    # Block-diffusion families only (SDAR): the block size the model was trained with. Attention
+    # is block-causal: a position sees its own block and every earlier one (docs/design.md § Checkpoints).
+    # None: bidirectional (LLaDA, Dream).
+    block_size: int | None = None
     torch_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -104,22 +111,26 @@ class ModelConfig:
             raise ConfigError(
                 f"model_type {self.model_type!r} is not supported; valid: {sorted(MODEL_TYPES)}"
             )
-        dream = self.model_type == "Dream"
         if self.embedding_size is None:
             self.embedding_size = self.vocab_size
         if self.qkv_bias is None:
-            self.qkv_bias = dream
+            self.qkv_bias = self.model_type == "Dream"
         if self.rope_full_precision is None:
-            self.rope_full_precision = not dream
+            self.rope_full_precision = self.model_type == "llada"
         self._check_extra()
         self._check_types()
         self._check_sizes()
-        self._check_choices(dream)
+        self._check_choices()
+        if self.model_type == "sdar" and self.head_size is None:
+            # written to config.json: SDAR's configuration reads head_dim, and null is no width
+            self.head_size = self.head_dim
 
     def _check_types(self) -> None:
         """Coerce JSON numbers to the field types; name the key when a value is not one."""
         for f in fields(self):
             value, kind = getattr(self, f.name), str(f.type).removesuffix(" | None")
+            if value is None and kind != str(f.type):  # an optional field left unset
+                continue
             if kind in ("int", "float", "bool"):
                 if kind == "bool":
                     ok = isinstance(value, bool) or value in (0, 1)
@@ -141,14 +152,19 @@ class ModelConfig:
         for name in ("rope_theta", "rms_norm_eps"):
             if getattr(self, name) <= 0:  # a non-positive base or epsilon gives NaN activations
                 raise ConfigError(f"{name} must be a positive number, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
+        for name in ("head_size", "block_size"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= MAX_WIDTH:
+                raise ConfigError(f"{k(name)} must be an integer in 1..{MAX_WIDTH:,}, got {value:,}")
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ConfigError(f"{k('d_model')} ({self.d_model}) must be divisible by "
                               f"{k('n_heads')} ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(f"{k('n_heads')} ({self.n_heads}) must be divisible by "
                               f"{k('n_kv_heads')} ({self.n_kv_heads})")
-        if (self.d_model // self.n_heads) % 2:
-            raise ConfigError(f"head dim ({k('d_model')} / {k('n_heads')}) must be even for RoPE")
+        if self.head_dim % 2:
+            what = k("head_size") if self.head_size else f"{k('d_model')} / {k('n_heads')}"
+            raise ConfigError(f"head dim ({what}) must be even for RoPE, got {self.head_dim}")
         if self.embedding_size < self.vocab_size:
             raise ConfigError(
                 f"embedding_size ({self.embedding_size}) must be >= vocab_size ({self.vocab_size})"
@@ -164,24 +180,36 @@ class ModelConfig:
             raise ConfigError(f"eos_token_id={self.eos_token_id} is not in the vocabulary "
                               f"(0..{self.vocab_size - 1}): the model could never predict it")
 
-    def _check_choices(self, dream: bool) -> None:
+    def _check_choices(self) -> None:
         if self.torch_dtype not in TORCH_DTYPES:
             raise ConfigError(f"config key 'torch_dtype' = {_show(self.torch_dtype)} is not supported; "
                               f"valid: {', '.join(TORCH_DTYPES)}")
         if self.include_bias:
             raise ConfigError("config key 'include_bias' = true (biases on every linear, the LM "
                               "head and the norms) is not supported; unmask builds false")
-        if not dream:
+        sdar = self.model_type == "sdar"
+        # Fields only one family's config.json has a key for: set on another, a save would drop them.
+        if not sdar and (self.head_size is not None or self.block_size is not None):
+            raise ConfigError(f"head_size and block_size are SDAR keys (head_dim, block_size); "
+                              f"{self.model_type} sets neither")
+        if sdar and self.block_size is None:
+            raise ConfigError("SDAR is a block-diffusion model: config key 'block_size' (the block "
+                              "size it was trained with) must be set")
+        if self.model_type == "llada":
             if self.rope_scaling is not None:
                 raise ConfigError(f"config key 'rope_scaling' = {_show(self.rope_scaling)} is not "
                                   "a LLaDA key; unmask builds LLaDA without RoPE scaling")
             return
-        if not self.qkv_bias:
-            raise ConfigError("Dream (Qwen2) always has q/k/v biases; qkv_bias=False is not a Dream model")
+        name = "SDAR (Qwen3)" if sdar else "Dream (Qwen2)"
+        if self.qkv_bias == sdar:
+            raise ConfigError(f"{name} {'never' if sdar else 'always'} has q/k/v biases; "
+                              f"qkv_bias={self.qkv_bias} is not a{'n' if sdar else ''} "
+                              f"{self.model_type} model")
         if self.rope_full_precision:
-            raise ConfigError("rope_full_precision is a LLaDA key; Dream rotates q/k in the model dtype")
+            raise ConfigError(f"rope_full_precision is a LLaDA key; {name} rotates q/k in the "
+                              "model dtype")
         if self.embedding_size != self.vocab_size:
-            raise ConfigError(f"Dream's embedding has vocab_size ({self.vocab_size}) rows; "
+            raise ConfigError(f"{name}'s embedding has vocab_size ({self.vocab_size}) rows; "
                               f"embedding_size={self.embedding_size} cannot be written in its config")
         self.rope_factor()  # validates rope_scaling
 
@@ -206,7 +234,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     def rope_factor(self) -> float:
         """The linear RoPE scaling factor (positions are divided by it); 1.0 without scaling."""
@@ -232,7 +260,7 @@ class ModelConfig:
             raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         if model_type is None:
-            raise ConfigError("config.json has no model_type (expected 'llada' or 'Dream')")
+            raise ConfigError(f"config.json has no model_type (expected one of {sorted(MODEL_TYPES)})")
         if model_type not in MODEL_TYPES:
             raise ConfigError(f"model_type {model_type!r} is not supported; valid: {sorted(MODEL_TYPES)}")
         keys = json_keys(model_type)

@@ -33,6 +33,7 @@ from unmask.engine.decoder import Decoder, StepResult
 from unmask.engine.request import Request, StepEvent
 from unmask.engine.scheduler import Scheduler, SchedulerConfig
 from unmask.errors import CanvasTooLong, InputError
+from unmask.models import refuse_block_diffusion
 
 log = logging.getLogger("unmask.engine")
 
@@ -57,6 +58,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: SchedulerConfig | None = None,
                  mask_id: int | None = None, eos_id: int | None = None) -> None:
         """mask_id / eos_id default to the model config's (tests override them)."""
+        refuse_block_diffusion(model)
         self.model = model
         c = model.config
         self.mask_id = c.mask_token_id if mask_id is None else mask_id

@@ -1,4 +1,4 @@
-"""Layers shared by the LLaMA-family dLLMs (LLaDA and Dream): RMSNorm, RoPE, attention, SwiGLU."""
+"""Layers shared by the LLaMA-family dLLMs (LLaDA, Dream, SDAR): RMSNorm, RoPE, attention, SwiGLU."""
 
 from __future__ import annotations
 
@@ -66,10 +66,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads: int,
-              n_kv_heads: int, layer: int, frame: Frame | None) -> Tensor:
-    """Bidirectional multi-head attention with grouped K/V.
+              n_kv_heads: int, layer: int, frame: Frame | None, mask: Tensor | None = None) -> Tensor:
+    """Multi-head attention with grouped K/V: bidirectional, or as `mask` says without a frame.
 
     q: (B, T, H*D), k/v: (B, T, H_kv*D) projections of the forwarded tokens. Returns (B, T, H*D).
+    mask: (B, 1, T, T) bool, the keys each query sees when no frame is given (a block-causal
+    family's own attention); with a frame, the frame decides.
     """
     b, t, _ = q.shape
     q = q.view(b, t, n_heads, -1).transpose(1, 2)  # (B, H, T, D)
@@ -77,7 +79,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads
     v = v.view(b, t, n_kv_heads, -1).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if frame is None:
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=n_heads != n_kv_heads)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_heads != n_kv_heads)
     else:
         out = frame.attend(layer, q, k, v)  # padding, stored keys, packing: the frame's business
     return out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)

@@ -142,7 +142,7 @@ LLaDAModel.json_keys = JsonKeys(
         # packaging
         "architectures", "auto_map", "transformers_version", "use_cache", "_name_or_path",
     }),
-    omitted=frozenset({"rope_scaling"}),
+    omitted=frozenset({"rope_scaling", "head_size", "block_size"}),
     written={"architectures": ["LLaDAModelLM"]},
     prepare=_prepare,
 )

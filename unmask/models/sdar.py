@@ -1,0 +1,101 @@
+"""SDAR (`model_type: sdar`): Qwen3 layers attending block-causally, a block-diffusion model.
+
+The layers are Qwen3's: grouped-query attention whose q and k are RMS-normalised per head before
+RoPE, SwiGLU, no biases, a head width set by the config (`head_dim`, which need not be
+hidden_size / num_attention_heads). Module names mirror the published tensor names
+(model.layers.N.self_attn.q_norm...), so state_dict() keys are the safetensors keys.
+
+Attention is block-causal, a property of the family (docs/design.md § Checkpoints): the sequence is cut
+into blocks of `block_size` positions by position id, and a position attends to its own block
+and every earlier one, never a later one. Without a frame the forward builds that mask from the
+position ids; a `Frame` passed by the engine decides instead what a call attends to (stored K/V
+of finished blocks plus the forwarded block). Predictions are unshifted: position i's is read
+at i, as SDAR's generate.py reads them. `SDARModel.json_keys` says what each key of SDAR's
+config.json does here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unmask.config import JsonKeys, ModelConfig
+from unmask.models.dream import DreamModel
+from unmask.models.layers import RMSNorm
+from unmask.models.qwen import QwenLayer, QwenLM
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm scaled by its weight in float32 and rounded once: SDAR's modeling code calls a
+    fused kernel (flash-attn's rms_norm_fn) that computes x * rstd * weight in float32 and
+    stores the result in x's dtype. `RMSNorm` rounds before the weight, as transformers' Llama
+    and Qwen do; in float32 the two are the same."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return super().forward(x)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+
+
+def block_causal_mask(position_ids: Tensor, block_size: int) -> Tensor:
+    """(B, T) position ids -> (B, 1, T, T) bool: query i sees key j iff j's block (position //
+    block_size) is i's or an earlier one."""
+    block = torch.div(position_ids, block_size, rounding_mode="floor")
+    return (block[:, :, None] >= block[:, None, :])[:, None]
+
+
+class SDARAttention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        q_dim, kv_dim = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(c.d_model, q_dim, bias=False)
+        self.k_proj = nn.Linear(c.d_model, kv_dim, bias=False)
+        self.v_proj = nn.Linear(c.d_model, kv_dim, bias=False)
+        self.o_proj = nn.Linear(q_dim, c.d_model, bias=False)
+        self.q_norm = FusedRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = FusedRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.head_dim = c.head_dim
+
+    def queries_keys(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        """(B, T, H*D) queries and keys, each head's D values RMS-normalised on their own."""
+        return self._per_head(self.q_norm, self.q_proj(h)), self._per_head(self.k_norm, self.k_proj(h))
+
+    def _per_head(self, norm: FusedRMSNorm, x: Tensor) -> Tensor:
+        return norm(x.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+
+
+class SDARLayer(QwenLayer):
+    attention_class = SDARAttention
+    norm_class = FusedRMSNorm
+
+
+class SDARModel(QwenLM):
+    """Block-causal: without a frame a position attends to its own block and earlier ones."""
+
+    layer_class = SDARLayer
+    norm_class = FusedRMSNorm
+    json_keys: JsonKeys  # set below the class
+
+    def attention_mask(self, position_ids: Tensor) -> Tensor:
+        return block_causal_mask(position_ids, self.config.block_size)
+
+
+# Key names and meanings are those of SDAR's configuration file (JetAstra/SDAR,
+# training/model/SDAR-*-Chat/configuration_sdar.py): Qwen3's keys, which are Qwen2's as Dream reads
+# them plus head_dim and attention_bias, and SDAR's block_size and mask_token_id.
+_QWEN = DreamModel.json_keys
+SDARModel.json_keys = JsonKeys(
+    renamed={**_QWEN.renamed, "head_dim": "head_size"},
+    variants={**_QWEN.variants, "attention_bias": ((False,), "biases on the q/k/v/o projections")},
+    inert=_QWEN.inert | {
+        # training: the training attention kernel (inference attends by the mask it is given,
+        # whatever this says), the fused training loss, expert parallelism (MoE variants only),
+        # and settings SDAR's modeling file never reads
+        "attn_implementation", "fuse_cross_entropy", "ep_size", "use_deepep", "debug",
+        "micro_forward", "skip_checkpoint",
+    },
+    omitted=frozenset({"embedding_size", "include_bias", "qkv_bias", "rope_full_precision"}),
+    written={"architectures": ["SDARForCausalLM"]},
+    prepare=_QWEN.prepare,  # Qwen's: null num_key_value_heads = num_attention_heads
+)
