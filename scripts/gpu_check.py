@@ -3,8 +3,8 @@
     python scripts/gpu_check.py --out DIR [--tiny] [--device cuda] [--budget 420]
         [--reference .ref/fast_dllm_llada] [--models llada,dream]
 
-Random-weight models of the published LLaDA-8B-Instruct and Dream-v0-Instruct-7B shapes (their
-config.json files are tests/data/*.config.json; `--tiny` shrinks the widths and depths but keeps
+Random-weight models of the published LLaDA-8B-Instruct, Dream-v0-Instruct-7B and SDAR-8B-Chat
+shapes (their config.json files are tests/data/*.config.json; `--tiny` shrinks the widths and depths but keeps
 the vocabularies) are built on the device, and each section below writes its rows to
 DIR/gpu_check.json and DIR/gpu_check.md as soon as they are measured, so a run stopped at its
 time limit still reports what it measured. Random weights: these are speed and numerics
@@ -66,11 +66,13 @@ from unmask.decoding.params import DecodeParams  # noqa: E402
 from unmask.engine import Engine, SchedulerConfig  # noqa: E402
 from unmask.models import build_model  # noqa: E402
 
-PUBLISHED = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b"}
+PUBLISHED = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b", "sdar": "sdar-8b-chat"}
 TINY = {  # the published architecture shrunk: same key set, head/kv-head ratio and vocabulary
     "llada": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "n_layers": 2, "mlp_hidden_size": 128},
     "dream": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "num_hidden_layers": 2, "intermediate_size": 128},
+    "sdar": {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+             "num_hidden_layers": 2, "intermediate_size": 192},
 }
 DECODERS = ("static-1", "threshold", "exact", "balanced", "fast")
 
@@ -440,6 +442,10 @@ def variant_model(family: str, variant: str, device: torch.device, sz: Sizes,
 
 def section_decode(report: Report, clock: Clock, family: str, device: torch.device, sz: Sizes,
                    variants: list[str], tiny: bool) -> None:
+    if published_config(family, tiny).block_size is not None:
+        # the engine refuses block-diffusion models until it decodes them (refuse_block_diffusion)
+        report.add("decode", {"model": family, "skipped": "block-diffusion decoding not in the engine yet"})
+        return
     for variant in variants:
         head = {"model": family, "variant": variant}
         row0 = {**head, "decoder": "(warm-up: threshold)", "batch": sz.batches[0]}
@@ -531,7 +537,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reference", type=Path, default=None,
                    help="folder of Fast-dLLM's LLaDA modeling files (configuration_llada.py, "
                         "modeling_llada.py, __init__.py) to compare LLaDA logits against")
-    p.add_argument("--models", default="llada,dream", help="comma-separated: llada, dream")
+    p.add_argument("--models", default="llada,dream,sdar", help="comma-separated: llada, dream, sdar "
+                   "(sdar: logits and forward; the engine does not decode it yet)")
     p.add_argument("--variants", default="eager,int8,int4,compile",
                    help="decode variants for the first model (the others run eager only): eager, "
                         "int8, int4, compile[:MODE] (torch.compile mode, e.g. reduce-overhead)")
