@@ -92,6 +92,43 @@ def test_openai_client_matches_offline(server: LiveServer, llm: LLM, spec: str) 
     assert streamed == want_raw
 
 
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_max_tokens_is_a_hard_cap(server: LiveServer, llm: LLM, max_tokens: int) -> None:
+    """max_tokens 1 returned 32 tokens (the canvas is rounded up to block_length): OpenAI
+    clients take it as a hard limit. The decoder decodes its canvas (the `unmask` field says
+    which) but at most max_tokens tokens come back, streamed or not, counted so in usage."""
+    client = server.client()
+    prompt, spec = PROMPTS[1], "static-1"
+    from unmask.server.intake import request_params
+
+    params = request_params(ServerConfig(), CompletionRequest(prompt=prompt, max_tokens=max_tokens,
+                                                              decoder=spec))
+    assert params.gen_length == 32
+    full = llm.generate([prompt], params, chat=False)[0]
+    ids = full.token_ids[: useful_length(full.token_ids, llm.config.eos_token_id)]
+    assert len(ids) > max_tokens  # the answer is longer than the cap
+    want = llm.detokenize(ids[:max_tokens])
+    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=max_tokens,
+                                  extra_body={"decoder": spec})
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == max_tokens
+    assert r.model_extra["unmask"]["gen_length"] == 32
+    chunks = list(client.completions.create(
+        model="default_model", prompt=prompt, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, extra_body={"decoder": spec}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == max_tokens
+    chat = client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": prompt}],
+        max_completion_tokens=max_tokens, extra_body={"decoder": spec})
+    assert chat.usage.completion_tokens <= max_tokens
+    assert len(llm.tokenizer.encode(chat.choices[0].message.content,
+                                    add_special_tokens=False)) <= max_tokens + 1
+    assert chat.id.startswith("chatcmpl-") and r.id.startswith("cmpl-")  # as OpenAI's
+
+
 def test_top_p_samples_as_the_decoder_does(server: LiveServer, llm: LLM) -> None:
     """OpenAI's top_p is the decoder's top_p (it was refused as "not implemented", though the
     spec grammar has it); 1, which clients send by default, changes nothing."""

@@ -5,9 +5,10 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and
 Requests join the engine's running batch at its next step and leave when done (continuous
 batching); each request's tokens are those it would get alone (batch invariance).
 
-A completion's canvas is `max_tokens` rounded up to the decoder's block_length; the text ends at
-the first EOS (finish_reason "stop") or at the canvas end ("length"). A stop string cuts the text
-before it, and decoding stops as soon as it is committed. Streaming sends the committed prefix
+A completion's canvas is `max_tokens` rounded up to the decoder's block_length, and its text at
+most `max_tokens` tokens (decoding stops once they are committed); the text ends at the first EOS
+(finish_reason "stop") or at max_tokens ("length"). A stop string cuts the text before it, and
+decoding stops as soon as it is committed. Streaming sends the committed prefix
 as it grows: text is never retracted or reordered.
 
 Tokenizing and chat templating run on a worker thread: their cost grows with the prompt, and on
