@@ -23,6 +23,7 @@ engine_client.py is the one door into the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -32,6 +33,7 @@ from fastapi.staticfiles import StaticFiles
 from unmask.api import LLM
 from unmask.engine import Engine, SchedulerConfig
 from unmask.server import completions, info, live
+from unmask.server.access import add_access
 from unmask.server.engine_client import EngineClient
 from unmask.server.errors import BodyLimit, add_error_handlers
 from unmask.server.metrics import ServerMetrics
@@ -53,6 +55,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         door.start()
         yield
         state.draining = True
@@ -62,6 +65,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
                   description="OpenAI-compatible server for diffusion language models")
     app.state.unmask = state
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    add_access(app, config.api_key, config.cors_origins)  # outside the body limit: 401 first
     add_error_handlers(app)
     for routes in (info.router, completions.router, live.router):
         app.include_router(routes)

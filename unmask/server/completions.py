@@ -92,7 +92,9 @@ async def _respond(state: ServerState, body: _Common, ids: list[list[int]], requ
             _record(state, c)
     failed = [c for c in choices if c.error]
     if failed:
-        raise APIError(500, f"the request failed in the engine: {failed[0].error}", "server_error")
+        # cut off by a shutdown (503: the server, not the request), or failed in the engine
+        raise APIError(503 if state.draining else 500,
+                       f"the request failed in the engine: {failed[0].error}", "server_error")
     if any(c.finish_reason is None for c in choices):  # the client left: nobody reads this
         return Response(status_code=499)
     return JSONResponse({
