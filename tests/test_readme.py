@@ -24,7 +24,7 @@ FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
 def examples() -> list[tuple[str, str, str]]:
     """(language, code, claimed output) of each example that claims an output."""
     blocks = [(m[1].strip(), m[2]) for m in FENCE.finditer(README.read_text())]
-    return [(lang, code, claim) for (lang, code), (info, claim) in zip(blocks, blocks[1:])
+    return [(lang, code, claim) for (lang, code), (info, claim) in zip(blocks, blocks[1:], strict=False)
             if info == "text output"]
 
 
