@@ -228,3 +228,20 @@ def test_client_leaving_aborts_the_decode(base_url: str) -> None:
     while httpx.get(f"{base_url}/health").json()["running"]:
         assert time.monotonic() < deadline, "the decode went on after the client left"
         time.sleep(0.05)
+
+
+def test_the_pages_defaults_answer_its_default_prompt_whole() -> None:
+    """The page's default of 64 tokens cut its own default answer (about 75 tokens) short."""
+    import re
+
+    from unmask.server.live import STATIC
+
+    html = (STATIC / "index.html").read_text()
+    max_tokens = int(re.search(r'id="max-tokens"[^>]*value="(\d+)"', html)[1])
+    prompt = re.search(r'<textarea id="prompt"[^>]*>([^<]*)</textarea>', html)[1]
+    specs = re.findall(r'\["pick-[ab]", "spec-[ab]", "([^"]+)"\]', (STATIC / "live.js").read_text())
+    assert prompt == PROMPT and specs == ["static-1", "fast"]
+    llm = LLM()
+    for spec in specs:
+        g = llm.generate([prompt], spec, gen_length=max_tokens)[0]
+        assert g.finish_reason == "eos", (spec, g.text)

@@ -92,6 +92,43 @@ def test_openai_client_matches_offline(server: LiveServer, llm: LLM, spec: str) 
     assert streamed == want_raw
 
 
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_max_tokens_is_a_hard_cap(server: LiveServer, llm: LLM, max_tokens: int) -> None:
+    """max_tokens 1 returned 32 tokens (the canvas is rounded up to block_length): OpenAI
+    clients take it as a hard limit. The decoder decodes its canvas (the `unmask` field says
+    which) but at most max_tokens tokens come back, streamed or not, counted so in usage."""
+    client = server.client()
+    prompt, spec = PROMPTS[1], "static-1"
+    from unmask.server.intake import request_params
+
+    params = request_params(ServerConfig(), CompletionRequest(prompt=prompt, max_tokens=max_tokens,
+                                                              decoder=spec))
+    assert params.gen_length == 32
+    full = llm.generate([prompt], params, chat=False)[0]
+    ids = full.token_ids[: useful_length(full.token_ids, llm.config.eos_token_id)]
+    assert len(ids) > max_tokens  # the answer is longer than the cap
+    want = llm.detokenize(ids[:max_tokens])
+    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=max_tokens,
+                                  extra_body={"decoder": spec})
+    assert r.choices[0].text == want
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == max_tokens
+    assert r.model_extra["unmask"]["gen_length"] == 32
+    chunks = list(client.completions.create(
+        model="default_model", prompt=prompt, max_tokens=max_tokens, stream=True,
+        stream_options={"include_usage": True}, extra_body={"decoder": spec}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == max_tokens
+    chat = client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": prompt}],
+        max_completion_tokens=max_tokens, extra_body={"decoder": spec})
+    assert chat.usage.completion_tokens <= max_tokens
+    assert len(llm.tokenizer.encode(chat.choices[0].message.content,
+                                    add_special_tokens=False)) <= max_tokens + 1
+    assert chat.id.startswith("chatcmpl-") and r.id.startswith("cmpl-")  # as OpenAI's
+
+
 def test_top_p_samples_as_the_decoder_does(server: LiveServer, llm: LLM) -> None:
     """OpenAI's top_p is the decoder's top_p (it was refused as "not implemented", though the
     spec grammar has it); 1, which clients send by default, changes nothing."""
@@ -515,10 +552,35 @@ def test_a_second_ctrl_c_quits_at_once_without_aborting(tmp_path) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) in (130, -signal.SIGINT)  # 130: the shell's way of saying SIGINT
+        assert proc.wait(30) == 130  # the shell's way of saying SIGINT
         t.join(30)
-        assert "terminate called" not in log.read_text()
-        assert lines[-1] != "data: [DONE]"  # cut off: a forced quit does not wait
+        text = log.read_text()
+        assert "terminate called" not in text
+        # it printed 6 tracebacks (asyncio cancelling the app's tasks); the cut stream gets the
+        # error event, and the log one line
+        assert "Traceback" not in text and "Exception in ASGI" not in text, text
+        assert len(re.findall("cut off cmpl-", text)) == 1, text
+        assert json.loads(lines[-1].removeprefix("data: "))["error"]["type"] == "server_error"
+
+
+def test_streams_past_the_shutdown_timeout_end_with_an_error_event(tmp_path) -> None:
+    """A stream still running at --shutdown-timeout was cancelled by uvicorn (~50 log lines, the
+    connection closed before [DONE]): the app now cuts it first, with the error event it
+    promises, and one log line. Also: the log names what is served."""
+    with serve_process(tmp_path, "--decoder", "static-1", "--shutdown-timeout", "1") as (
+            proc, url, log):
+        lines: list[str] = []
+        t = _stream_in_thread(url, {"prompt": "hi", "max_tokens": 1024, "stream": True}, lines)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert proc.wait(30) == 0
+        err = json.loads(lines[-1].removeprefix("data: "))["error"]
+        assert "--shutdown-timeout (1 s) has passed" in err["message"], lines[-1]
+        text = log.read_text()
+        assert "Traceback" not in text and "Cancel" not in text, text
+        assert len(re.findall("cut off cmpl-", text)) == 1, text
+        assert re.search(r"serving default_model \(.*default_model\) with decoder static-1: "
+                         r"float32 on cpu, 1 torch threads; API key off", text), text
 
 
 @pytest.mark.parametrize("argv, words", [

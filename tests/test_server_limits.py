@@ -329,3 +329,88 @@ def test_a_chat_template_that_raises_is_a_400(tmp_path) -> None:
                                                 max_tokens=8,
                                                 messages=[{"role": "user", "content": "hi"}])
         assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+# --- who may call: the API key and CORS ------------------------------------------------------------
+def test_api_key_guards_the_v1_routes_and_cors_answers_preflights(llm: LLM) -> None:
+    """The server served anyone who could reach its port. With a key, /v1/ routes (OpenAI's and
+    the live view's) are a 401 in OpenAI's error body without it; /health, /metrics and the page
+    stay open. CORS preflights from a listed origin are answered before the key is asked for."""
+    config = ServerConfig(decoder="threshold", api_key="s3cret-key",
+                          cors_origins=("https://ui.example",))
+    with LiveServer(build_app(llm, config)) as s:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            s.client().completions.create(model="default_model", prompt="hi", max_tokens=8)
+        assert refused.value.status_code == 401
+        assert refused.value.body["code"] == "invalid_api_key"
+        for header in ({}, {"Authorization": "Bearer s3cret-ke"}, {"Authorization": "s3cret-key"},
+                       {"Authorization": "Bearer s3cret-key2"}):
+            r = httpx.get(f"{s.url}/v1/models", headers=header, timeout=10)
+            assert error(r, 401)["code"] == "invalid_api_key", header
+        r = httpx.post(f"{s.url}/v1/unmask/trace", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 401
+        for path in ("/health", "/metrics", "/"):
+            assert httpx.get(f"{s.url}{path}", timeout=10).status_code == 200, path
+        from openai import OpenAI
+
+        keyed = OpenAI(base_url=f"{s.url}/v1", api_key="s3cret-key", max_retries=0, timeout=120)
+        ok = keyed.completions.create(model="default_model", prompt="hi", max_tokens=8)
+        assert ok.choices[0].finish_reason in ("stop", "length")
+
+        def preflight(origin: str) -> httpx.Response:
+            return httpx.options(f"{s.url}/v1/chat/completions", timeout=10, headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+
+        allowed = preflight("https://ui.example")
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "https://ui.example"
+        assert "access-control-allow-origin" not in preflight("https://evil.example").headers
+        answer = httpx.get(f"{s.url}/v1/models", timeout=10, headers={
+            "Origin": "https://ui.example", "Authorization": "Bearer s3cret-key"})
+        assert answer.headers["access-control-allow-origin"] == "https://ui.example"
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"api_key": ""}, "API key"), ({"api_key": "two words"}, "API key"),
+    ({"cors_origins": ("ui.example",)}, "--cors-origin 'ui.example'"),
+    ({"cors_origins": ("https://ui.example/app",)}, "no path"),
+    ({"shutdown_timeout": float("nan")}, "--shutdown-timeout"),
+    ({"shutdown_timeout": float("inf")}, "--shutdown-timeout"),
+    ({"shutdown_timeout": -1.0}, "--shutdown-timeout"),
+])
+def test_access_and_shutdown_settings_are_validated(change: dict, words: str) -> None:
+    from unmask.errors import InputError
+
+    with pytest.raises(InputError, match=re.escape(words)):
+        ServerConfig(**change)
+
+
+@pytest.mark.parametrize("argv, env, words", [
+    (["--shutdown-timeout", "nan"], {}, "--shutdown-timeout must be a number of seconds >= 0"),
+    (["--shutdown-timeout", "-1"], {}, "--shutdown-timeout must be a number of seconds >= 0"),
+    ([], {"UNMASK_API_KEY": ""}, "$UNMASK_API_KEY"),  # set but empty is no silent "open"
+    (["--cors-origin", "*", "--cors-origin", "ftp://x"], {}, "--cors-origin 'ftp://x'"),
+])
+def test_serve_refuses_bad_settings_in_one_line_before_loading(argv, env, words, capsys,
+                                                              monkeypatch) -> None:
+    from unmask import api
+    from unmask.cli import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(api.LLM, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["serve", "--port", "0", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch) -> None:
+    from unmask.cli import build_parser
+    from unmask.server.run import api_key
+
+    monkeypatch.setenv("UNMASK_API_KEY", "from-env")
+    assert api_key(build_parser().parse_args(["serve"])) == "from-env"
+    assert api_key(build_parser().parse_args(["serve", "--api-key", "flag"])) == "flag"
+    monkeypatch.delenv("UNMASK_API_KEY")
+    assert api_key(build_parser().parse_args(["serve"])) is None

@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 import random
+import re
 import statistics
 from pathlib import Path
 
@@ -522,3 +523,56 @@ def test_vocab_size_is_the_tokenizers(tok_dir: Path, tmp_path: Path, one_thread:
     assert recorded == summary["args"]["vocab_size"] == summary["config"]["vocab_size"] == vocab
     run_train(_train_args(tok_dir, "--out", str(tmp_path / "v3"), "--max-steps", "1",
                           "--vocab-size", str(vocab)))  # the same size typed: fine
+
+
+def test_train_help_shows_every_default() -> None:
+    """`--out` silently wrote to runs/default: --help names each flag's default."""
+    from unmask.cli import build_parser
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    text = " ".join(train.format_help().split())
+    assert "(default: runs/default)" in text
+    for action in train._actions:
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            entry = " ".join(train._get_formatter()._format_action(action).split())
+            assert "default" in entry, entry
+
+
+def _strict_json(path: Path) -> dict:
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_a_first_run_evaluates_under_its_own_bar_and_writes_strict_json(
+        tok_dir: Path, tmp_path: Path, one_thread: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """A one-step run decoded the held-out problems for minutes under a training bar stuck at
+    "step 0 0.0% loss nan", and its summary.json held bare NaN (unmeasured rates), which
+    strict JSON parsers refuse: null now."""
+    from unmask.training.train import run_train
+
+    out = tmp_path / "run"
+    run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "1", "--solve-every", "5",
+                          "--solve-n", "2"))
+    shown = capsys.readouterr().out
+    assert "step 1" in shown  # the training bar's last state
+    assert "final evaluation" in shown and "--no-final-eval" in shown
+    assert re.search(r"evaluating.*3/3", shown), shown  # the loss, then 2 problems decoded
+    summary = _strict_json(out / "summary.json")
+    assert summary["final_parse_rate"] is None  # --code-frac 0: no code problems
+    assert 0 <= summary["final_solve_rate"] <= 1 and summary["final_heldout_loss"] > 0
+
+
+def test_no_final_eval_skips_it(tok_dir: Path, tmp_path: Path, one_thread: None,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from unmask.training import train
+
+    def fail(*a, **k):
+        raise AssertionError("evaluated")
+    monkeypatch.setattr(train, "heldout_loss", fail)
+    monkeypatch.setattr(train, "solve_rate", fail)
+    out = tmp_path / "run"
+    summary = train.run_train(_train_args(tok_dir, "--out", str(out), "--max-steps", "1",
+                                          "--solve-every", "5", "--no-final-eval"))
+    assert summary["final_heldout_loss"] is None and summary["final_solve_rate"] is None
+    assert _strict_json(out / "summary.json")["steps"] == 1

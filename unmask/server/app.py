@@ -5,9 +5,10 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (and
 Requests join the engine's running batch at its next step and leave when done (continuous
 batching); each request's tokens are those it would get alone (batch invariance).
 
-A completion's canvas is `max_tokens` rounded up to the decoder's block_length; the text ends at
-the first EOS (finish_reason "stop") or at the canvas end ("length"). A stop string cuts the text
-before it, and decoding stops as soon as it is committed. Streaming sends the committed prefix
+A completion's canvas is `max_tokens` rounded up to the decoder's block_length, and its text at
+most `max_tokens` tokens (decoding stops once they are committed); the text ends at the first EOS
+(finish_reason "stop") or at max_tokens ("length"). A stop string cuts the text before it, and
+decoding stops as soon as it is committed. Streaming sends the committed prefix
 as it grows: text is never retracted or reordered.
 
 Tokenizing and chat templating run on a worker thread: their cost grows with the prompt, and on
@@ -22,6 +23,7 @@ engine_client.py is the one door into the engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -31,6 +33,7 @@ from fastapi.staticfiles import StaticFiles
 from unmask.api import LLM
 from unmask.engine import Engine, SchedulerConfig
 from unmask.server import completions, info, live
+from unmask.server.access import add_access
 from unmask.server.engine_client import EngineClient
 from unmask.server.errors import BodyLimit, add_error_handlers
 from unmask.server.metrics import ServerMetrics
@@ -52,6 +55,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         door.start()
         yield
         state.draining = True
@@ -61,6 +65,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
                   description="OpenAI-compatible server for diffusion language models")
     app.state.unmask = state
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
+    add_access(app, config.api_key, config.cors_origins)  # outside the body limit: 401 first
     add_error_handlers(app)
     for routes in (info.router, completions.router, live.router):
         app.include_router(routes)

@@ -73,10 +73,12 @@ async def _respond(state: ServerState, body: _Common, ids: list[list[int]], requ
     if handles is None:
         return Response(status_code=499)
     # usage counts a prompt's tokens once, however many choices it has (as OpenAI's)
-    choices = [Choice(i, h, TextStream(state.llm, item.params.gen_length, body.stop),
+    choices = [Choice(i, h, TextStream(state.llm, item.params.gen_length, body.stop,
+                                       body.max_tokens),
                       len(item.prompt_ids) if i % body.n == 0 else 0)
                for i, (h, item) in enumerate(zip(handles, items, strict=True))]
-    rid = choices[0].request.request_id
+    rid = choices[0].request.request_id  # cmpl-...; OpenAI's chat ids are chatcmpl-...
+    rid = f"chat{rid}" if chat else rid
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         gen = _stream(state, choices, request, chat, rid, params, include_usage)
@@ -90,7 +92,9 @@ async def _respond(state: ServerState, body: _Common, ids: list[list[int]], requ
             _record(state, c)
     failed = [c for c in choices if c.error]
     if failed:
-        raise APIError(500, f"the request failed in the engine: {failed[0].error}", "server_error")
+        # cut off by a shutdown (503: the server, not the request), or failed in the engine
+        raise APIError(503 if state.draining else 500,
+                       f"the request failed in the engine: {failed[0].error}", "server_error")
     if any(c.finish_reason is None for c in choices):  # the client left: nobody reads this
         return Response(status_code=499)
     return JSONResponse({
@@ -131,17 +135,16 @@ async def _events(state: ServerState, c: Choice, request: Request) -> AsyncItera
                 if ev.finished == "error":
                     c.error, c.outcome = ev.error or "unknown error", "error"
                     return
-                stopped = ev.finished == "stop" or c.text.stop_hit
+                stopped = ev.finished == "stop" or c.text.final
                 delta = c.text.update(ev) if ev.positions else ""
                 delta += c.text.finish(None if stopped else c.request.token_ids)
-                c.finish_reason = "stop" if stopped or ev.finished == "eos" else "length"
-                c.outcome = c.finish_reason
+                c.finish_reason = c.outcome = c.text.finish_reason
                 if delta:
                     c.sent_text()
                     yield delta
                 return
             delta = c.text.update(ev)
-            if c.text.stop_hit:  # committed: stop decoding now
+            if c.text.final:  # a stop or max_tokens committed: stop decoding now
                 state.engine.abort(c.request.request_id, "stop")
             if delta:
                 c.sent_text()

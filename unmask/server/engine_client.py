@@ -79,9 +79,13 @@ class EngineClient:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread after its step; requests still open then get an error event
+        (their streams end with the error, not a cancelled task's traceback)."""
         self._stop.set()
         self._cmds.put(("wake", None))
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # the handles are no other thread's now
+            self._cut("the server stopped before this request finished")
 
     @property
     def alive(self) -> bool:
@@ -142,6 +146,12 @@ class EngineClient:
     def abort(self, request_id: str, reason: str = "abort") -> None:
         self._cmds.put(("abort", (request_id, reason)))
 
+    def cut_all(self, why: str) -> None:
+        """Fail every request now (a shutdown's timeout has passed): each gets an error event
+        saying `why`, so its stream ends with the error the server promises, and the log one
+        line per request."""
+        self._cmds.put(("cut", why))
+
     def record(self, handle: Handle, outcome: str, useful: int,
                first_text: float | None = None) -> None:
         """The request's outcome in /metrics, once: stop, length, abort or error, with its useful
@@ -184,9 +194,7 @@ class EngineClient:
             log.exception("engine thread died")
             self.error = e
             for h in list(self._handles.values()):
-                _deliver(h, StepEvent(
-                    h.request.request_id, 0, [], [], [], False, False, (0, 0), 0, 0, 0, 0,
-                    finished="error", error=f"engine stopped: {type(e).__name__}: {e}"))
+                _deliver(h, _failed(h, f"engine stopped: {type(e).__name__}: {e}"))
 
     def _drain(self, block: bool) -> None:
         try:
@@ -214,6 +222,15 @@ class EngineClient:
         elif kind == "abort":
             request_id, reason = arg
             self.engine.abort(request_id, reason)
+        elif kind == "cut":
+            self._cut(arg)
+
+    def _cut(self, why: str) -> None:
+        for request_id, h in list(self._handles.items()):
+            self.engine.abort(request_id)
+            del self._handles[request_id]
+            log.warning("cut off %s: %s", request_id, why)
+            _deliver(h, _failed(h, why))
 
     def _dispatch(self, events: list[StepEvent]) -> None:
         for ev in events:
@@ -253,6 +270,12 @@ def _deliver(h: Handle, ev: StepEvent) -> None:
         h.loop.call_soon_threadsafe(h.events.put_nowait, ev)
     except RuntimeError:  # "Event loop is closed"
         pass
+
+
+def _failed(h: Handle, error: str) -> StepEvent:
+    """The final event of a request that failed outside a step."""
+    return StepEvent(h.request.request_id, 0, [], [], [], False, False, (0, 0), 0, 0, 0, 0,
+                     finished="error", error=error)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -16,18 +16,36 @@ from unmask.server.engine_client import Handle
 class TextStream:
     """The committed prefix of one request as text: what may be sent now, and when to stop.
 
-    Text up to the first EOS, cut before the first stop string. While decoding, the text is held
-    back where it could still change: an incomplete character at the end, or an end that could
-    be the start of a stop string.
+    Text of at most `limit` tokens (the request's max_tokens: OpenAI clients take it as a hard
+    cap, where the decoder's canvas is rounded up to whole blocks), up to the first EOS, cut
+    before the first stop string. While decoding, the text is held back where it could still
+    change: an incomplete character at the end, or an end that could be the start of a stop
+    string.
     """
 
-    def __init__(self, llm: LLM, gen_length: int, stops: list[str] | None) -> None:
+    def __init__(self, llm: LLM, gen_length: int, stops: list[str] | None,
+                 limit: int | None = None) -> None:
         self.llm, self.stops = llm, stops or []
         self.eos = llm.config.eos_token_id
         self.tokens: list[int | None] = [None] * gen_length
+        self.limit = gen_length if limit is None else min(limit, gen_length)
         self.sent = ""
         self.stop_hit = False
-        self.n_tokens = 0  # generated tokens behind the text (up to EOS or the stop)
+        self.eos_hit = False  # the text ends at an EOS within the limit
+        self.n_tokens = 0  # generated tokens behind the text (up to EOS, the stop or the limit)
+
+    @property
+    def final(self) -> bool:
+        """Nothing more can be added: a stop string, or the limit reached short of the canvas's
+        end (the decoder's later positions are never returned, so it need not decode them)."""
+        return self.stop_hit or (not self.eos_hit and self.limit < len(self.tokens)
+                                 and self.n_tokens == self.limit)
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's: "stop" at an EOS or a stop string, "length" at the limit (or the canvas's
+        end)."""
+        return "stop" if self.stop_hit or self.eos_hit else "length"
 
     def update(self, ev: StepEvent) -> str:
         """Apply a step's commits; return the new text that is safe to send."""
@@ -50,10 +68,11 @@ class TextStream:
 
     def _text(self, ids: list[int | None]) -> tuple[str, bool]:
         """(text, final): final once an EOS or a stop string ends the text."""
-        ids = [t for t in ids if t is not None]
+        ids = [t for t in ids if t is not None][: self.limit]
         n = useful_length(ids, self.eos)
         text = self.llm.detokenize(ids[:n])
-        final = n < len(ids)
+        self.eos_hit = n < len(ids)
+        final = self.eos_hit or n == self.limit
         # A stop can begin only in unsent text: the sent text never ends where one could begin
         # (_hold_back), and the committed prefix's text only grows. So each step searches the
         # new text, not all of it (whole-text searches cost O(text) a step, O(text^2) a request).
@@ -66,7 +85,7 @@ class TextStream:
         cut = min(found)[1] if found else -1
         if cut >= 0:
             text, final, self.stop_hit = text[:cut], True, True
-            self.n_tokens = len(self.llm.tokenizer.encode(text, add_special_tokens=False))
+            self.n_tokens = min(n, len(self.llm.tokenizer.encode(text, add_special_tokens=False)))
         else:
             self.n_tokens = n
         return text, final
@@ -130,7 +149,7 @@ def decode_numbers(choices: list[Choice], params: DecodeParams) -> dict[str, Any
     reqs = [c.request for c in choices]
     nfe = sum(r.nfe for r in reqs)
     decided = sum(r.decided for r in reqs)
-    return {"decoder": params.spec, "nfe": nfe,
+    return {"decoder": params.spec, "gen_length": params.gen_length, "nfe": nfe,
             "token_forwards": sum(r.token_forwards for r in reqs),
             "tpf": decided / nfe if nfe else 0.0,
             "seconds": max((r.seconds for r in reqs), default=0.0)}

@@ -2,8 +2,10 @@
 
 On SIGTERM (or Ctrl-C) uvicorn stops listening and closes idle connections (a request that
 still reaches the app gets 503, /health "draining"), lets running requests finish for up to
---shutdown-timeout seconds, then exits 0; streams still running then are cut off (uvicorn
-cancels them). A second Ctrl-C forces the exit: the engine thread is stopped first.
+--shutdown-timeout seconds, then exits 0. The app cuts off requests still running then, each
+with its error event (a 503 when not streamed) and one log line, before uvicorn's own deadline
+(CUT_GRACE later) would cancel their tasks mid-write. A second Ctrl-C forces the exit: the
+engine thread is stopped first, and the exit is Ctrl-C's, without tracebacks.
 
 With --ray the same app runs as --replicas engine replicas on Ray Serve (ray_serve.py).
 """
@@ -11,10 +13,18 @@ With --ray the same app runs as --replicas engine replicas on Ray Serve (ray_ser
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
 import socket
 
 from unmask.decoding.params import DEFAULT_DECODER
 from unmask.errors import InputError
+
+API_KEY_ENV = "UNMASK_API_KEY"  # unmask.server.access's, named here without importing fastapi
+# Seconds after --shutdown-timeout at which uvicorn cancels what is left: the app's cut-off
+# requests need them to send their error events and close.
+CUT_GRACE = 2.0
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +46,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default=None,
                    help="model id in /v1/models and responses (default: the folder's name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish on SIGTERM (default: 30)")
+                   help="seconds running requests get to finish on SIGTERM; then each is cut "
+                        "off with an error event (default: 30)")
+    p.add_argument("--api-key", default=None,
+                   help=f"routes under /v1/ need 'Authorization: Bearer KEY' (default: "
+                        f"${API_KEY_ENV}, else none); /health, /metrics and the page at / stay "
+                        f"open")
+    p.add_argument("--cors-origin", action="append", default=None, metavar="ORIGIN",
+                   help="an origin (https://host[:port], or * for any) whose pages may call this "
+                        "server from a browser; repeat for several (default: none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     r = p.add_argument_group("Ray Serve (needs unmask[ray]; see the README's \"Ray Serve\")")
     r.add_argument("--ray", action="store_true",
@@ -100,7 +118,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InputError(f"--max-queue must be >= 0, got {args.max_queue}")
     config = ServerConfig(decoder=args.decoder, max_running=args.max_running,
                           max_queue=args.max_queue, max_slots=args.max_slots,
-                          model_name=args.model_name)
+                          model_name=args.model_name, shutdown_timeout=args.shutdown_timeout,
+                          api_key=api_key(args), cors_origins=tuple(args.cors_origin or ()))
     if getattr(args, "ray", False):
         return _run_ray(args, config)
     given = [n for n in RAY_ONLY if getattr(args, n, None) is not None]
@@ -117,27 +136,59 @@ def run_serve(args: argparse.Namespace) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
-            state.draining = True
+            state.begin_shutdown()
             super().handle_exit(sig, frame)
-            if not self.force_exit:
-                # uvicorn re-raises the signal once it has shut down; a drained server exits 0,
-                # a forced one as the signal says (130 for Ctrl-C)
-                getattr(self, "_captured_signals", []).clear()
-            else:
+            # uvicorn re-raises the signal once it has shut down, into asyncio's own handler,
+            # which cancelled the app's tasks: a traceback each. A drained server exits 0, a
+            # forced one 130 (run_serve's return, as for Ctrl-C).
+            getattr(self, "_captured_signals", []).clear()
+            if self.force_exit:
                 # A second signal skips the app's shutdown, which stops the engine thread: the
                 # process then ended inside a torch call on that thread and aborted (SIGABRT,
-                # "terminate called without an active exception"). It stops after its step.
+                # "terminate called without an active exception"). It stops after its step,
+                # and the requests still open get their error events.
                 state.engine.stop(timeout=5.0)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)
+            if self.force_exit:  # uvicorn skips the app's side; left to exit, each task of it
+                # would be cancelled with a traceback. The cut streams end within a moment.
+                if self.server_state.tasks:
+                    await asyncio.wait(self.server_state.tasks, timeout=1.0)
+                await self.lifespan.shutdown()
 
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if sockets and not self.should_exit:  # uvicorn names the address only for its own
+                logging.getLogger("uvicorn.error").info("%s", serving_line(state))
                 self._log_started_message(sockets)
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   timeout_graceful_shutdown=args.shutdown_timeout))
+                                   timeout_graceful_shutdown=args.shutdown_timeout + CUT_GRACE))
+    # the server's own lines (a cut request, an engine failure) in uvicorn's format and stream
+    ours = logging.getLogger("unmask.server")
+    ours.handlers[:], ours.propagate = logging.getLogger("uvicorn").handlers, False
     server.run(sockets=[sock])
-    return 0
+    return 130 if server.force_exit else 0
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the environment's (set but empty is refused by ServerConfig, not read
+    as no key: a deployment that meant to set one would otherwise serve everyone)."""
+    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+
+
+def serving_line(state: object) -> str:
+    """What the log says the server serves: model, decoder, dtype, device, threads, access."""
+    import torch
+
+    llm, config = state.llm, state.config
+    weights = next(llm.model.parameters())
+    cors = ", ".join(config.cors_origins) or "none"
+    return (f"serving {state.model_name} ({llm.path}) with decoder {config.decoder}: "
+            f"{str(weights.dtype).removeprefix('torch.')} on {weights.device}, "
+            f"{torch.get_num_threads()} torch threads; API key "
+            f"{'required on /v1/' if config.api_key else 'off'}; CORS origins: {cors}")
 
 
 def _run_ray(args: argparse.Namespace, config: object) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -30,12 +33,34 @@ class ServerConfig:
     model_name: str | None = None  # the id /v1/models reports (default: the folder's name)
     retry_after: int = 1  # seconds, sent with 429
     max_body_bytes: int = MAX_BODY_BYTES  # a larger request body is a 413
+    api_key: str | None = None  # what /v1/ routes need (access.py); None: open
+    cors_origins: tuple[str, ...] = ()  # origins a browser may call from ("*": any)
+    # seconds running requests get to finish once a shutdown begins; then they are cut off
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         DecodeParams.parse(self.decoder)  # a bad default spec fails at startup, not per request
         n = self.max_body_bytes
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):  # True is no size
             raise InputError(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
+        t = self.shutdown_timeout
+        # nan passed every comparison, and aborted the process at the first stream it cut
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
+            raise InputError(f"--shutdown-timeout must be a number of seconds >= 0, got {t!r}")
+        key = self.api_key
+        # a header value: printable ASCII without spaces (a Bearer token)
+        if key is not None and not (key and key.isascii() and key.isprintable()
+                                    and not any(c.isspace() for c in key)):
+            raise InputError("the API key (--api-key or $UNMASK_API_KEY) must be non-empty "
+                             "printable ASCII without spaces")
+        for origin in self.cors_origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise InputError(f"--cors-origin {origin!r} is no origin: want "
+                                 f"scheme://host[:port] (no path), e.g. https://example.com, "
+                                 f"or * for any")
+
+
+_ORIGIN = re.compile(r"https?://[^/\s]+")
 
 
 @dataclass
@@ -47,6 +72,18 @@ class ServerState:
     chars_per_token: int  # the most characters one token can stand for (check_prompt_chars)
     draining: bool = False
     started: float = field(default_factory=time.time)
+    loop: asyncio.AbstractEventLoop | None = None  # the app's, once it has started
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503) and cut those still running after shutdown_timeout. Safe
+        to call from a signal handler; the second call changes nothing."""
+        if self.draining:
+            return
+        self.draining = True
+        if self.loop is not None:
+            t = self.config.shutdown_timeout
+            why = f"the server is shutting down, and --shutdown-timeout ({t:g} s) has passed"
+            self.loop.call_soon_threadsafe(self.loop.call_later, t, self.engine.cut_all, why)
 
     @property
     def metrics(self) -> ServerMetrics:

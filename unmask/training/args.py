@@ -128,7 +128,18 @@ def _buckets_arg(spec: str) -> tuple[CanvasBucket, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+class DefaultsShown(argparse.RawDescriptionHelpFormatter):
+    """--help names every flag's default (`--out` wrote to runs/default unannounced), unless its
+    help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = action.default not in (None, False, argparse.SUPPRESS) and action.option_strings
+        return f"{text} (default: %(default)s)" if shown and "default" not in text else text
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.formatter_class = DefaultsShown
     g = p.add_argument_group("run")
     g.add_argument("--out", default="runs/default", help="run folder (checkpoints, logs)")
     g.add_argument("--resume", action="store_true",
@@ -137,7 +148,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--init", default=None,
                    help="start from the weights of this model folder (same architecture and tokenizer)")
     g.add_argument("--export", default=None, help="also write the final model folder here")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights' initialisation, the data order and the masks")
     g.add_argument("--device", default="auto",
                    help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
     g.add_argument("--threads", default="auto",
@@ -149,21 +161,32 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"vocabulary of the tokenizer trained here (default: {DEFAULT_VOCAB}); "
                         "with an existing tokenizer it must be that tokenizer's size")
     g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int, default=256)
-    g.add_argument("--n-layers", type=int, default=4)
-    g.add_argument("--n-heads", type=int, default=4)
-    g.add_argument("--mlp-hidden", type=int, default=768)
-    g.add_argument("--max-seq-len", type=int, default=2048)
+    g.add_argument("--d-model", type=int, default=256,
+                   help="model width")
+    g.add_argument("--n-layers", type=int, default=4,
+                   help="transformer blocks")
+    g.add_argument("--n-heads", type=int, default=4,
+                   help="attention heads")
+    g.add_argument("--mlp-hidden", type=int, default=768,
+                   help="MLP hidden size")
+    g.add_argument("--max-seq-len", type=int, default=2048,
+                   help="the model's max_sequence_length (prompt + canvas)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-steps", type=int, default=10_000)
+    g.add_argument("--max-steps", type=int, default=10_000,
+                   help="optimizer steps (the schedule's length unless --time-budget-min ends "
+                        "it first)")
     g.add_argument("--time-budget-min", type=float, default=None,
                    help="stop (with LR fully decayed) after this many minutes of training")
     g.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (B x T)")
-    g.add_argument("--lr", type=float, default=1.5e-3)
+    g.add_argument("--lr", type=float, default=1.5e-3,
+                   help="peak learning rate (AdamW; cosine decay to a tenth)")
     g.add_argument("--warmup", type=float, default=0.03, help="fraction of progress")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0)
-    g.add_argument("--code-frac", type=float, default=0.25)
+    g.add_argument("--weight-decay", type=float, default=0.1,
+                   help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0,
+                   help="gradient norm clip")
+    g.add_argument("--code-frac", type=float, default=0.25,
+                   help="share of batches of code (the rest math)")
     g.add_argument("--code-max-tokens", type=int, default=0,
                    help="train only on functions whose body is at most this many tokens "
                         "(0: every one that fits the canvas); the held-out split is not cut")
@@ -179,10 +202,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "masked block, masked rest (0 = LLaDA's uniform masking only)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int, default=200, help="steps between held-out losses")
-    g.add_argument("--eval-batches", type=int, default=8)
+    g.add_argument("--eval-batches", type=int, default=8,
+                   help="held-out batches each held-out loss averages")
     g.add_argument("--solve-every", type=int, default=2000,
                    help="steps between decoding --solve-n held-out math problems (0: never)")
-    g.add_argument("--solve-n", type=int, default=16)
-    g.add_argument("--ckpt-minutes", type=float, default=5.0)
-    g.add_argument("--log-every", type=int, default=20)
+    g.add_argument("--solve-n", type=int, default=16,
+                   help="held-out math problems (and as many code ones) decoded at --solve-every "
+                        "and after the last step")
+    g.add_argument("--no-final-eval", action="store_true",
+                   help="skip the evaluation after the last step (held-out loss, and decoding "
+                        "--solve-n math and code problems: minutes on a CPU); the summary then "
+                        "holds the last values measured, null where none were")
+    g.add_argument("--ckpt-minutes", type=float, default=5.0,
+                   help="minutes between checkpoints (OUT/state.pt, OUT/latest)")
+    g.add_argument("--log-every", type=int, default=20,
+                   help="steps between progress updates and log lines")
     return p

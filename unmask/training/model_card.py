@@ -45,11 +45,12 @@ def render_model_card(summary: dict[str, Any], scores: str = "To be added by the
         buckets=_buckets_text(args.get("buckets")), lineage=lineage,
         train_minutes=summary["train_minutes"],
         hardware=hardware or f"a {os.cpu_count()}-core {platform.machine()} CPU",
-        final_train_loss=summary["final_train_loss"], final_heldout_loss=summary["final_heldout_loss"],
+        final_train_loss=_shown(summary["final_train_loss"]),
+        final_heldout_loss=_shown(summary["final_heldout_loss"]),
         scores=scores, semi_ar_text=_semi_ar_text(float(args.get("semi_ar", 0.0))),
-        final_digit_recall=summary.get("final_digit_recall", "n/a"),
-        final_solve_rate=summary.get("final_solve_rate", "n/a"),
-        final_parse_rate=summary.get("final_parse_rate", "n/a"), solve_n=args.get("solve_n", "n/a"),
+        final_digit_recall=_shown(summary.get("final_digit_recall")),
+        final_solve_rate=_shown(summary.get("final_solve_rate")),
+        final_parse_rate=_shown(summary.get("final_parse_rate")), solve_n=args.get("solve_n", "n/a"),
         code_cut_text=_code_cut_text(int(args.get("code_max_tokens", 0) or 0)),
     )
 
@@ -90,3 +91,8 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _shown(value: object) -> object:
+    """A summary number as the card writes it: n/a where the run measured none (null)."""
+    return "n/a" if value is None else value

@@ -449,10 +449,12 @@ def digit_recall(model: nn.Module, batches: list[Batch], mask_id: int, digit_ids
 
 @torch.no_grad()
 def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: int = 192,
-               block_length: int = 32, check: Callable[[str, Any], bool] | None = None) -> float:
+               block_length: int = 32, check: Callable[[str, Any], bool] | None = None,
+               on_event: Callable[[Any], None] | None = None) -> float:
     """Share of held-out ``problems`` whose static-1 decode (early exit, temperature 0)
     ``check(text, problem)`` accepts (default: the math checker on the problem's answer): the
-    quality bars of issue 3, on a shorter canvas so they are cheap enough to log.
+    quality bars of issue 3, on a shorter canvas so they are cheap enough to log. ``on_event``
+    receives the decode's step events (a progress bar counts the finished ones).
 
     Why: digit recall scores one digit with the rest of the answer visible, where most digits have
     a copy elsewhere (``write 5`` ... ``= 85`` ... ``#### 85``); decoding from a blank canvas is what
@@ -470,7 +472,7 @@ def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: i
                                 block_length=block_length)
     with _evaluating(model):
         results = decode(model, params, [enc.prompt(p.prompt) for p in problems],
-                         mask_id=enc.mask_id, eos_id=enc.eos_id)
+                         mask_id=enc.mask_id, eos_id=enc.eos_id, on_event=on_event)
     solved = 0
     for p, r in zip(problems, results, strict=True):
         text = enc.tok.decode(r.token_ids[: useful_length(r.token_ids, enc.eos_id)])
@@ -669,13 +671,33 @@ class Trainer:
         self.last_recall = digit_recall(self.model, self.eval_batches, mask_id,
                                         self.weights.digit_ids, self.device)
 
-    def decode_rates(self) -> None:
+    def decode_rates(self, on_event: Callable[[Any], None] | None = None) -> None:
         """Math solve rate and code parse rate of the fixed held-out problems."""
         from unmask.tasks import code as code_task
 
         self.last_parse = solve_rate(self.model, self.enc, self.code_problems,
-                                     check=lambda text, ex: code_task.check(ex.prompt, text))
-        self.last_solve = solve_rate(self.model, self.enc, self.solve_problems)
+                                     check=lambda text, ex: code_task.check(ex.prompt, text),
+                                     on_event=on_event)
+        self.last_solve = solve_rate(self.model, self.enc, self.solve_problems, on_event=on_event)
+
+    def final_evaluation(self) -> None:
+        """The held-out loss, then the decode rates, with a progress bar of their own: decoding
+        the problems takes minutes on a CPU (it ran under a training bar stuck at its last
+        step, for ~10 minutes after a one-step run)."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        n = len(self.solve_problems) + len(self.code_problems) if self.args.solve_every else 0
+        self.console.print(f"final evaluation: held-out loss on {len(self.eval_batches)} batches"
+                           + (f", then decoding {n} held-out problems" if n else "")
+                           + " (--no-final-eval skips it)")
+        columns = (TextColumn("evaluating"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.description}"), TimeElapsedColumn())
+        with Progress(*columns, console=self.console, transient=False) as bar:
+            task = bar.add_task("held-out loss", total=1 + n)
+            self.evaluate()
+            bar.update(task, advance=1, description="problems decoded")
+            if n:
+                self.decode_rates(lambda ev: bar.update(task, advance=1) if ev.finished else None)
 
     def save_state(self) -> None:
         _atomic_save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
@@ -718,17 +740,16 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         self._loop()
-        self.evaluate()
-        if self.args.solve_every:
-            self.decode_rates()
+        if not self.args.no_final_eval:
+            self.final_evaluation()
         self.save_state()
         _export(self.model, self.out / "final", self.tok_dir)
         summary = self.summary()
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.args.export:
             _export(self.model, Path(self.args.export), self.tok_dir)
-        self.console.print(f"done: {self.step} steps, {self.elapsed / 60:.1f} min, final held-out "
-                           f"loss {self.last_eval_loss:.4f}")
+        self.console.print(f"done: {self.step} steps, {self.elapsed / 60:.1f} min, held-out "
+                           f"loss {summary['final_heldout_loss']}")
         return summary
 
     def _loop(self) -> None:
@@ -771,12 +792,17 @@ class Trainer:
                 if time.time() - last_ckpt > args.ckpt_minutes * 60:
                     self.save_state()
                     last_ckpt = time.time()
+            # the bar showed its last logged step (step 0, loss nan, after a run shorter than
+            # --log-every)
+            bar.update(task, completed=min(1.0, self.progress()), step=self.step,
+                       loss=_or_nan(self.ema_loss), eval=self.last_eval_loss)
 
     def _log(self, lr: float, gnorm: float, tps: float) -> None:
         rec = {"step": self.step, "minutes": round(self.elapsed / 60, 2),
-               "loss": round(self.ema_loss, 4), "eval_loss": round(self.last_eval_loss, 4),
-               "digit_recall": round(self.last_recall, 3), "solve_rate": round(self.last_solve, 3),
-               "parse_rate": round(self.last_parse, 3), "lr": lr, "grad_norm": round(gnorm, 3),
+               "loss": measured(self.ema_loss, 4), "eval_loss": measured(self.last_eval_loss, 4),
+               "digit_recall": measured(self.last_recall, 3),
+               "solve_rate": measured(self.last_solve, 3),
+               "parse_rate": measured(self.last_parse, 3), "lr": lr, "grad_norm": round(gnorm, 3),
                "tok_per_s": round(tps), "tokens": self.tokens_seen, "threads": self.n_threads}
         self.history.append(rec)
         if not self.console.is_terminal:  # under nohup the live bar is invisible: log lines
@@ -784,19 +810,29 @@ class Trainer:
 
     def summary(self) -> dict[str, Any]:
         # No step in this call (a resumed run already at --max-steps): the loss the run last
-        # logged (NaN, as every value here not measured, when it logged none: --max-steps 0
+        # logged (null, as every value here not measured, when it logged none: --max-steps 0
         # --init).
         ema = self.ema_loss
         if ema is None and self.history:
             ema = self.history[-1]["loss"]
         return {"command": self.command, "params": self.n_params, "steps": self.step,
                 "train_minutes": round(self.elapsed / 60, 2), "tokens": self.tokens_seen,
-                "final_train_loss": float("nan") if ema is None else round(ema, 4),
-                "final_heldout_loss": round(self.last_eval_loss, 4),
-                "final_digit_recall": round(self.last_recall, 3),
-                "final_solve_rate": round(self.last_solve, 3),
-                "final_parse_rate": round(self.last_parse, 3),
+                "final_train_loss": measured(ema, 4),
+                "final_heldout_loss": measured(self.last_eval_loss, 4),
+                "final_digit_recall": measured(self.last_recall, 3),
+                "final_solve_rate": measured(self.last_solve, 3),
+                "final_parse_rate": measured(self.last_parse, 3),
                 "config": asdict(self.config), "args": _args_dict(self.args)}
+
+
+def measured(value: float | None, digits: int) -> float | None:
+    """A number for the summary and the log, rounded; None (JSON null) where nothing was
+    measured: a bare NaN, which json.dumps writes, is refused by strict JSON parsers."""
+    return None if value is None or math.isnan(value) else round(value, digits)
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def _command_line() -> str:

@@ -10,9 +10,23 @@ function showError(message) {
   box.hidden = !message;
 }
 
+// fetch for the server's /v1/ routes: with `serve --api-key` they answer 401 without the key,
+// which the page then asks for once and keeps for the tab's session.
+async function api(path, init = {}) {
+  for (let asked = false; ; asked = true) {
+    const key = sessionStorage.getItem("unmask-api-key");
+    const headers = { ...(init.headers || {}), ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+    const r = await fetch(path, { ...init, headers });
+    if (r.status !== 401 || asked) return r;
+    const typed = window.prompt("This server needs its API key (unmask serve --api-key):");
+    if (!typed) return r;
+    sessionStorage.setItem("unmask-api-key", typed.trim());
+  }
+}
+
 // The decoder pickers: presets and methods from the server, or a spec typed by hand.
 async function loadDecoders() {
-  const r = await fetch("/v1/unmask/decoders");
+  const r = await api("/v1/unmask/decoders");
   const info = await r.json();
   $("model").textContent = info.model;
   for (const [pick, field, initial] of [["pick-a", "spec-a", "static-1"], ["pick-b", "spec-b", "fast"]]) {
@@ -61,7 +75,7 @@ async function run(event) {
   $("stop").disabled = false;
   const out = $("lanes");
   try {
-    const r = await fetch("/v1/unmask/trace", {
+    const r = await api("/v1/unmask/trace", {
       method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body), signal: controller.signal,
     });
