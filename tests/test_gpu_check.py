@@ -17,7 +17,8 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
     variants = "eager,int8,int4"
     out = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--out",
-                          str(tmp_path), "--variants", variants, "--budget", "600"],
+                          str(tmp_path), "--variants", variants, "--budget", "600",
+                          "--sections", "logits,load,forward,decode"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
