@@ -252,9 +252,27 @@ def reference_model(folder: Path, ours: nn.Module, raw: dict[str, Any]) -> nn.Mo
     config = pkg.LLaDAConfig(**raw)
     inner = modeling.create_model_config_from_pretrained_config(config)
     inner.init_device = "meta"
-    ref = pkg.LLaDAModelLM(config, model=modeling.LLaDAModel(inner, init_params=False))
+    with sdp_backends_kept():
+        ref = pkg.LLaDAModelLM(config, model=modeling.LLaDAModel(inner, init_params=False))
     ref.load_state_dict(ours.state_dict(), assign=True)
     return ref.eval()
+
+
+@contextlib.contextmanager
+def sdp_backends_kept() -> Iterator[None]:
+    """Restore torch's process-wide attention-backend switches afterwards: Fast-dLLM's LLaDAModel
+    turns the memory-efficient SDPA kernel off when it is built, which would have changed the
+    kernels of every later cell (masked attention falls back to the math kernel). The first two
+    H200 runs (benchmarks/gpu/h200-2026-12-04-*.md) were measured after it."""
+    cuda = torch.backends.cuda
+    switches = [(cuda.enable_flash_sdp, cuda.flash_sdp_enabled()),
+                (cuda.enable_mem_efficient_sdp, cuda.mem_efficient_sdp_enabled()),
+                (cuda.enable_math_sdp, cuda.math_sdp_enabled())]
+    try:
+        yield
+    finally:
+        for enable, was in switches:
+            enable(was)
 
 
 def reference_logits(ref: nn.Module, ids: torch.Tensor) -> torch.Tensor:
