@@ -7,7 +7,7 @@ import torch
 from helpers import EOS, MASK, PROMPTS, VOCAB, peaky_model
 
 from unmask.decoding.params import DecodeParams, SpecError
-from unmask.decoding.rules import _nucleus, score
+from unmask.decoding.scoring import _nucleus, score
 from unmask.engine import decode
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from unmask.decoding.params import ROW_DTYPE, row_knobs
 from unmask.engine.request import Request
 from unmask.kv import KVStore
 
@@ -63,6 +64,9 @@ class DecodeBatch:
         self._slots = np.arange(0)
         self.x = np.empty((0, 0), dtype=np.int64)
         self.commit_step = np.empty((0, 0), dtype=np.int64)
+        # (R,) ROW_DTYPE: each row's per-row knobs (temperature, threshold, ...): rows whose
+        # specs differ only in these share this batch, and each policy reads its own row's
+        self.knobs = np.empty(0, dtype=ROW_DTYPE)
         for name in _ROWS:
             setattr(self, name, np.empty(0, dtype=bool if name in ("has_preds", "done") else np.int64))
         self.preds = Predictions(np.empty((0, 0), dtype=np.int64), np.empty((0, 0), dtype=np.float32),
@@ -110,6 +114,7 @@ class DecodeBatch:
             setattr(self, name, np.concatenate([old, add]))
         self.x = np.concatenate([self.x, x])
         self.commit_step = np.concatenate([self.commit_step, np.full_like(x, -1)])
+        self.knobs = np.concatenate([self.knobs, row_knobs([r.params for r in reqs])])
         pr = self.preds
         self.preds = Predictions(
             np.concatenate([pr.token, np.full_like(x, self.mask_id)]),
@@ -133,7 +138,7 @@ class DecodeBatch:
         self.requests = [r for r, k in zip(self.requests, keep, strict=True) if k]
         for name in _ROWS:
             setattr(self, name, getattr(self, name)[idx])
-        self.x, self.commit_step = self.x[idx], self.commit_step[idx]
+        self.x, self.commit_step, self.knobs = self.x[idx], self.commit_step[idx], self.knobs[idx]
         pr = self.preds
         self.preds = Predictions(pr.token[idx], pr.conf[idx], pr.entropy[idx], pr.fresh[idx])
         if self.store is not None:

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor, nn
 
 from unmask.caching import StepView, make_cache_policy
+from unmask.decoding.knobs import entry
 from unmask.decoding.methods import BlockSchedule, make_method
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, batch_params
 from unmask.decoding.rules import candidate_ranks, select_top
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.runner import Forwarded, Runner, StoreRead
@@ -58,10 +59,12 @@ class StepResult:
 
 
 class Decoder:
-    """The decoding method, cache policy and suffix policy of one decoder spec (seed and
-    lengths aside: those are per row)."""
+    """The decoding method, cache policy and suffix policy of one decoder spec, its per-row knobs
+    aside (unmask.decoding.params.PER_ROW): each row's are in its batch's `knobs`."""
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int) -> None:
+        # per-row knobs at their defaults, so that nothing here reads one request's values
+        params = batch_params(params)
         self.model, self.params = model, params
         self.mask_id, self.eos_id = mask_id, eos_id
         self.method = make_method(params)
@@ -98,8 +101,10 @@ class Decoder:
         # Complete drafts need no call, nor (with early exit) drafts committed up to an EOS:
         # the row stops there whatever the forward would predict.
         need = draft_masked.any(-1)
-        exit_ready = self._exit_ready(b, drafts.x, draft_masked) if self.params.early_exit else None
-        if exit_ready is not None:
+        exit_ready = None
+        early = b.knobs["early_exit"]
+        if early.any():
+            exit_ready = self._exit_ready(b, drafts.x, draft_masked) & early[drafts.parent]
             need &= ~exit_ready
         fw = self._forward(b, drafts, need, draft_start)
         self._count(b, drafts, fw, need)
@@ -154,13 +159,13 @@ class Decoder:
         conf = pr.conf
         cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
         schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
-        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule), 0)
+        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule, b.knobs), 0)
+        rows = np.arange(len(b))
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
         # unlikely to pass verification. draft_conf 0 filters nothing, whatever the ranking
         # score's range (negative entropy, alg_temp's log-scores).
-        dc = self.method.draft_conf
-        n_max = (((conf >= dc) & cand) if dc > 0 else cand).sum(-1)
-        rows = np.arange(len(b))
+        dc = b.knobs["draft_conf"][:, None]  # float32, like conf
+        n_max = (((conf >= dc) | (dc <= 0)) & cand).sum(-1)
         ranks = candidate_ranks(conf, cand)  # draft k commits the n0 + k best candidates
         drafts = []
         for k in range(self.n_drafts):
@@ -211,8 +216,9 @@ class Decoder:
         stored = b.stored_tokens(parent) if b.store is not None else None
         # Only policies that read staleness pay for the (D, S) comparison.
         stale = (stored != x) if self.cache.reads_stale else np.zeros_like(masked)
+        knobs = b.knobs[parent]
         view = StepView(slots, start, end, d.new_entropy, commit_step, b.store_block[parent],
-                        masked, stale)
+                        masked, stale, knobs)
         pad = b.pad[parent]
         visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, b.end[parent])
         refresh, recompute = self.cache.plan(view)
@@ -228,22 +234,29 @@ class Decoder:
         if self.params.inject > 0:
             predict |= masked & active & (slots >= end[:, None])
         prev = b.preds.token[parent]
-        noise = self._noise(b, x, parent)
+        noise = self._noise(b, x, parent, knobs)
         return self.runner.forward(x, pad, visible, active, predict, refresh, read, prev, noise,
-                                   start)
+                                   start, knobs)
 
-    def _noise(self, b: DecodeBatch, x: np.ndarray, parent: np.ndarray) -> Tensor | None:
+    def _noise(self, b: DecodeBatch, x: np.ndarray, parent: np.ndarray,
+               knobs: np.ndarray) -> Tensor | None:
         """(D, block_length, V + 1) uniforms keyed by (request noise key, tokens committed so far):
         the same canvas state of a request always sees the same noise, whichever decoder
-        reached it and whoever shares its batch. Drawn on the model's device."""
+        reached it and whoever shares its batch. Drawn on the model's device, for the drafts
+        whose row samples (knobs: (D,) their rows' knobs); None when none does."""
         p = self.params
-        if p.temperature == 0 and p.remasking != "random" and p.alg_temp == 0:
+        draws = (knobs["temperature"] > 0) | (knobs["alg_temp"] > 0)
+        if entry("remasking", p.remasking).facts.needs_noise:
+            draws[:] = True
+        if not draws.any():
             return None
         n_committed = (x[:, b.P :] != self.mask_id).sum(-1) - (b.S - b.end[parent])
         vocab = self.model.config.vocab_size + 1  # one column per token, one for the position
+        # The rows of drafts that do not sample are left as allocated: scoring never reads them.
         out = torch.empty(x.shape[0], p.block_length, vocab, dtype=torch.float64, device=self.device)
         gen = torch.Generator(device=self.device)
-        for i, (row, n) in enumerate(zip(parent.tolist(), n_committed.tolist(), strict=True)):
+        for i in np.flatnonzero(draws).tolist():
+            row, n = int(parent[i]), int(n_committed[i])
             gen.manual_seed((b.requests[row].noise_key * 1_000_003 + n) % (1 << 63))
             torch.rand(p.block_length, vocab, generator=gen, dtype=torch.float64,
                        device=self.device, out=out[i])
@@ -270,7 +283,8 @@ class Decoder:
         if fw is not None:
             fx = d.x[need]
             cand = self._candidates(b, fx, start[need], fw.fresh, np.ones(fx.shape[0], dtype=bool))
-            sel = select_top(fw.conf, cand, self.method.rule.count(fw.conf, cand, None))
+            count = self.method.rule.count(fw.conf, cand, None, b.knobs[d.parent[need]])
+            sel = select_top(fw.conf, cand, count)
             target[need] = np.where(sel, fw.token, fx)
         # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);
         # eq[r, i, j] = draft j of row r equals the target of its draft i.

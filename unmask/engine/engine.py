@@ -2,9 +2,10 @@
 
 `step()` = schedule -> run -> postprocess. The scheduler (plain Python) admits waiting
 requests; each admitted request joins the batch of its decoder. Requests whose decoder specs
-differ only in seed and lengths share a decoder, hence a batch and one model call per step;
-requests of different decoders (method, cache, suffix, thresholds, ...) are in different
-batches, run one after another within the same step (interleaved, not fused). Finished and
+differ only in per-row knobs (seed, lengths, temperature, top_p, threshold, ...:
+unmask.decoding.params.PER_ROW) share a decoder, hence a batch and one model call per step;
+requests of different decoders (method and draft count, cache, suffix, block length, ...) are
+in different batches, run one after another within the same step (interleaved, not fused). Finished and
 aborted requests leave their batch at once.
 
 A request's tokens never depend on who else is in its batch (tested): every per-row quantity
@@ -14,7 +15,6 @@ canvas, prompt and seed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import numbers
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, batch_params
 from unmask.engine.allocator import tune_for
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.decoder import Decoder, StepResult
@@ -39,8 +39,8 @@ log = logging.getLogger("unmask.engine")
 
 @functools.lru_cache(maxsize=256)  # params are frozen; a server sees few distinct ones
 def decoder_key(params: DecodeParams) -> Hashable:
-    """What decides which batch a request joins: its parameters, seed and lengths aside."""
-    return dataclasses.replace(params, seed=0, gen_length=params.block_length, steps=None, name="")
+    """What decides which batch a request joins: its parameters, per-row knobs aside."""
+    return batch_params(params)
 
 
 def _locked(method: Callable) -> Callable:

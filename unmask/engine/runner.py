@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from unmask.decoding.params import DecodeParams
-from unmask.decoding.rules import score
+from unmask.decoding.knobs import entry
+from unmask.decoding.params import DecodeParams, row_knobs
+from unmask.decoding.scoring import score
 from unmask.kv import Frame, KVStore, RowGroup
 from unmask.suffix import SuffixPolicy
 
@@ -148,8 +149,9 @@ class Runner:
                  suffix: SuffixPolicy) -> None:
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
-        # Entropies feed EntropyCache's refresh decision (and entropy remasking) only.
-        self.with_entropy = params.cache == "entropy" or params.remasking == "entropy"
+        # Entropies are computed only for the policies that read them.
+        self.with_entropy = (entry("cache", params.cache).facts.reads_entropy
+                             or entry("remasking", params.remasking).facts.reads_entropy)
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
         self.suppress = torch.tensor([t for t in [mask_id] + ([eos_id] if params.suppress_eos else [])
@@ -161,13 +163,14 @@ class Runner:
 
     def forward(self, x: np.ndarray, pad: np.ndarray, visible: np.ndarray, active: np.ndarray,
                 predict: np.ndarray, refresh: np.ndarray, store: StoreRead | None,
-                prev_token: np.ndarray, noise: Tensor | None, block_start: np.ndarray) -> Forwarded:
+                prev_token: np.ndarray, noise: Tensor | None, block_start: np.ndarray,
+                knobs: np.ndarray | None = None) -> Forwarded:
         """Forward rows x (R, S).
 
         visible: slots that exist in this step (R, S); active: slots recomputed (a subset);
         the rest of `visible` is read from `store` (None: no cache, or nothing stored).
         predict: slots whose prediction is needed. noise: (R, block_length, V + 1) uniforms on
-        the model's device, or None.
+        the model's device, or None. knobs: (R,) the rows' per-row knobs (None: the params').
         """
         r, s = x.shape
         if self.shift:
@@ -196,9 +199,11 @@ class Runner:
         if noise is not None:
             offset = np.minimum(np.maximum(tslots - block_start[rows], 0), noise.shape[1] - 1)
             u = noise[self._to_device(rows), self._to_device(offset)]
-        pr = self.params
-        sc = score(logits, pr.remasking, pr.temperature, u, self.suppress, pr.top_p, pr.top_k,
-                   pr.alg_temp, with_entropy=self.with_entropy)
+        if knobs is None:
+            knobs = np.broadcast_to(row_knobs([self.params]), (r,))
+        at = knobs[rows]  # (N,) each scored position's row's knobs
+        sc = score(logits, self.params.remasking, at["temperature"], u, self.suppress, at["top_p"],
+                   at["top_k"], at["alg_temp"], with_entropy=self.with_entropy)
         token = np.full((r, s), self.mask_id, dtype=np.int64)
         conf = np.full((r, s), -np.inf, dtype=np.float32)
         ent = np.zeros((r, s), dtype=np.float32)
