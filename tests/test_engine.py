@@ -529,6 +529,7 @@ def test_a_rows_scores_and_kv_do_not_depend_on_the_call(kind, dtype, rows, injec
     """One model call of several rows vs each row alone: every row's token, confidence, entropy
     and fresh K/V are the same bits, packed or not, for any mix of forwarded tokens and stored
     keys (the kernels round with the call's shapes; a row's shape is its own, `shape_groups`)."""
+    from unmask.decoding.params import row_knobs
     from unmask.engine import runner as runner_mod
     from unmask.kv import KVStore
     from unmask.suffix import make_suffix_policy
@@ -564,8 +565,9 @@ def test_a_rows_scores_and_kv_do_not_depend_on_the_call(kind, dtype, rows, injec
         run.pack_min_padding = pack
         read = runner_mod.StoreRead(store, sel, pad[sel], valid[sel])
         with torch.no_grad():
-            return run.forward(x[sel], pad[sel], visible[sel], active[sel], predict[sel],
-                               refresh[sel], read, prev[sel], None, start[sel])
+            return run.forward(runner_mod.ForwardPlan(
+                x[sel], pad[sel], visible[sel], active[sel], predict[sel], refresh[sel], read,
+                prev[sel], None, start[sel], row_knobs([p] * sel.size)))
 
     together = forward(np.arange(r), pack_all)
     for i in range(r):
@@ -746,3 +748,15 @@ def test_device_reads_per_step_do_not_grow_with_the_batch(spec: str, monkeypatch
         assert calls
         per_call[bs] = dict(counts), len(calls)
         assert counts == {"cpu": 3 * len(calls)}, per_call  # the three scores, nothing else
+
+
+@pytest.mark.parametrize("spec", ["threshold,threshold=0.5", "fast"])
+def test_a_request_is_the_source_of_its_metrics(spec: str) -> None:
+    """Useful tokens (up to the first EOS), TPF and TPS come from the request, once (the API's
+    Generation copies them)."""
+    m = model("llada")
+    for r in decode(m, params(spec, 32), [[5, 6, 7], [9] * 6], mask_id=MASK, eos_id=EOS):
+        ids = r.token_ids
+        assert r.useful == (ids.index(EOS) if EOS in ids else len(ids))
+        assert r.nfe > 0 and r.tpf == r.decided / r.nfe
+        assert r.seconds > 0 and r.tps == r.useful / r.seconds

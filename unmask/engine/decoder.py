@@ -23,7 +23,7 @@ from unmask.decoding.methods import BlockSchedule, make_method
 from unmask.decoding.params import DecodeParams, batch_params
 from unmask.decoding.rules import candidate_ranks, select_top
 from unmask.engine.batch import DecodeBatch
-from unmask.engine.runner import Forwarded, Runner, StoreRead
+from unmask.engine.runner import Forwarded, ForwardPlan, Runner, StoreRead
 from unmask.suffix import make_suffix_policy
 
 DRAFT_LOGITS = 1 << 26  # logits a row's drafts may make a step (256 MiB in float32)
@@ -93,7 +93,7 @@ class Decoder:
         # Each canvas (before, drafts) is scanned for masks once; everything below reads these.
         gen_masked = self._gen_masked(b, b.x)  # (R, G)
         masked_before = gen_masked.sum(-1)
-        had_preds = b.has_preds.copy()
+        had_preds = b.rows.has_preds.copy()
         start = self._block_start(b, gen_masked)
         drafts = self._draft(b, start)
         draft_masked = self._gen_masked(b, drafts.x)  # (D, G)
@@ -102,7 +102,7 @@ class Decoder:
         # the row stops there whatever the forward would predict.
         need = draft_masked.any(-1)
         exit_ready = None
-        early = b.knobs["early_exit"]
+        early = b.rows.knobs["early_exit"]
         if early.any():
             exit_ready = self._exit_ready(b, drafts.x, draft_masked) & early[drafts.parent]
             need &= ~exit_ready
@@ -155,16 +155,16 @@ class Decoder:
         return cand
 
     def _draft(self, b: DecodeBatch, start: np.ndarray) -> Drafts:
-        x, pr, hp = b.x, b.preds, b.has_preds
+        x, pr, hp = b.x, b.preds, b.rows.has_preds
         conf = pr.conf
         cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
         schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
-        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule, b.knobs), 0)
+        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule, b.rows.knobs), 0)
         rows = np.arange(len(b))
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
         # unlikely to pass verification. draft_conf 0 filters nothing, whatever the ranking
         # score's range (negative entropy, alg_temp's log-scores).
-        dc = b.knobs["draft_conf"][:, None]  # float32, like conf
+        dc = b.rows.knobs["draft_conf"][:, None]  # float32, like conf
         n_max = (((conf >= dc) | (dc <= 0)) & cand).sum(-1)
         ranks = candidate_ranks(conf, cand)  # draft k commits the n0 + k best candidates
         drafts = []
@@ -189,13 +189,13 @@ class Decoder:
 
     def _schedule(self, b: DecodeBatch, start: np.ndarray, cand: np.ndarray) -> BlockSchedule:
         """LLaDA's per-block schedule, advanced for the rows that draft this step."""
-        hp = b.has_preds
-        new = (start != b.block_seen) & hp
-        b.block_seen = np.where(hp, start, b.block_seen)
-        b.block_step = np.where(new, 0, b.block_step)
-        b.block_m = np.where(new, cand.sum(-1), b.block_m)
-        schedule = BlockSchedule(b.block_m, b.block_step.copy(), b.steps_per_block)
-        b.block_step = b.block_step + hp
+        hp = b.rows.has_preds
+        new = (start != b.rows.block_seen) & hp
+        b.rows.block_seen = np.where(hp, start, b.rows.block_seen)
+        b.rows.block_step = np.where(new, 0, b.rows.block_step)
+        b.rows.block_m = np.where(new, cand.sum(-1), b.rows.block_m)
+        schedule = BlockSchedule(b.rows.block_m, b.rows.block_step.copy(), b.rows.steps_per_block)
+        b.rows.block_step = b.rows.block_step + hp
         return schedule
 
     def _forward(self, b: DecodeBatch, d: Drafts, need: np.ndarray,
@@ -209,18 +209,18 @@ class Decoder:
         x, parent = d.x, d.parent
         slots = b.slots
         end = start + self.params.block_length
-        commit_step = np.where(d.added, b.step[parent][:, None], b.commit_step[parent])
+        commit_step = np.where(d.added, b.rows.step[parent][:, None], b.commit_step[parent])
         masked = x == self.mask_id
         # The token each slot's stored K/V was computed from (-1: none); a slot whose K/V comes
         # from another token (committed since) holds [MASK] K/V.
         stored = b.stored_tokens(parent) if b.store is not None else None
         # Only policies that read staleness pay for the (D, S) comparison.
         stale = (stored != x) if self.cache.reads_stale else np.zeros_like(masked)
-        knobs = b.knobs[parent]
-        view = StepView(slots, start, end, d.new_entropy, commit_step, b.store_block[parent],
+        knobs = b.rows.knobs[parent]
+        view = StepView(slots, start, end, d.new_entropy, commit_step, b.rows.store_block[parent],
                         masked, stale, knobs)
-        pad = b.pad[parent]
-        visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, b.end[parent])
+        pad = b.rows.pad[parent]
+        visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, b.rows.end[parent])
         refresh, recompute = self.cache.plan(view)
         read = None
         if stored is None:
@@ -233,10 +233,9 @@ class Decoder:
         predict = masked & view.in_block
         if self.params.inject > 0:
             predict |= masked & active & (slots >= end[:, None])
-        prev = b.preds.token[parent]
         noise = self._noise(b, x, parent, knobs)
-        return self.runner.forward(x, pad, visible, active, predict, refresh, read, prev, noise,
-                                   start, knobs)
+        return self.runner.forward(ForwardPlan(x, pad, visible, active, predict, refresh, read,
+                                               b.preds.token[parent], noise, start, knobs))
 
     def _noise(self, b: DecodeBatch, x: np.ndarray, parent: np.ndarray,
                knobs: np.ndarray) -> Tensor | None:
@@ -250,7 +249,7 @@ class Decoder:
             draws[:] = True
         if not draws.any():
             return None
-        n_committed = (x[:, b.P :] != self.mask_id).sum(-1) - (b.S - b.end[parent])
+        n_committed = (x[:, b.P :] != self.mask_id).sum(-1) - (b.S - b.rows.end[parent])
         vocab = self.model.config.vocab_size + 1  # one column per token, one for the position
         # The rows of drafts that do not sample are left as allocated: scoring never reads them.
         out = torch.empty(x.shape[0], p.block_length, vocab, dtype=torch.float64, device=self.device)
@@ -266,8 +265,8 @@ class Decoder:
         if fw is None:
             return
         parents = d.parent[need]
-        b.nfe += np.minimum(np.bincount(parents, minlength=len(b)), 1)
-        b.tok_fw += np.bincount(parents, weights=fw.n_tokens, minlength=len(b)).astype(np.int64)
+        b.rows.nfe += np.minimum(np.bincount(parents, minlength=len(b)), 1)
+        b.rows.tok_fw += np.bincount(parents, weights=fw.n_tokens, minlength=len(b)).astype(np.int64)
 
     def _verify(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, need: np.ndarray,
                 start: np.ndarray, exit_ready: np.ndarray | None) -> np.ndarray:
@@ -283,7 +282,7 @@ class Decoder:
         if fw is not None:
             fx = d.x[need]
             cand = self._candidates(b, fx, start[need], fw.fresh, np.ones(fx.shape[0], dtype=bool))
-            count = self.method.rule.count(fw.conf, cand, None, b.knobs[d.parent[need]])
+            count = self.method.rule.count(fw.conf, cand, None, b.rows.knobs[d.parent[need]])
             sel = select_top(fw.conf, cand, count)
             target[need] = np.where(sel, fw.token, fx)
         # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);
@@ -317,9 +316,9 @@ class Decoder:
         rows = d.parent[chosen]  # every row, in order
         added = d.added[chosen]
         b.x = d.x[chosen]
-        b.commit_step = np.where(added, b.step[:, None], b.commit_step)
-        b.decided += added.sum(-1)
-        b.step += 1
+        b.commit_step = np.where(added, b.rows.step[:, None], b.commit_step)
+        b.rows.decided += added.sum(-1)
+        b.rows.step += 1
         if fw is None:
             return
         has = need[chosen]
@@ -332,14 +331,14 @@ class Decoder:
         pr.conf[rows] = np.where(keep_old, np.float32(-np.inf), fw.conf[fi])
         pr.entropy[rows] = fw.entropy[fi]
         pr.fresh[rows] = fw.fresh[fi]
-        b.has_preds[rows] = True
+        b.rows.has_preds[rows] = True
         if b.store is not None:
             refreshed = fw.refresh[fi]
             store_rows = b.store_row[rows]
             b.store.invalidate(store_rows[refreshed])
-            b.store.write(store_rows, b.pad[rows], fi, fw.idx, fw.kv, fw.kv_at, fw.ok, fw.ids)
+            b.store.write(store_rows, b.rows.pad[rows], fi, fw.idx, fw.kv, fw.kv_at, fw.ok, fw.ids)
             start = draft_start[chosen[has]]  # the accepted canvases' block starts
-            b.store_block[rows] = np.where(refreshed, start, b.store_block[rows])
+            b.rows.store_block[rows] = np.where(refreshed, start, b.rows.store_block[rows])
 
     def _finish(self, b: DecodeBatch, masked: np.ndarray,
                 exit_ready: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -348,13 +347,13 @@ class Decoder:
         `_exit_ready` of the accepted canvases), a row whose canvas is committed up to an EOS
         is done and its remaining positions become EOS."""
         if exit_ready is not None:
-            stop = exit_ready & ~b.done
+            stop = exit_ready & ~b.rows.done
             if stop.any():
                 gen = b.x[:, b.P :]
                 gen[stop] = np.where(masked[stop], self.eos_id, gen[stop])
                 masked = gen == self.mask_id
-        newly = ~masked.any(-1) & ~b.done
-        b.done |= newly
+        newly = ~masked.any(-1) & ~b.rows.done
+        b.rows.done |= newly
         return newly, masked
 
     def _exit_ready(self, b: DecodeBatch, x: np.ndarray, masked: np.ndarray) -> np.ndarray:

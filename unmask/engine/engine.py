@@ -30,7 +30,7 @@ from unmask.decoding.params import DecodeParams, batch_params
 from unmask.engine.allocator import tune_for
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.decoder import Decoder, StepResult
-from unmask.engine.request import Request, StepEvent
+from unmask.engine.request import Request, StepEvent, useful_length
 from unmask.engine.scheduler import Scheduler, SchedulerConfig
 from unmask.errors import CanvasTooLong, InputError
 
@@ -207,7 +207,7 @@ class Engine:
 
     def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
         trace = any(r.trace for r in b.requests)
-        tok_fw_before = int(b.tok_fw.sum())
+        tok_fw_before = int(b.rows.tok_fw.sum())
         try:
             res = dec.step(b, trace=trace)
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
@@ -215,7 +215,7 @@ class Engine:
             return self._fail(b, f"{type(e).__name__}: {e}")
         if res.model_call:
             self.model_calls += 1
-        self.token_forwards += int(b.tok_fw.sum()) - tok_fw_before
+        self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before
         events = self._events(dec, b, res)
         gone = res.finished | res.stalled
         if gone.any():
@@ -229,13 +229,13 @@ class Engine:
         rows, cols = np.nonzero(x != res.before[:, gen])
         d_rows, d_cols = np.nonzero(res.drafted[:, gen])
         masked = res.masked
-        prefix = np.where(masked.any(-1), masked.argmax(-1), b.end - b.P).tolist()
+        prefix = np.where(masked.any(-1), masked.argmax(-1), b.rows.end - b.P).tolist()
         start = (res.block_start - b.P).tolist()
         per_row = _split_rows(rows, cols.tolist(), len(b))
         tok_row = _split_rows(rows, x[rows, cols].tolist(), len(b))
         drafted_rows = _split_rows(d_rows, d_cols.tolist(), len(b))
-        nfe, tok_fw, decided, steps = (b.nfe.tolist(), b.tok_fw.tolist(), b.decided.tolist(),
-                                       b.step.tolist())
+        nfe, tok_fw, decided, steps = (b.rows.nfe.tolist(), b.rows.tok_fw.tolist(), b.rows.decided.tolist(),
+                                       b.rows.step.tolist())
         forwarded, refreshed = res.forwarded.tolist(), res.refreshed.tolist()
         finished, stalled = res.finished.tolist(), res.stalled.tolist()
         now = time.perf_counter()
@@ -275,6 +275,8 @@ class Engine:
 
     def _retire(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = "finished", reason
+        if req.token_ids is not None:
+            req.useful = useful_length(req.token_ids, self.eos_id)
         if req.finished_at is None:
             req.finished_at = time.perf_counter()
         self.scheduler.finish(req)
