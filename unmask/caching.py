@@ -83,13 +83,10 @@ class CachePolicy:
 
     def __init__(self, params: DecodeParams) -> None:
         self.params = params
+        self.uses_store = REGISTRY["cache"][params.cache].facts.uses_store
 
     def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
-
-    @property
-    def uses_store(self) -> bool:
-        return REGISTRY["cache"][self.params.cache].facts.uses_store
 
     @property
     def reads_stale(self) -> bool:

@@ -9,6 +9,7 @@ a spec means the same thing everywhere.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from dataclasses import dataclass, fields
 from typing import Any
@@ -259,6 +260,7 @@ def row_knobs(params: list[DecodeParams]) -> np.ndarray:
                     dtype=ROW_DTYPE)
 
 
+@functools.lru_cache(maxsize=256)  # params are frozen; a server sees few distinct ones
 def batch_params(p: DecodeParams) -> DecodeParams:
     """`p` with every per-row knob at its default and one block of generation: equal for the
     requests that may share a batch, hence a model call per step."""

@@ -88,8 +88,10 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
 
 
 def _each(values: Values, n: int, dtype: type = np.float64) -> np.ndarray:
-    """(n,) one value per position."""
-    return np.broadcast_to(np.asarray(values, dtype=dtype), (n,))
+    """(n,) one value per position (the caller's array as it is: a step passes its rows')."""
+    if isinstance(values, np.ndarray) and values.shape == (n,):
+        return values
+    return np.full(n, values, dtype=dtype)
 
 
 def _index(flags: np.ndarray, device: torch.device) -> Tensor:
@@ -126,7 +128,7 @@ def _sample(logits: Tensor, p: Tensor, temperature: np.ndarray, top_p: np.ndarra
     top = noisy.amax(-1)
     bad = top.isinf() | (top <= 0)
     if bad.any():
-        t_bad = torch.from_numpy(np.array(temperature)).to(e.device)[bad, None]
+        t_bad = torch.from_numpy(np.asarray(temperature, dtype=np.float64)).to(e.device)[bad, None]
         log = (logits[bad].double() - t_bad * e[bad].log()).masked_fill(~allowed[bad], -inf)
         log[:, suppressed] = -inf
         noisy[bad] = log

@@ -76,6 +76,7 @@ class Decoder:
         self.n_drafts = min(self.method.n_drafts,
                             1 + max(DRAFT_LOGITS // (params.block_length * vocab), 1))
         self.cache = make_cache_policy(params)
+        self.always_draws = entry("remasking", params.remasking).facts.needs_noise
         self.suffix = make_suffix_policy(params)
         self.runner = Runner(model, params, mask_id, eos_id, self.suffix)
         self.device = self.runner.device
@@ -244,9 +245,7 @@ class Decoder:
         reached it and whoever shares its batch. Drawn on the model's device, for the drafts
         whose row samples (knobs: (D,) their rows' knobs); None when none does."""
         p = self.params
-        draws = (knobs["temperature"] > 0) | (knobs["alg_temp"] > 0)
-        if entry("remasking", p.remasking).facts.needs_noise:
-            draws[:] = True
+        draws = (knobs["temperature"] > 0) | (knobs["alg_temp"] > 0) | self.always_draws
         if not draws.any():
             return None
         n_committed = (x[:, b.P :] != self.mask_id).sum(-1) - (b.S - b.rows.end[parent])

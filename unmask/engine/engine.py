@@ -37,7 +37,6 @@ from unmask.errors import CanvasTooLong, InputError
 log = logging.getLogger("unmask.engine")
 
 
-@functools.lru_cache(maxsize=256)  # params are frozen; a server sees few distinct ones
 def decoder_key(params: DecodeParams) -> Hashable:
     """What decides which batch a request joins: its parameters, per-row knobs aside."""
     return batch_params(params)
