@@ -128,7 +128,9 @@ def _sample(logits: Tensor, p: Tensor, temperature: np.ndarray, top_p: np.ndarra
     top = noisy.amax(-1)
     bad = top.isinf() | (top <= 0)
     if bad.any():
-        t_bad = torch.from_numpy(np.asarray(temperature, dtype=np.float64)).to(e.device)[bad, None]
+        # a copy: a row field of the batch's knobs is a strided view, which torch cannot take
+        t_all = torch.from_numpy(np.array(temperature, dtype=np.float64)).to(e.device)
+        t_bad = t_all[bad, None]
         log = (logits[bad].double() - t_bad * e[bad].log()).masked_fill(~allowed[bad], -inf)
         log[:, suppressed] = -inf
         noisy[bad] = log
