@@ -60,7 +60,7 @@ class StepResult:
 
 class Decoder:
     """The decoding method, cache policy and suffix policy of one decoder spec, its per-row knobs
-    aside (unmask.decoding.params.PER_ROW): each row's are in its batch's `knobs`."""
+    aside (unmask.decoding.params.PER_ROW): each row's are in its batch's `rows.knobs`."""
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int) -> None:
         # per-row knobs at their defaults, so that nothing here reads one request's values
