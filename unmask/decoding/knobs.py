@@ -14,9 +14,11 @@ No torch here, nor in the modules that declare knobs: the CLI's help imports the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from unmask.errors import SpecError
@@ -112,7 +114,7 @@ class Policy:
     knobs: tuple[type, ...]  # the knob classes it reads
     facts: Facts
 
-    @property
+    @cached_property
     def reads(self) -> tuple[str, ...]:
         """The knobs it reads, in declaration order."""
         return tuple(dict.fromkeys(f.name for k in self.knobs for f in fields(k)))
@@ -130,6 +132,7 @@ def register(kind: str, name: str, impl: Any, knobs: tuple[type, ...] = (),
         raise ValueError(f"{kind} {name!r} is already registered")
     entry = Policy(name, impl, knobs, facts)
     REGISTRY[kind][name] = entry
+    applies_to.cache_clear()
     return entry
 
 
@@ -141,8 +144,10 @@ def entry(kind: str, name: str) -> Policy:
     return REGISTRY[kind][name]
 
 
+@functools.lru_cache(maxsize=1)  # every parse asks; `register` clears it
 def applies_to() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Keys that only some policies of a kind read: key -> (the kind, the names that read it)."""
+    """Keys that only some policies of a kind read: key -> (the kind, the names that read it).
+    The caller must not change it (it is cached)."""
     out: dict[str, tuple[str, tuple[str, ...]]] = {}
     for kind, policies in REGISTRY.items():
         keys = dict.fromkeys(k for p in policies.values() for k in p.reads)
