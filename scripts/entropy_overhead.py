@@ -13,7 +13,7 @@ import time
 
 import torch
 
-import unmask.decoding.rules as rules
+import unmask.decoding.scoring as rules
 from unmask import LLM
 from unmask.caching import EntropyCache
 from unmask.tasks import TASKS

@@ -63,7 +63,7 @@ class StoreAtFinish:
                     spy.rows[req.request_id] = dict(
                         k=st.kv[row, :, :, 0].clone().unbind(1), v=st.kv[row, :, :, 1].clone().unbind(1),
                         valid=as_torch(self.stored_tokens(np.array([i]))[0] >= 0),  # by slot
-                        pad=int(self.pad[i]), P=self.P)
+                        pad=int(self.rows.pad[i]), P=self.P)
             return spy.inner(self, keep)
 
         batch_mod.DecodeBatch.filter = filter
@@ -108,9 +108,10 @@ class RunnerSpy:
         self.inner = runner_mod.Runner.forward
         spy = self
 
-        def forward(self, x, pad, visible, active, predict, refresh, *args, **kwargs):
-            out = spy.inner(self, x, pad, visible, active, predict, refresh, *args, **kwargs)
-            x, pad, visible, active, refresh = as_torch(x, pad, visible, active, refresh)
+        def forward(self, plan):
+            out = spy.inner(self, plan)
+            x, pad, visible, active, refresh = as_torch(plan.x, plan.pad, plan.visible,
+                                                        plan.active, plan.refresh)
             spy.calls.append(dict(x=x.clone(), pad=pad.clone(), visible=visible.clone(),
                                   active=active.clone(), refresh=refresh.clone(),
                                   fresh=as_torch(out.fresh).clone(),
@@ -418,15 +419,16 @@ class StaleSpy:
         self.inner = runner_mod.Runner.forward
         spy = self
 
-        def forward(self, x, pad, visible, active, predict, refresh, store, *args, **kwargs):
+        def forward(self, plan):
+            x, visible, active, refresh, store = (plan.x, plan.visible, plan.active,
+                                                  plan.refresh, plan.store)
             if store is not None:
                 read = visible & ~active & store.valid & ~refresh[:, None]
                 slots = np.arange(x.shape[1])[None]
                 stored = store.store.tokens_at(store.rows, slots - store.pad[:, None])
                 spy.reads += int(read.sum())
                 spy.stale_reads += int((read & (stored != x)).sum())
-            return spy.inner(self, x, pad, visible, active, predict, refresh, store, *args,
-                             **kwargs)
+            return spy.inner(self, plan)
 
         runner_mod.Runner.forward = forward
         return self

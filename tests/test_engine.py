@@ -91,6 +91,60 @@ def test_batch_invariance(kind, method, cache, suffix, early_exit, temperature, 
     assert outcome(req) == want
 
 
+@st.composite
+def row_knobs(draw, method: str, cache: str) -> str:
+    """Values of the per-row knobs that a decoder `method` with `cache` reads (a spec's tail)."""
+    t = draw(st.sampled_from([0.0, 0.5, 0.8, 2.0]))
+    parts = [f"temperature={t}", f"early_exit={draw(st.booleans())}"]
+    if t > 0:
+        parts += [f"top_p={draw(st.sampled_from([1.0, 0.9, 0.5]))}",
+                  f"top_k={draw(st.sampled_from([0, 3]))}"]
+    thresholded = method.startswith(("threshold", "freedave++"))
+    if thresholded:
+        parts.append(f"threshold={draw(st.sampled_from([0.3, 0.5, 0.9]))}")
+    alg_temp = 0.0 if thresholded else draw(st.sampled_from([0.0, 0.5]))
+    parts.append(f"alg_temp={alg_temp}")
+    if method.startswith("freedave") and alg_temp == 0:
+        parts.append(f"draft_conf={draw(st.sampled_from([0.0, 0.5]))}")
+    if cache.startswith("entropy"):
+        parts += [f"entropy_tau={draw(st.sampled_from([0.5, 3.0, float('inf')]))}",
+                  f"recent_k={draw(st.sampled_from([0, 2]))}",
+                  f"refresh_on_block={draw(st.booleans())}"]
+    return ",".join(parts)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), kind=st.sampled_from(["llada", "Dream"]),
+       method=st.sampled_from(["static", "static-1", "threshold", "freedave,draft_steps=3",
+                               "freedave++,draft_steps=3"]),
+       cache=st.sampled_from(["none", "prefix", "dual", "entropy", "entropy,block_recompute=masked"]),
+       suffix=st.sampled_from(SUFFIXES), target=prompts,
+       others=st.lists(st.tuples(prompts, st.sampled_from([8, 16, 32])), min_size=1, max_size=3),
+       join_at=st.integers(0, 4))
+def test_batch_invariance_mixed_row_knobs(data, kind, method, cache, suffix, target, others,
+                                          join_at) -> None:
+    """Requests whose specs differ only in per-row knobs (temperature, top_p, top_k, alg_temp,
+    threshold, draft_conf, EntropyCache's knobs, early_exit, seed, length) share one batch, and
+    each gets what it gets alone, whether it joined first or later."""
+    from unmask.engine.engine import decoder_key
+
+    m = model(kind)
+    base = f"{method},cache={cache},suffix={suffix}"
+    rows = [(target, 16)] + others
+    ps = [params(f"{base},{data.draw(row_knobs(method, cache))}", gen, seed=i)
+          for i, (_, gen) in enumerate(rows)]
+    assert len({decoder_key(p) for p in ps}) == 1  # one decoder, one model call a step
+    want = [alone(m, p, q) for p, (q, _) in zip(ps, rows, strict=True)]
+    eng = engine(m)
+    reqs = [eng.add_request(rows[0][0], ps[0])]
+    for _ in range(join_at):
+        eng.step()
+    reqs += [eng.add_request(q, p) for p, (q, _) in zip(ps[1:], rows[1:], strict=True)]
+    eng.run()
+    assert len(eng.decoders) == 1
+    assert [outcome(r) for r in reqs] == want
+
+
 @pytest.mark.parametrize("spec", ["fast", "threshold,cache=entropy", "threshold,suffix=structured,"
                                   "suffix_rule=grid", "exact", "static-1,temperature=0.5,seed=7"])
 def test_batch_invariance_embedded_model(spec: str) -> None:
@@ -317,7 +371,10 @@ def test_abort_from_another_thread_during_a_step_waits_for_it() -> None:
 def test_idle_decoders_are_bounded() -> None:
     """A server sees many specs: decoders without rows are kept for reuse, but only a few."""
     eng = engine(model("llada"))
-    specs = [f"threshold,threshold={0.5 + i / 100},cache=dual" for i in range(eng.max_idle + 4)]
+    # suffix_local changes which positions a forward holds: a decoder each (a threshold no
+    # longer would: it is a per-row knob)
+    specs = [f"threshold,cache=dual,suffix=window,suffix_local={i + 1}"
+             for i in range(eng.max_idle + 4)]
     for spec in specs:
         eng.add_request([5, 6], params(spec, 8))
         eng.run()
@@ -472,6 +529,7 @@ def test_a_rows_scores_and_kv_do_not_depend_on_the_call(kind, dtype, rows, injec
     """One model call of several rows vs each row alone: every row's token, confidence, entropy
     and fresh K/V are the same bits, packed or not, for any mix of forwarded tokens and stored
     keys (the kernels round with the call's shapes; a row's shape is its own, `shape_groups`)."""
+    from unmask.decoding.params import row_knobs
     from unmask.engine import runner as runner_mod
     from unmask.kv import KVStore
     from unmask.suffix import make_suffix_policy
@@ -507,8 +565,9 @@ def test_a_rows_scores_and_kv_do_not_depend_on_the_call(kind, dtype, rows, injec
         run.pack_min_padding = pack
         read = runner_mod.StoreRead(store, sel, pad[sel], valid[sel])
         with torch.no_grad():
-            return run.forward(x[sel], pad[sel], visible[sel], active[sel], predict[sel],
-                               refresh[sel], read, prev[sel], None, start[sel])
+            return run.forward(runner_mod.ForwardPlan(
+                x[sel], pad[sel], visible[sel], active[sel], predict[sel], refresh[sel], read,
+                prev[sel], None, start[sel], row_knobs([p] * sel.size)))
 
     together = forward(np.arange(r), pack_all)
     for i in range(r):
@@ -689,3 +748,15 @@ def test_device_reads_per_step_do_not_grow_with_the_batch(spec: str, monkeypatch
         assert calls
         per_call[bs] = dict(counts), len(calls)
         assert counts == {"cpu": 3 * len(calls)}, per_call  # the three scores, nothing else
+
+
+@pytest.mark.parametrize("spec", ["threshold,threshold=0.5", "fast"])
+def test_a_request_is_the_source_of_its_metrics(spec: str) -> None:
+    """Useful tokens (up to the first EOS), TPF and TPS come from the request, once (the API's
+    Generation copies them)."""
+    m = model("llada")
+    for r in decode(m, params(spec, 32), [[5, 6, 7], [9] * 6], mask_id=MASK, eos_id=EOS):
+        ids = r.token_ids
+        assert r.useful == (ids.index(EOS) if EOS in ids else len(ids))
+        assert r.nfe > 0 and r.tpf == r.decided / r.nfe
+        assert r.seconds > 0 and r.tps == r.useful / r.seconds

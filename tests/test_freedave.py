@@ -199,9 +199,9 @@ def test_early_exit_never_forwards_a_finished_canvas(spec: str, monkeypatch) -> 
     seen: list[torch.Tensor] = []
     inner = runner_mod.Runner.forward
 
-    def forward(self, x, *args, **kwargs):
-        seen.append(x.copy())
-        return inner(self, x, *args, **kwargs)
+    def forward(self, plan):
+        seen.append(plan.x.copy())
+        return inner(self, plan)
 
     monkeypatch.setattr(runner_mod.Runner, "forward", forward)
     out = _early_exit_case(f"{spec},early_exit=true")

@@ -7,7 +7,7 @@ import torch
 from helpers import EOS, MASK, PROMPTS, VOCAB, peaky_model
 
 from unmask.decoding.params import DecodeParams, SpecError
-from unmask.decoding.rules import _nucleus, score
+from unmask.decoding.scoring import _nucleus, score
 from unmask.engine import decode
 
 
@@ -96,3 +96,31 @@ def test_a_huge_temperature_samples_near_uniformly(temperature: float) -> None:
     ref = (logits.double().exp() / (-torch.log(u[:, :v])) ** t)
     ref[:, MASK] = -1.0
     assert torch.equal(score(logits, "low_confidence", t, u, [MASK]).token, ref.argmax(-1))
+
+
+def test_per_position_knobs_score_each_position_as_alone() -> None:
+    """Knobs given per position (a batch's rows, as a strided field of its knobs) score each
+    position exactly as that position's values given alone: tokens and scores, bit for bit,
+    across greedy, exact-power (0.5, 2), plain and huge temperatures, top_p / top_k and
+    alg_temp."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    cases = [(0.0, 1.0, 0, 0.0), (0.5, 1.0, 0, 0.0), (2.0, 0.9, 0, 0.3), (0.8, 1.0, 3, 0.0),
+             (1e300, 1.0, 0, 0.0), (0.8, 0.5, 2, 0.5), (0.0, 1.0, 0, 0.7)]
+    n, v = len(cases), 20
+    logits = torch.randn(n, v, generator=g)
+    u = torch.rand(n, v + 1, dtype=torch.float64, generator=g)
+    rows = np.array(cases, dtype=[("temperature", "f8"), ("top_p", "f4"), ("top_k", "i8"),
+                                  ("alg_temp", "f8")])
+    sampling = np.flatnonzero(rows["temperature"] > 0)
+    for at in (np.arange(n), sampling):  # some positions greedy; every position sampling
+        r = rows[at]
+        together = score(logits[at], "low_confidence", r["temperature"], u[at], [MASK],
+                         r["top_p"], r["top_k"], r["alg_temp"])
+        for j, i in enumerate(at.tolist()):
+            t, top_p, top_k, alg_temp = cases[i]
+            alone = score(logits[i : i + 1], "low_confidence", t, u[i : i + 1], [MASK], top_p,
+                          top_k, alg_temp)
+            assert together.token[j] == alone.token[0], cases[i]
+            assert torch.equal(together.conf[j : j + 1], alone.conf), cases[i]

@@ -56,11 +56,11 @@ class Spy:
         self.inner_model = self.model.forward
         spy = self
 
-        def runner_forward(self, x, pad, visible, active, predict, refresh, *args, **kwargs):
+        def runner_forward(self, plan):
             n_before = len(spy.model_calls)
-            out = spy.inner_runner(self, x, pad, visible, active, predict, refresh, *args, **kwargs)
+            out = spy.inner_runner(self, plan)
             assert len(spy.model_calls) == n_before + 1  # one model call per runner call
-            x, pad, visible, refresh = as_torch(x, pad, visible, refresh)
+            x, pad, visible, refresh = as_torch(plan.x, plan.pad, plan.visible, plan.refresh)
             o_ok, o_idx = as_torch(out.ok, out.idx)
             forwarded = torch.zeros_like(visible)
             r_idx, t_idx = o_ok.nonzero(as_tuple=True)

@@ -19,6 +19,7 @@ import torch
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
+from unmask.engine.request import useful_length  # noqa: F401  (re-exported: server, bench, trace)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.quantize import (
     check_quantize,
@@ -303,13 +304,9 @@ class LLM:
         """A finished request as text and metrics (docs/design.md § Metrics)."""
         if r.finish_reason == "error":
             raise RuntimeError(f"request {r.request_id} failed in the engine: {r.error}")
-        eos = self.config.eos_token_id
-        useful = useful_length(r.token_ids, eos)
-        text = self.detokenize(r.token_ids[:useful])
-        return Generation(text=text, token_ids=r.token_ids, nfe=r.nfe,
-                          token_forwards=r.token_forwards, tpf=r.decided / max(r.nfe, 1),
-                          tps=useful / r.seconds if r.seconds > 0 else 0.0, seconds=r.seconds,
-                          finish_reason=r.finish_reason or "length")
+        return Generation(text=self.detokenize(r.token_ids[: r.useful]), token_ids=r.token_ids,
+                          nfe=r.nfe, token_forwards=r.token_forwards, tpf=r.tpf, tps=r.tps,
+                          seconds=r.seconds, finish_reason=r.finish_reason or "length")
 
 
 def resolve_params(params: DecodeParams | str | None, overrides: dict) -> DecodeParams:
@@ -324,6 +321,3 @@ def resolve_params(params: DecodeParams | str | None, overrides: dict) -> Decode
     return params.replace(**overrides) if overrides else params
 
 
-def useful_length(token_ids: list[int], eos_id: int) -> int:
-    """Tokens up to (not including) the first EOS."""
-    return token_ids.index(eos_id) if eos_id in token_ids else len(token_ids)

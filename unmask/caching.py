@@ -18,6 +18,9 @@ K/V store (unmask.kv). The model and the decoding rules know nothing of this.
 every slot of the current block, every step) or `masked` (only its still-masked slots, plus any
 slot whose stored K/V predates its commit, so a committed token is recomputed at least once and
 then read from the store like the rest of the context).
+
+Each policy declares the knobs it reads and registers once (unmask.decoding.knobs); EntropyCache's
+knobs may differ per row.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from unmask.decoding.knobs import REGISTRY, Facts, Knobs, at_least, choice, knob, register
 from unmask.decoding.rules import rank
 
 if TYPE_CHECKING:
@@ -46,6 +50,7 @@ class StepView:
     store_block: np.ndarray  # (R,) block_start the row's K/V store was last fully refreshed at (-1)
     masked: np.ndarray  # (R, S) bool slots still [MASK]
     stale: np.ndarray  # (R, S) bool slots whose stored K/V was computed from another token
+    knobs: np.ndarray  # (R,) the rows' per-row knobs (unmask.engine.batch)
 
     @cached_property
     def in_block(self) -> np.ndarray:  # (R, S)
@@ -56,13 +61,29 @@ class StepView:
         return self.block_start != self.store_block
 
 
+@dataclass(frozen=True)
+class StoreKnobs(Knobs):
+    block_recompute: str = choice("all", lambda: ("all", "masked"))
+
+
+@dataclass(frozen=True)
+class EntropyKnobs(Knobs):
+    # EntropyCache defaults from the `entropy` sweep (BENCHMARKS.md, math at 512): every tau kept
+    # accuracy and exact-match; tau=3 does 32% fewer token-forwards than tau=1 and is the
+    # largest value that still refreshes on uncertain commits (inf never does); recent_k=4
+    # matched 0 in speed and 16 lost a prompt's fidelity. float32: compared with float32
+    # entropies.
+    entropy_tau: float = knob(3.0, ">= 0 (inf allowed)", at_least(0), per_row=True, dtype="float32")
+    recent_k: int = knob(4, ">= 0", at_least(0), per_row=True, dtype="int64")
+    refresh_on_block: bool = knob(False, per_row=True, dtype="bool")
+
+
 class CachePolicy:
     """Interface: `plan` -> (refresh (R,) bool, recompute (R, S) bool for non-refresh rows)."""
 
-    uses_store = True
-
     def __init__(self, params: DecodeParams) -> None:
         self.params = params
+        self.uses_store = REGISTRY["cache"][params.cache].facts.uses_store
 
     def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
@@ -80,8 +101,6 @@ class CachePolicy:
 
 
 class NoCache(CachePolicy):
-    uses_store = False
-
     def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         return np.ones(v.block_start.shape, dtype=bool), v.in_block
 
@@ -98,25 +117,31 @@ class DualCache(CachePolicy):
 
 class EntropyCache(CachePolicy):
     def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
-        p = self.params
-        refresh = (v.new_entropy > p.entropy_tau) | (v.store_block < 0)
-        if p.refresh_on_block:
-            refresh |= v.block_changed
+        tau, recent_k = v.knobs["entropy_tau"], v.knobs["recent_k"]
+        refresh = (v.new_entropy > tau) | (v.store_block < 0)
+        on_block = v.knobs["refresh_on_block"]
+        if on_block.any():
+            refresh |= v.block_changed & on_block
         recompute = self.block(v)
-        if p.recent_k > 0:
+        if recent_k.any():
             # The recent_k most recently committed slots: volatility persists after unmasking.
             # Slots committed at the same step tie; `rank` breaks ties by position (topk's
             # order is unspecified and moved with the batch's width).
             recency = np.maximum(v.commit_step, -1).astype(np.float32)
-            recent = (rank(recency) < p.recent_k) & (v.commit_step >= 0)
+            recent = (rank(recency) < recent_k[:, None]) & (v.commit_step >= 0)
             recompute = recompute | recent
         return refresh, recompute
 
 
-POLICIES: dict[str, type[CachePolicy]] = {
-    "none": NoCache, "prefix": PrefixCache, "dual": DualCache, "entropy": EntropyCache,
-}
+register("cache", "none", NoCache)
+register("cache", "prefix", PrefixCache, (StoreKnobs,), Facts(uses_store=True))
+register("cache", "dual", DualCache, (StoreKnobs,), Facts(uses_store=True))
+register("cache", "entropy", EntropyCache, (EntropyKnobs, StoreKnobs),
+         Facts(uses_store=True, reads_entropy=True))
+
+# name -> policy class, the registry's view
+POLICIES = {name: e.impl for name, e in REGISTRY["cache"].items()}
 
 
 def make_cache_policy(params: DecodeParams) -> CachePolicy:
-    return POLICIES[params.cache](params)
+    return REGISTRY["cache"][params.cache].impl(params)

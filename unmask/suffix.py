@@ -16,14 +16,34 @@ from the batch's padded width, so a row keeps the same positions whoever shares 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor, nn
+
+from unmask.decoding.knobs import REGISTRY, Knobs, at_least, choice, knob, register, within
 
 if TYPE_CHECKING:
+    from torch import Tensor, nn
+
     from unmask.decoding.params import DecodeParams
+
+
+@dataclass(frozen=True)
+class LocalKnobs(Knobs):
+    suffix_local: int = knob(32, ">= 0", at_least(0))
+
+
+@dataclass(frozen=True)
+class MiddleKnobs(Knobs):
+    suffix_middle: int = knob(8, ">= 0", at_least(0))
+    suffix_tail: int = knob(8, ">= 0", at_least(0))
+    suffix_rule: str = choice("even", lambda: MIDDLE_RULES)
+
+
+@dataclass(frozen=True)
+class InjectKnobs(Knobs):
+    inject: float = knob(0.0, "in [0, 1]", within(0, 1))
 
 
 class SuffixPolicy:
@@ -44,6 +64,8 @@ class SuffixPolicy:
         """(R, T, d) embeddings of the forwarded tokens ids (R, T) at slots idx (ids_t: ids on
         the model's device), carrying the previous step's predictions (prev_token (R, S)) into
         kept suffix slots; None when off."""
+        import torch  # here, not at the top: the spec grammar imports this module's knobs
+
         lam = self.params.inject
         if lam == 0:
             return None
@@ -131,8 +153,14 @@ def spread(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start:
 
 
 MIDDLE_RULES: dict[str, Callable[..., np.ndarray]] = {"even": spread, "decay": spread, "grid": grid}
-POLICIES: dict[str, type[SuffixPolicy]] = {"full": Full, "window": Window, "structured": Structured}
+
+register("suffix", "full", Full)
+register("suffix", "window", Window, (LocalKnobs, InjectKnobs))
+register("suffix", "structured", Structured, (LocalKnobs, MiddleKnobs, InjectKnobs))
+
+# name -> policy class, the registry's view
+POLICIES = {name: e.impl for name, e in REGISTRY["suffix"].items()}
 
 
 def make_suffix_policy(params: DecodeParams) -> SuffixPolicy:
-    return POLICIES[params.suffix](params)
+    return REGISTRY["suffix"][params.suffix].impl(params)

@@ -3,31 +3,49 @@
 A `Rule` says how many of the current block's masked positions one reference step commits
 (the positions themselves are always the most confident ones, `select_top`). A `Method` is a
 rule plus the number of drafts a step forwards: one for the plain decoders, `draft_steps` for
-FreeDave, which verifies the drafts against the same rule (docs/design.md § FreeDave). The
-spec grammar's method names are this registry's keys.
+FreeDave, which verifies the drafts against the same rule (docs/design.md § FreeDave). Each
+rule declares its knobs and registers once; a FreeDave method registers as the rule it wraps
+(`register_freedave`). The spec grammar's method names are this registry's keys.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from unmask.decoding.knobs import REGISTRY, Facts, Knobs, at_least, entry, knob, register, within
 from unmask.decoding.rules import static_count, threshold_count
 
 if TYPE_CHECKING:
     from unmask.decoding.params import DecodeParams
 
 
-class Rule:
-    """How many candidates (R, S) one reference step commits per row (host arrays)."""
+# --- knobs ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StaticKnobs(Knobs):
+    # None = gen_length (one token per step); its range depends on the lengths
+    # (DecodeParams checks it). Per row: each row's schedule is its own (steps_per_block).
+    steps: int | None = knob(None, per_row=True)
 
-    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None) -> np.ndarray:
-        raise NotImplementedError
+
+@dataclass(frozen=True)
+class ThresholdKnobs(Knobs):
+    # float32: compared with the float32 confidences
+    threshold: float = knob(0.9, "in (0, 1]", within(0, 1, open_low=True), per_row=True,
+                            dtype="float32")
 
 
+@dataclass(frozen=True)
+class FreeDaveKnobs(Knobs):
+    draft_steps: int = knob(4, ">= 1", at_least(1))  # drafts a row forwards: the call's shape
+    # FreeDave drafts only positions at least this confident: verification keeps the output
+    # exact whatever it is; it only trims drafts unlikely to be accepted (each costs compute).
+    draft_conf: float = knob(0.0, "in [0, 1]", within(0, 1), per_row=True, dtype="float32")
+
+
+# --- rules ---------------------------------------------------------------------------------------
 @dataclass
 class BlockSchedule:
     """Per-row state of LLaDA's fixed schedule within the current block (static only).
@@ -41,30 +59,59 @@ class BlockSchedule:
     steps_per_block: np.ndarray
 
 
+class Rule:
+    """How many candidates (R, S) one reference step commits per row (host arrays); knobs: (R,)
+    the rows' per-row knobs (unmask.engine.batch)."""
+
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
+              knobs: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
 class OneToken(Rule):
     """static-1: one token per step."""
 
-    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None) -> np.ndarray:
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
+              knobs: np.ndarray) -> np.ndarray:
         return cand.any(-1).astype(np.int64)
 
 
 class Threshold(Rule):
-    """Fast-dLLM: every candidate with confidence >= tau, at least one."""
+    """Fast-dLLM: every candidate with confidence >= the row's threshold, at least one."""
 
-    def __init__(self, tau: float) -> None:
-        self.tau = tau
-
-    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None) -> np.ndarray:
-        return threshold_count(conf, cand, self.tau)
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
+              knobs: np.ndarray) -> np.ndarray:
+        return threshold_count(conf, cand, knobs["threshold"])
 
 
 class Static(Rule):
     """LLaDA's reference schedule: a block's M masked positions over s steps."""
 
-    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None) -> np.ndarray:
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
+              knobs: np.ndarray) -> np.ndarray:
         assert schedule is not None, "the static rule needs its block schedule"
         n = static_count(schedule.masked_at_start, schedule.steps_per_block, schedule.step)
         return np.maximum(n, 1)
+
+
+register("method", "static", Static, (StaticKnobs,), Facts(uses_schedule=True))
+register("method", "static-1", OneToken)
+register("method", "threshold", Threshold, (ThresholdKnobs,), Facts(needs_probability=True))
+
+
+def register_freedave(name: str, rule: str) -> None:
+    """FreeDave over the registered rule `rule`: its drafts commit more of the rule's ranking,
+    verified by it, so it reproduces that rule token for token."""
+    base = entry("method", rule)
+    facts = Facts(reference=rule, drafts=True, uses_schedule=base.facts.uses_schedule,
+                  needs_probability=base.facts.needs_probability)
+    register("method", name, base.impl, (*base.knobs, FreeDaveKnobs), facts)
+
+
+register_freedave("freedave", "static-1")
+register_freedave("freedave++", "threshold")
+
+METHODS = REGISTRY["method"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +120,6 @@ class Method:
 
     rule: Rule
     n_drafts: int = 1
-    draft_conf: float = 0.0  # drafts only add positions at least this confident
     uses_schedule: bool = False
 
     @property
@@ -81,24 +127,7 @@ class Method:
         return self.n_drafts > 1
 
 
-def _static(p: DecodeParams) -> Method:
-    return Method(Static(), uses_schedule=True)
-
-
-def _freedave(rule: Callable[..., Rule]) -> Callable[..., Method]:
-    """FreeDave wraps a rule: its drafts commit more of the rule's ranking, verified by it."""
-    return lambda p: Method(rule(p), n_drafts=p.draft_steps, draft_conf=p.draft_conf)
-
-
-METHODS: dict[str, Callable[..., Method]] = {
-    "static": _static,
-    "static-1": lambda p: Method(OneToken()),
-    "threshold": lambda p: Method(Threshold(p.threshold)),
-    "freedave": _freedave(lambda p: OneToken()),
-    "freedave++": _freedave(lambda p: Threshold(p.threshold)),
-}
-
-
-
 def make_method(params: DecodeParams) -> Method:
-    return METHODS[params.method](params)
+    e = METHODS[params.method]
+    return Method(e.impl(), n_drafts=params.draft_steps if e.facts.drafts else 1,
+                  uses_schedule=e.facts.uses_schedule)

@@ -9,131 +9,88 @@ a spec means the same thing everywhere.
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
-from unmask.errors import SpecError  # noqa: F401  (re-exported)
+import numpy as np
 
-# The names the grammar accepts: the keys of the registries in unmask.decoding.methods,
-# unmask.caching and unmask.suffix (a new rule or policy is one class registered there, plus its
-# name here). Written out rather than imported so that the CLI's help text does not load torch;
-# tests/test_decoding_rules.py checks they match the registries.
-METHODS = ("static", "static-1", "threshold", "freedave", "freedave++")
-REMASKING = ("low_confidence", "maskgit_plus", "topk_margin", "entropy", "random")
-CACHES = ("none", "prefix", "dual", "entropy")
-SUFFIXES = ("full", "window", "structured")
-BLOCK_RECOMPUTE = ("all", "masked")
-MIDDLE_RULES = ("even", "decay", "grid")
+from unmask.caching import EntropyKnobs, StoreKnobs
+from unmask.decoding.knobs import REGISTRY, Knobs, applies_to, at_least, choice, entry, knob, knob_of, names
+from unmask.decoding.methods import FreeDaveKnobs, StaticKnobs, ThresholdKnobs
+from unmask.decoding.sampling import SamplingKnobs
+from unmask.errors import SpecError
+from unmask.suffix import MIDDLE_RULES as _MIDDLE
+from unmask.suffix import InjectKnobs, LocalKnobs, MiddleKnobs
+
+# The names the grammar accepts: the registries' keys (unmask.decoding.knobs), as registered by
+# the modules above. A policy registered later (a plugin, a test's toy) is valid too: the
+# checks read the registry itself; these tuples list the built-in ones for help texts.
+METHODS = names("method")
+REMASKING = names("remasking")
+CACHES = names("cache")
+SUFFIXES = names("suffix")
+MIDDLE_RULES = tuple(_MIDDLE)
 
 
 @dataclass(frozen=True)
-class DecodeParams:
-    """Everything that decides which tokens a decoder commits.
+class _Choices(Knobs):
+    """The knobs every decoder reads: which policies, and the lengths."""
+
+    method: str = choice("static-1", lambda: names("method"))
+    gen_length: int = knob(128, "a positive integer", at_least(1), per_row=True)
+    block_length: int = knob(32, "a positive integer", at_least(1))
+    remasking: str = choice("low_confidence", lambda: names("remasking"))
+    early_exit: bool = knob(False, per_row=True, dtype="bool")
+    cache: str = choice("none", lambda: names("cache"))
+    suffix: str = choice("full", lambda: names("suffix"))
+
+
+@dataclass(frozen=True)
+class DecodeParams(InjectKnobs, MiddleKnobs, LocalKnobs, StoreKnobs, EntropyKnobs, FreeDaveKnobs,
+                   ThresholdKnobs, StaticKnobs, SamplingKnobs, _Choices):
+    """Everything that decides which tokens a decoder commits: the knobs of every policy, each
+    declared beside the policy that reads it (bases listed last-first: fields run from
+    `_Choices` to `InjectKnobs`).
 
     Defaults of the approximate methods' knobs are the measured ones (BENCHMARKS.md).
     """
 
-    method: str = "static-1"
-    gen_length: int = 128
-    block_length: int = 32
-    steps: int | None = None  # static only; None = gen_length (one token per step)
-    temperature: float = 0.0
-    # Dream's sampling knobs: top_p / top_k restrict the sampled token (temperature > 0 only);
-    # alg_temp > 0 draws the positions to commit at random, weighted by confidence / alg_temp
-    # (static rules only), instead of taking the most confident.
-    top_p: float = 1.0
-    top_k: int = 0
-    alg_temp: float = 0.0
-    seed: int = 0
-    remasking: str = "low_confidence"
-    threshold: float = 0.9
-    draft_steps: int = 4
-    # FreeDave drafts only positions at least this confident: verification keeps the output
-    # exact whatever it is; it only trims drafts unlikely to be accepted (each costs compute).
-    draft_conf: float = 0.0
-    early_exit: bool = False
-    suppress_eos: bool = False
-    # K/V cache policy (unmask.caching). EntropyCache defaults from the `entropy` sweep
-    # (BENCHMARKS.md, math at 512): every tau kept accuracy and exact-match; tau=3 does 32% fewer
-    # token-forwards than tau=1 and is the largest value that still refreshes on uncertain
-    # commits (inf never does); recent_k=4 matched 0 in speed and 16 lost a prompt's fidelity.
-    cache: str = "none"
-    entropy_tau: float = 3.0
-    recent_k: int = 4
-    refresh_on_block: bool = False
-    block_recompute: str = "all"  # all | masked: see unmask.caching
-    # suffix policy (unmask.suffix)
-    suffix: str = "full"
-    suffix_local: int = 32
-    suffix_middle: int = 8
-    suffix_tail: int = 8
-    suffix_rule: str = "even"
-    inject: float = 0.0
     # the spec this came from, for reports
     name: str = ""
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _choice("method", self.method, METHODS)
-        _choice("remasking", self.remasking, REMASKING)
-        _choice("cache", self.cache, CACHES)
-        _choice("suffix", self.suffix, SUFFIXES)
-        _choice("block_recompute", self.block_recompute, BLOCK_RECOMPUTE)
-        _choice("suffix_rule", self.suffix_rule, MIDDLE_RULES)
-        if self.gen_length <= 0:
-            raise SpecError(f"gen_length must be a positive integer, got {self.gen_length}")
-        if self.block_length <= 0:
-            raise SpecError(f"block_length must be a positive integer, got {self.block_length}")
+        super().__post_init__()
+
+    def check(self) -> None:
+        """The rules across policies (each knob class checks its own)."""
         if self.gen_length % self.block_length:
             raise SpecError(f"gen_length ({self.gen_length}) must be a multiple of block_length "
                             f"({self.block_length})")
         if self.steps is not None:
-            if self.method != "static":
-                raise SpecError(f"steps applies to the static method only, not {self.method}")
+            if "steps" not in entry("method", self.method).reads:
+                readers = applies_to()["steps"][1]
+                raise SpecError(f"steps applies to the {' / '.join(readers)} method only, not "
+                                f"{self.method}")
             if not 1 <= self.steps <= self.gen_length or self.steps % self.num_blocks:
                 raise SpecError(f"steps ({self.steps}) must be in 1..{self.gen_length} and a "
                                 f"multiple of the number of blocks ({self.num_blocks})")
-        if not 0 <= self.seed < 1 << 63:  # the server's seed field and training's --seed alike
-            raise SpecError(f"seed must be an integer in 0..2**63-1, got {self.seed}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise SpecError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SpecError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise SpecError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if (self.top_p < 1 or self.top_k > 0) and self.temperature == 0:
-            raise SpecError("top_p / top_k restrict sampling, and temperature 0 does not sample: "
-                            "set temperature > 0 or drop them",
-                            key="top_p" if self.top_p < 1 else "top_k")
-        if not (self.alg_temp >= 0 and math.isfinite(self.alg_temp)):
-            raise SpecError(f"alg_temp must be a finite number >= 0, got {self.alg_temp}")
-        if not 0 < self.threshold <= 1:
-            raise SpecError(f"threshold must be in (0, 1], got {self.threshold}")
         # threshold and draft_conf compare a probability; these scores are not one (remasking
         # entropy ranks by -entropy <= 0; alg_temp by log-scores plus noise), so they would
         # never pass and the decoder would quietly commit one token a step.
-        unbounded = ("remasking=entropy" if self.remasking == "entropy"
+        unbounded = (f"remasking={self.remasking}"
+                     if not entry("remasking", self.remasking).facts.probability
                      else "alg_temp > 0" if self.alg_temp > 0 else None)
-        if unbounded and self.method in ("threshold", "freedave++"):
+        if unbounded and entry("method", self.method).facts.needs_probability:
+            users = [n for n, e in REGISTRY["method"].items() if not e.facts.needs_probability]
             raise SpecError(f"{unbounded} ranks by a score that is not a probability, which a "
-                            "confidence threshold cannot use: use it with static, static-1 or "
-                            "freedave")
+                            "confidence threshold cannot use: use it with "
+                            f"{', '.join(users[:-1])} or {users[-1]}")
         if unbounded and self.draft_conf > 0:
             raise SpecError(f"draft_conf is a probability, and {unbounded} ranks by a score "
                             "that is not one: drop draft_conf")
-        if self.draft_steps < 1:
-            raise SpecError(f"draft_steps must be >= 1, got {self.draft_steps}")
-        if not 0 <= self.draft_conf <= 1:
-            raise SpecError(f"draft_conf must be in [0, 1], got {self.draft_conf}")
-        if not self.entropy_tau >= 0:  # also refuses nan
-            raise SpecError(f"entropy_tau must be >= 0 (inf allowed), got {self.entropy_tau}")
-        for key in ("recent_k", "suffix_local", "suffix_middle", "suffix_tail"):
-            if getattr(self, key) < 0:
-                raise SpecError(f"{key} must be >= 0, got {getattr(self, key)}")
-        if not 0 <= self.inject <= 1:
-            raise SpecError(f"inject must be in [0, 1], got {self.inject}")
 
     @property
     def num_blocks(self) -> int:
@@ -215,32 +172,20 @@ class DecodeParams:
 SPEC_KEYS = tuple(f.name for f in fields(DecodeParams) if f.name not in ("method", "name"))
 
 # Keys that only some methods or policies read: key -> (the field that picks them, its values
-# that read the key). Written where nothing reads it, a key would change nothing without a word
-# (`static-1,threshold=0.5` decodes as static-1), so `parse` refuses it. Presets set such keys
-# for their own method and policies only, and a spec that switches a preset's policy off
-# (`fast,cache=none`) leaves the preset's now unread keys alone.
-APPLIES_TO: dict[str, tuple[str, tuple[str, ...]]] = {
-    "steps": ("method", ("static",)),
-    "threshold": ("method", ("threshold", "freedave++")),
-    "draft_steps": ("method", ("freedave", "freedave++")),
-    "draft_conf": ("method", ("freedave", "freedave++")),
-    "entropy_tau": ("cache", ("entropy",)),
-    "recent_k": ("cache", ("entropy",)),
-    "refresh_on_block": ("cache", ("entropy",)),
-    "block_recompute": ("cache", ("prefix", "dual", "entropy")),
-    "suffix_local": ("suffix", ("window", "structured")),
-    "suffix_middle": ("suffix", ("structured",)),
-    "suffix_tail": ("suffix", ("structured",)),
-    "suffix_rule": ("suffix", ("structured",)),
-    "inject": ("suffix", ("window", "structured")),
-}
+# that read the key), from the knobs each registered policy declares. Written where nothing
+# reads it, a key would change nothing without a word (`static-1,threshold=0.5` decodes as
+# static-1), so `parse` refuses it. Presets set such keys for their own method and policies
+# only, and a spec that switches a preset's policy off (`fast,cache=none`) leaves the preset's
+# now unread keys alone. (The built-in policies'; `parse` asks the registry itself.)
+APPLIES_TO = applies_to()
 
 
 def _check_applies(values: dict[str, Any], keys: set[str]) -> None:
     """Refuse each of `keys` (the ones the user wrote) that the decoder `values` describe does not
-    read (APPLIES_TO)."""
-    for key in sorted(keys & set(APPLIES_TO)):
-        field, readers = APPLIES_TO[key]
+    read (`applies_to`)."""
+    table = applies_to()
+    for key in sorted(keys & set(table)):
+        field, readers = table[key]
         chosen = values.get(field, getattr(DecodeParams, field))
         if chosen not in readers:
             fix = ("start the spec with one of those" if field == "method"
@@ -280,17 +225,48 @@ PRESETS: dict[str, dict[str, Any]] = {
 DEFAULT_DECODER = "balanced"
 
 # The decoder each lossless method claims to reproduce token for token.
-REFERENCE_METHOD = {"freedave": "static-1", "freedave++": "threshold"}
+REFERENCE_METHOD = {n: e.facts.reference for n, e in REGISTRY["method"].items() if e.facts.reference}
 
 
 def reference_of(p: DecodeParams) -> DecodeParams | None:
     """The reference decoder `p` must be token-identical to (same cache, suffix and shared
-    parameters; drafting knobs dropped), or None when `p` makes no such claim."""
-    if p.method not in REFERENCE_METHOD:
+    parameters; the knobs only `p`'s method reads, its drafting knobs, dropped), or None when
+    `p` makes no such claim."""
+    method = entry("method", p.method)
+    if method.facts.reference is None:
         return None
+    own = set(method.reads) - set(entry("method", method.facts.reference).reads)
     default = DecodeParams()
-    return dataclasses.replace(p, method=REFERENCE_METHOD[p.method], draft_steps=default.draft_steps,
-                               draft_conf=default.draft_conf, name="")
+    return dataclasses.replace(p, method=method.facts.reference, name="",
+                               **{k: getattr(default, k) for k in own})
+
+
+# --- per-row knobs --------------------------------------------------------------------------------
+# Knobs that the rows of one batch may hold different values of: they change how a row's scores
+# are drawn or read, never what a forward looks like. The batch keeps them as row arrays
+# (unmask.engine.batch); every other knob decides which batch a request joins (`batch_params`).
+PER_ROW = tuple(f.name for f in fields(DecodeParams) if (k := knob_of(f)) is not None and k.per_row)
+# those that live in the row arrays (seed, gen_length and steps have their own: the noise key,
+# the canvas, the static schedule)
+ROW_DTYPE = np.dtype([(f.name, k.dtype) for f in fields(DecodeParams)
+                      if (k := knob_of(f)) is not None and k.per_row and k.dtype is not None])
+_ROW_INT_MAX = 1 << 62  # a count past every canvas: numpy's int64 cannot hold every Python int
+
+
+def row_knobs(params: list[DecodeParams]) -> np.ndarray:
+    """(R,) ROW_DTYPE records: each request's per-row knobs (once, when rows join a batch)."""
+    return np.array([tuple(min(v, _ROW_INT_MAX) if type(v) is int else v
+                           for v in (getattr(p, n) for n in ROW_DTYPE.names)) for p in params],
+                    dtype=ROW_DTYPE)
+
+
+@functools.lru_cache(maxsize=256)  # params are frozen; a server sees few distinct ones
+def batch_params(p: DecodeParams) -> DecodeParams:
+    """`p` with every per-row knob at its default and one block of generation: equal for the
+    requests that may share a batch, hence a model call per step."""
+    default = DecodeParams()
+    reset = {k: getattr(default, k) for k in PER_ROW}
+    return dataclasses.replace(p, **{**reset, "gen_length": p.block_length, "name": ""})
 
 
 def same_decoder(a: DecodeParams, b: DecodeParams) -> bool:
@@ -327,11 +303,6 @@ def _check_types(p: DecodeParams) -> None:
         if not ok:
             raise SpecError(f"{f.name} must be {'an' if base == 'int' else 'a'} {base}, "
                             f"got {value!r} ({type(value).__name__})")
-
-
-def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise SpecError(f"{key} must be one of {', '.join(valid)}; got {value!r}")
 
 
 def _convert(key: str, raw: str, typ: Any) -> Any:

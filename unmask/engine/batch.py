@@ -22,11 +22,12 @@ model call copies its inputs there and its scores back (unmask.engine.runner).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
+from unmask.decoding.params import row_knobs
 from unmask.engine.request import Request
 from unmask.kv import KVStore
 
@@ -41,13 +42,56 @@ class Predictions:
     fresh: np.ndarray  # (R, S) bool
 
 
-# Per-slot arrays and the value a new slot holds; `x` is filled separately (EOS padding).
-_SLOT_FILL = {"commit_step": -1}
-_PRED_FILL = {"token": None, "conf": float("-inf"), "entropy": 0.0, "fresh": False}
-# Per-row arrays holding a slot index (-1: none), shifted with the slots.
-_SLOT_INDEX_ROWS = ("pad", "end", "store_block", "block_seen")
-_ROWS = ("pad", "end", "step", "store_block", "block_seen", "block_m", "block_step",
-         "steps_per_block", "nfe", "tok_fw", "decided", "has_preds", "done")
+@dataclass
+class Rows:
+    """Per-row state (R,) of a batch. pad, end, store_block and block_seen are slot indices
+    (-1: none), which move when the canvas widens at the front (`shifted`)."""
+
+    pad: np.ndarray  # left padding: the row's prompt starts at slot pad
+    end: np.ndarray  # one past the row's last generated slot
+    step: np.ndarray  # steps taken
+    store_block: np.ndarray  # block start the K/V store was last fully refreshed at (-1)
+    block_seen: np.ndarray  # block start of LLaDA's schedule (static; -1)
+    block_m: np.ndarray  # masked positions when that block started (static)
+    block_step: np.ndarray  # steps taken in it (static)
+    steps_per_block: np.ndarray  # the row's static schedule
+    nfe: np.ndarray  # model calls the row took part in
+    tok_fw: np.ndarray  # token positions those calls forwarded for it
+    decided: np.ndarray  # generated positions committed by a forward's decision
+    has_preds: np.ndarray  # bool: the row has predictions to commit from
+    done: np.ndarray  # bool
+    knobs: np.ndarray  # ROW_DTYPE: the request's per-row knobs (temperature, threshold, ...)
+
+    @classmethod
+    def joining(cls, reqs: list[Request], P: int) -> Rows:
+        """Rows of requests joining a batch whose generated region starts at slot P."""
+        n = len(reqs)
+
+        def full(value: int | bool) -> np.ndarray:
+            return np.full(n, value, dtype=bool if isinstance(value, bool) else np.int64)
+
+        def each(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.int64).reshape(n)
+
+        return cls(pad=each([P - r.prompt_len for r in reqs]),
+                   end=each([P + r.gen_length for r in reqs]), step=full(0), store_block=full(-1),
+                   block_seen=full(-1), block_m=full(0), block_step=full(0),
+                   steps_per_block=each([r.params.steps_per_block for r in reqs]), nfe=full(0),
+                   tok_fw=full(0), decided=full(0), has_preds=full(False), done=full(False),
+                   knobs=row_knobs([r.params for r in reqs]))
+
+    def take(self, index: np.ndarray) -> Rows:
+        return Rows(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    def cat(self, other: Rows) -> Rows:
+        return Rows(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)])
+                      for f in fields(self)))
+
+    def shifted(self, front: int) -> Rows:
+        """The slot indices of a canvas that gained `front` slots at the front (lost, if < 0)."""
+        return replace(self, pad=self.pad + front, end=self.end + front,
+                       store_block=np.where(self.store_block >= 0, self.store_block + front, -1),
+                       block_seen=np.where(self.block_seen >= 0, self.block_seen + front, -1))
 
 
 class DecodeBatch:
@@ -63,8 +107,9 @@ class DecodeBatch:
         self._slots = np.arange(0)
         self.x = np.empty((0, 0), dtype=np.int64)
         self.commit_step = np.empty((0, 0), dtype=np.int64)
-        for name in _ROWS:
-            setattr(self, name, np.empty(0, dtype=bool if name in ("has_preds", "done") else np.int64))
+        # Rows whose specs differ only in per-row knobs share this batch; each policy reads its
+        # own row's (rows.knobs).
+        self.rows = Rows.joining([], 0)
         self.preds = Predictions(np.empty((0, 0), dtype=np.int64), np.empty((0, 0), dtype=np.float32),
                                  np.empty((0, 0), dtype=np.float32), np.empty((0, 0), dtype=bool))
         self.store: KVStore | None = None
@@ -96,18 +141,7 @@ class DecodeBatch:
         for i, r in enumerate(reqs):
             x[i, P - r.prompt_len : P] = r.prompt_ids
             x[i, P : P + r.gen_length] = self.mask_id
-        new_rows = {
-            "pad": [P - r.prompt_len for r in reqs], "end": [P + r.gen_length for r in reqs],
-            "step": 0, "store_block": -1, "block_seen": -1, "block_m": 0, "block_step": 0,
-            "steps_per_block": [r.params.steps_per_block for r in reqs], "nfe": 0, "tok_fw": 0,
-            "decided": 0, "has_preds": False, "done": False,
-        }
-        for name in _ROWS:
-            old = getattr(self, name)
-            val = new_rows[name]
-            add = (np.array(val, dtype=old.dtype) if isinstance(val, list)
-                   else np.full(b, val, dtype=old.dtype))
-            setattr(self, name, np.concatenate([old, add]))
+        self.rows = self.rows.cat(Rows.joining(reqs, P))
         self.x = np.concatenate([self.x, x])
         self.commit_step = np.concatenate([self.commit_step, np.full_like(x, -1)])
         pr = self.preds
@@ -131,8 +165,7 @@ class DecodeBatch:
             return
         idx = np.array([i for i, k in enumerate(keep) if k], dtype=np.int64)
         self.requests = [r for r, k in zip(self.requests, keep, strict=True) if k]
-        for name in _ROWS:
-            setattr(self, name, getattr(self, name)[idx])
+        self.rows = self.rows.take(idx)
         self.x, self.commit_step = self.x[idx], self.commit_step[idx]
         pr = self.preds
         self.preds = Predictions(pr.token[idx], pr.conf[idx], pr.entropy[idx], pr.fresh[idx])
@@ -162,7 +195,7 @@ class DecodeBatch:
 
     def stored_tokens(self, rows: np.ndarray) -> np.ndarray:
         """(R', S) the token each slot of batch rows `rows` has K/V from in the store (-1: none)."""
-        pos = self.slots[None, :] - self.pad[rows][:, None]
+        pos = self.slots[None, :] - self.rows.pad[rows][:, None]
         return self.store.tokens_at(self.store_row[rows], pos)
 
     def _resize(self, front: int, back: int) -> None:
@@ -185,9 +218,6 @@ class DecodeBatch:
         pr = self.preds
         self.preds = Predictions(pad(pr.token, self.mask_id), pad(pr.conf, float("-inf")),
                                  pad(pr.entropy, 0.0), pad(pr.fresh, False))
-        for name in _SLOT_INDEX_ROWS:
-            t = getattr(self, name)
-            setattr(self, name, np.where(t >= 0, t + front, t) if name not in ("pad", "end")
-                    else t + front)
+        self.rows = self.rows.shifted(front)
         self.P += front
         self.S += front + back

@@ -18,11 +18,12 @@ import torch
 from torch import Tensor, nn
 
 from unmask.caching import StepView, make_cache_policy
+from unmask.decoding.knobs import entry
 from unmask.decoding.methods import BlockSchedule, make_method
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, batch_params
 from unmask.decoding.rules import candidate_ranks, select_top
 from unmask.engine.batch import DecodeBatch
-from unmask.engine.runner import Forwarded, Runner, StoreRead
+from unmask.engine.runner import Forwarded, ForwardPlan, Runner, StoreRead
 from unmask.suffix import make_suffix_policy
 
 DRAFT_LOGITS = 1 << 26  # logits a row's drafts may make a step (256 MiB in float32)
@@ -58,10 +59,12 @@ class StepResult:
 
 
 class Decoder:
-    """The decoding method, cache policy and suffix policy of one decoder spec (seed and
-    lengths aside: those are per row)."""
+    """The decoding method, cache policy and suffix policy of one decoder spec, its per-row knobs
+    aside (unmask.decoding.params.PER_ROW): each row's are in its batch's `rows.knobs`."""
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int) -> None:
+        # per-row knobs at their defaults, so that nothing here reads one request's values
+        params = batch_params(params)
         self.model, self.params = model, params
         self.mask_id, self.eos_id = mask_id, eos_id
         self.method = make_method(params)
@@ -73,6 +76,7 @@ class Decoder:
         self.n_drafts = min(self.method.n_drafts,
                             1 + max(DRAFT_LOGITS // (params.block_length * vocab), 1))
         self.cache = make_cache_policy(params)
+        self.always_draws = entry("remasking", params.remasking).facts.needs_noise
         self.suffix = make_suffix_policy(params)
         self.runner = Runner(model, params, mask_id, eos_id, self.suffix)
         self.device = self.runner.device
@@ -90,7 +94,7 @@ class Decoder:
         # Each canvas (before, drafts) is scanned for masks once; everything below reads these.
         gen_masked = self._gen_masked(b, b.x)  # (R, G)
         masked_before = gen_masked.sum(-1)
-        had_preds = b.has_preds.copy()
+        had_preds = b.rows.has_preds.copy()
         start = self._block_start(b, gen_masked)
         drafts = self._draft(b, start)
         draft_masked = self._gen_masked(b, drafts.x)  # (D, G)
@@ -98,8 +102,10 @@ class Decoder:
         # Complete drafts need no call, nor (with early exit) drafts committed up to an EOS:
         # the row stops there whatever the forward would predict.
         need = draft_masked.any(-1)
-        exit_ready = self._exit_ready(b, drafts.x, draft_masked) if self.params.early_exit else None
-        if exit_ready is not None:
+        exit_ready = None
+        early = b.rows.knobs["early_exit"]
+        if early.any():
+            exit_ready = self._exit_ready(b, drafts.x, draft_masked) & early[drafts.parent]
             need &= ~exit_ready
         fw = self._forward(b, drafts, need, draft_start)
         self._count(b, drafts, fw, need)
@@ -150,17 +156,17 @@ class Decoder:
         return cand
 
     def _draft(self, b: DecodeBatch, start: np.ndarray) -> Drafts:
-        x, pr, hp = b.x, b.preds, b.has_preds
+        x, pr, hp = b.x, b.preds, b.rows.has_preds
         conf = pr.conf
         cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
         schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
-        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule), 0)
+        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule, b.rows.knobs), 0)
+        rows = np.arange(len(b))
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
         # unlikely to pass verification. draft_conf 0 filters nothing, whatever the ranking
         # score's range (negative entropy, alg_temp's log-scores).
-        dc = self.method.draft_conf
-        n_max = (((conf >= dc) & cand) if dc > 0 else cand).sum(-1)
-        rows = np.arange(len(b))
+        dc = b.rows.knobs["draft_conf"][:, None]  # float32, like conf
+        n_max = (((conf >= dc) | (dc <= 0)) & cand).sum(-1)
         ranks = candidate_ranks(conf, cand)  # draft k commits the n0 + k best candidates
         drafts = []
         for k in range(self.n_drafts):
@@ -184,13 +190,13 @@ class Decoder:
 
     def _schedule(self, b: DecodeBatch, start: np.ndarray, cand: np.ndarray) -> BlockSchedule:
         """LLaDA's per-block schedule, advanced for the rows that draft this step."""
-        hp = b.has_preds
-        new = (start != b.block_seen) & hp
-        b.block_seen = np.where(hp, start, b.block_seen)
-        b.block_step = np.where(new, 0, b.block_step)
-        b.block_m = np.where(new, cand.sum(-1), b.block_m)
-        schedule = BlockSchedule(b.block_m, b.block_step.copy(), b.steps_per_block)
-        b.block_step = b.block_step + hp
+        hp = b.rows.has_preds
+        new = (start != b.rows.block_seen) & hp
+        b.rows.block_seen = np.where(hp, start, b.rows.block_seen)
+        b.rows.block_step = np.where(new, 0, b.rows.block_step)
+        b.rows.block_m = np.where(new, cand.sum(-1), b.rows.block_m)
+        schedule = BlockSchedule(b.rows.block_m, b.rows.block_step.copy(), b.rows.steps_per_block)
+        b.rows.block_step = b.rows.block_step + hp
         return schedule
 
     def _forward(self, b: DecodeBatch, d: Drafts, need: np.ndarray,
@@ -204,17 +210,18 @@ class Decoder:
         x, parent = d.x, d.parent
         slots = b.slots
         end = start + self.params.block_length
-        commit_step = np.where(d.added, b.step[parent][:, None], b.commit_step[parent])
+        commit_step = np.where(d.added, b.rows.step[parent][:, None], b.commit_step[parent])
         masked = x == self.mask_id
         # The token each slot's stored K/V was computed from (-1: none); a slot whose K/V comes
         # from another token (committed since) holds [MASK] K/V.
         stored = b.stored_tokens(parent) if b.store is not None else None
         # Only policies that read staleness pay for the (D, S) comparison.
         stale = (stored != x) if self.cache.reads_stale else np.zeros_like(masked)
-        view = StepView(slots, start, end, d.new_entropy, commit_step, b.store_block[parent],
-                        masked, stale)
-        pad = b.pad[parent]
-        visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, b.end[parent])
+        knobs = b.rows.knobs[parent]
+        view = StepView(slots, start, end, d.new_entropy, commit_step, b.rows.store_block[parent],
+                        masked, stale, knobs)
+        pad = b.rows.pad[parent]
+        visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, b.rows.end[parent])
         refresh, recompute = self.cache.plan(view)
         read = None
         if stored is None:
@@ -227,23 +234,27 @@ class Decoder:
         predict = masked & view.in_block
         if self.params.inject > 0:
             predict |= masked & active & (slots >= end[:, None])
-        prev = b.preds.token[parent]
-        noise = self._noise(b, x, parent)
-        return self.runner.forward(x, pad, visible, active, predict, refresh, read, prev, noise,
-                                   start)
+        noise = self._noise(b, x, parent, knobs)
+        return self.runner.forward(ForwardPlan(x, pad, visible, active, predict, refresh, read,
+                                               b.preds.token[parent], noise, start, knobs))
 
-    def _noise(self, b: DecodeBatch, x: np.ndarray, parent: np.ndarray) -> Tensor | None:
+    def _noise(self, b: DecodeBatch, x: np.ndarray, parent: np.ndarray,
+               knobs: np.ndarray) -> Tensor | None:
         """(D, block_length, V + 1) uniforms keyed by (request noise key, tokens committed so far):
         the same canvas state of a request always sees the same noise, whichever decoder
-        reached it and whoever shares its batch. Drawn on the model's device."""
+        reached it and whoever shares its batch. Drawn on the model's device, for the drafts
+        whose row samples (knobs: (D,) their rows' knobs); None when none does."""
         p = self.params
-        if p.temperature == 0 and p.remasking != "random" and p.alg_temp == 0:
+        draws = (knobs["temperature"] > 0) | (knobs["alg_temp"] > 0) | self.always_draws
+        if not draws.any():
             return None
-        n_committed = (x[:, b.P :] != self.mask_id).sum(-1) - (b.S - b.end[parent])
+        n_committed = (x[:, b.P :] != self.mask_id).sum(-1) - (b.S - b.rows.end[parent])
         vocab = self.model.config.vocab_size + 1  # one column per token, one for the position
+        # The rows of drafts that do not sample are left as allocated: scoring never reads them.
         out = torch.empty(x.shape[0], p.block_length, vocab, dtype=torch.float64, device=self.device)
         gen = torch.Generator(device=self.device)
-        for i, (row, n) in enumerate(zip(parent.tolist(), n_committed.tolist(), strict=True)):
+        for i in np.flatnonzero(draws).tolist():
+            row, n = int(parent[i]), int(n_committed[i])
             gen.manual_seed((b.requests[row].noise_key * 1_000_003 + n) % (1 << 63))
             torch.rand(p.block_length, vocab, generator=gen, dtype=torch.float64,
                        device=self.device, out=out[i])
@@ -253,8 +264,8 @@ class Decoder:
         if fw is None:
             return
         parents = d.parent[need]
-        b.nfe += np.minimum(np.bincount(parents, minlength=len(b)), 1)
-        b.tok_fw += np.bincount(parents, weights=fw.n_tokens, minlength=len(b)).astype(np.int64)
+        b.rows.nfe += np.minimum(np.bincount(parents, minlength=len(b)), 1)
+        b.rows.tok_fw += np.bincount(parents, weights=fw.n_tokens, minlength=len(b)).astype(np.int64)
 
     def _verify(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, need: np.ndarray,
                 start: np.ndarray, exit_ready: np.ndarray | None) -> np.ndarray:
@@ -270,7 +281,8 @@ class Decoder:
         if fw is not None:
             fx = d.x[need]
             cand = self._candidates(b, fx, start[need], fw.fresh, np.ones(fx.shape[0], dtype=bool))
-            sel = select_top(fw.conf, cand, self.method.rule.count(fw.conf, cand, None))
+            count = self.method.rule.count(fw.conf, cand, None, b.rows.knobs[d.parent[need]])
+            sel = select_top(fw.conf, cand, count)
             target[need] = np.where(sel, fw.token, fx)
         # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);
         # eq[r, i, j] = draft j of row r equals the target of its draft i.
@@ -303,9 +315,9 @@ class Decoder:
         rows = d.parent[chosen]  # every row, in order
         added = d.added[chosen]
         b.x = d.x[chosen]
-        b.commit_step = np.where(added, b.step[:, None], b.commit_step)
-        b.decided += added.sum(-1)
-        b.step += 1
+        b.commit_step = np.where(added, b.rows.step[:, None], b.commit_step)
+        b.rows.decided += added.sum(-1)
+        b.rows.step += 1
         if fw is None:
             return
         has = need[chosen]
@@ -318,14 +330,14 @@ class Decoder:
         pr.conf[rows] = np.where(keep_old, np.float32(-np.inf), fw.conf[fi])
         pr.entropy[rows] = fw.entropy[fi]
         pr.fresh[rows] = fw.fresh[fi]
-        b.has_preds[rows] = True
+        b.rows.has_preds[rows] = True
         if b.store is not None:
             refreshed = fw.refresh[fi]
             store_rows = b.store_row[rows]
             b.store.invalidate(store_rows[refreshed])
-            b.store.write(store_rows, b.pad[rows], fi, fw.idx, fw.kv, fw.kv_at, fw.ok, fw.ids)
+            b.store.write(store_rows, b.rows.pad[rows], fi, fw.idx, fw.kv, fw.kv_at, fw.ok, fw.ids)
             start = draft_start[chosen[has]]  # the accepted canvases' block starts
-            b.store_block[rows] = np.where(refreshed, start, b.store_block[rows])
+            b.rows.store_block[rows] = np.where(refreshed, start, b.rows.store_block[rows])
 
     def _finish(self, b: DecodeBatch, masked: np.ndarray,
                 exit_ready: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -334,13 +346,13 @@ class Decoder:
         `_exit_ready` of the accepted canvases), a row whose canvas is committed up to an EOS
         is done and its remaining positions become EOS."""
         if exit_ready is not None:
-            stop = exit_ready & ~b.done
+            stop = exit_ready & ~b.rows.done
             if stop.any():
                 gen = b.x[:, b.P :]
                 gen[stop] = np.where(masked[stop], self.eos_id, gen[stop])
                 masked = gen == self.mask_id
-        newly = ~masked.any(-1) & ~b.done
-        b.done |= newly
+        newly = ~masked.any(-1) & ~b.rows.done
+        b.rows.done |= newly
         return newly, masked
 
     def _exit_ready(self, b: DecodeBatch, x: np.ndarray, masked: np.ndarray) -> np.ndarray:

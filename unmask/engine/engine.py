@@ -2,9 +2,10 @@
 
 `step()` = schedule -> run -> postprocess. The scheduler (plain Python) admits waiting
 requests; each admitted request joins the batch of its decoder. Requests whose decoder specs
-differ only in seed and lengths share a decoder, hence a batch and one model call per step;
-requests of different decoders (method, cache, suffix, thresholds, ...) are in different
-batches, run one after another within the same step (interleaved, not fused). Finished and
+differ only in per-row knobs (seed, lengths, temperature, top_p, threshold, ...:
+unmask.decoding.params.PER_ROW) share a decoder, hence a batch and one model call per step;
+requests of different decoders (method and draft count, cache, suffix, block length, ...) are
+in different batches, run one after another within the same step (interleaved, not fused). Finished and
 aborted requests leave their batch at once.
 
 A request's tokens never depend on who else is in its batch (tested): every per-row quantity
@@ -14,7 +15,6 @@ canvas, prompt and seed.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import numbers
@@ -26,11 +26,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, batch_params
 from unmask.engine.allocator import tune_for
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.decoder import Decoder, StepResult
-from unmask.engine.request import Request, StepEvent
+from unmask.engine.request import Request, StepEvent, useful_length
 from unmask.engine.scheduler import Scheduler, SchedulerConfig
 from unmask.errors import CanvasTooLong, InputError
 from unmask.models import refuse_block_diffusion
@@ -38,10 +38,9 @@ from unmask.models import refuse_block_diffusion
 log = logging.getLogger("unmask.engine")
 
 
-@functools.lru_cache(maxsize=256)  # params are frozen; a server sees few distinct ones
 def decoder_key(params: DecodeParams) -> Hashable:
-    """What decides which batch a request joins: its parameters, seed and lengths aside."""
-    return dataclasses.replace(params, seed=0, gen_length=params.block_length, steps=None, name="")
+    """What decides which batch a request joins: its parameters, per-row knobs aside."""
+    return batch_params(params)
 
 
 def _locked(method: Callable) -> Callable:
@@ -209,7 +208,7 @@ class Engine:
 
     def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
         trace = any(r.trace for r in b.requests)
-        tok_fw_before = int(b.tok_fw.sum())
+        tok_fw_before = int(b.rows.tok_fw.sum())
         try:
             res = dec.step(b, trace=trace)
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
@@ -217,7 +216,7 @@ class Engine:
             return self._fail(b, f"{type(e).__name__}: {e}")
         if res.model_call:
             self.model_calls += 1
-        self.token_forwards += int(b.tok_fw.sum()) - tok_fw_before
+        self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before
         events = self._events(dec, b, res)
         gone = res.finished | res.stalled
         if gone.any():
@@ -231,13 +230,13 @@ class Engine:
         rows, cols = np.nonzero(x != res.before[:, gen])
         d_rows, d_cols = np.nonzero(res.drafted[:, gen])
         masked = res.masked
-        prefix = np.where(masked.any(-1), masked.argmax(-1), b.end - b.P).tolist()
+        prefix = np.where(masked.any(-1), masked.argmax(-1), b.rows.end - b.P).tolist()
         start = (res.block_start - b.P).tolist()
         per_row = _split_rows(rows, cols.tolist(), len(b))
         tok_row = _split_rows(rows, x[rows, cols].tolist(), len(b))
         drafted_rows = _split_rows(d_rows, d_cols.tolist(), len(b))
-        nfe, tok_fw, decided, steps = (b.nfe.tolist(), b.tok_fw.tolist(), b.decided.tolist(),
-                                       b.step.tolist())
+        nfe, tok_fw, decided, steps = (b.rows.nfe.tolist(), b.rows.tok_fw.tolist(), b.rows.decided.tolist(),
+                                       b.rows.step.tolist())
         forwarded, refreshed = res.forwarded.tolist(), res.refreshed.tolist()
         finished, stalled = res.finished.tolist(), res.stalled.tolist()
         now = time.perf_counter()
@@ -277,6 +276,8 @@ class Engine:
 
     def _retire(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = "finished", reason
+        if req.token_ids is not None:
+            req.useful = useful_length(req.token_ids, self.eos_id)
         if req.finished_at is None:
             req.finished_at = time.perf_counter()
         self.scheduler.finish(req)

@@ -21,6 +21,11 @@ FINISH_REASONS = ("eos", "length", "stop", "abort", "error")
 _ids = itertools.count()
 
 
+def useful_length(token_ids: list[int], eos_id: int) -> int:
+    """Tokens up to (not including) the first EOS."""
+    return token_ids.index(eos_id) if eos_id in token_ids else len(token_ids)
+
+
 def noise_key(seed: int, prompt_ids: list[int]) -> int:
     """The request's sampling-noise key: its seed mixed with its prompt, so two prompts with the
     same seed draw different noise while the same (prompt, seed) always draws the same."""
@@ -38,6 +43,7 @@ class Request:
     status: str = "waiting"  # waiting | running | finished
     # --- filled by the engine
     token_ids: list[int] | None = None  # the gen_length generated tokens, once finished
+    useful: int = 0  # of those, the tokens up to the first EOS (the answer's length)
     nfe: int = 0  # model calls this request took part in
     token_forwards: int = 0  # token positions those calls processed for it
     decided: int = 0  # generated positions committed by a forward's decision (not EOS fill)
@@ -69,6 +75,17 @@ class Request:
         if self.started is None or self.finished_at is None:
             return 0.0
         return self.finished_at - self.started
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per forward: generated positions committed by forwards' decisions, per model
+        call the request took part in (docs/design.md § Metrics)."""
+        return self.decided / self.nfe if self.nfe else 0.0
+
+    @property
+    def tps(self) -> float:
+        """Useful tokens per second of its decode (0 before it finishes)."""
+        return self.useful / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def finished(self) -> bool:

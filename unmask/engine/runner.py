@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
-from unmask.decoding.rules import score
+from unmask.decoding.scoring import score
 from unmask.kv import Frame, KVStore, RowGroup
 from unmask.suffix import SuffixPolicy
 
@@ -119,6 +120,24 @@ class Past:
 
 
 @dataclass
+class ForwardPlan:
+    """What one model call does for R canvas rows, built by the decoder (host arrays)."""
+
+    x: np.ndarray  # (R, S) canvases
+    pad: np.ndarray  # (R,) left padding: slot pad + p holds position p
+    visible: np.ndarray  # (R, S) bool slots that exist in this step
+    active: np.ndarray  # (R, S) bool slots recomputed (a subset of visible); the rest of
+    # `visible` is read from `store`
+    predict: np.ndarray  # (R, S) bool slots whose prediction is needed
+    refresh: np.ndarray  # (R,) bool the row is a full forward
+    store: StoreRead | None  # None: no cache, or nothing stored
+    prev_token: np.ndarray  # (R, S) the last step's predictions (suffix injection)
+    noise: Tensor | None  # (R, block_length, V + 1) uniforms on the model's device, or None
+    block_start: np.ndarray  # (R,) first slot of each row's current block
+    knobs: np.ndarray  # (R,) the rows' per-row knobs (unmask.decoding.params.ROW_DTYPE)
+
+
+@dataclass
 class Forwarded:
     """Result of one forward of R rows, scattered back to canvas slots (host arrays, but for
     the K/V, which stays on the model's device until the store takes it)."""
@@ -148,8 +167,9 @@ class Runner:
                  suffix: SuffixPolicy) -> None:
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
-        # Entropies feed EntropyCache's refresh decision (and entropy remasking) only.
-        self.with_entropy = params.cache == "entropy" or params.remasking == "entropy"
+        # Entropies are computed only for the policies that read them.
+        self.with_entropy = (entry("cache", params.cache).facts.reads_entropy
+                             or entry("remasking", params.remasking).facts.reads_entropy)
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
         self.suppress = torch.tensor([t for t in [mask_id] + ([eos_id] if params.suppress_eos else [])
@@ -159,16 +179,12 @@ class Runner:
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device)
 
-    def forward(self, x: np.ndarray, pad: np.ndarray, visible: np.ndarray, active: np.ndarray,
-                predict: np.ndarray, refresh: np.ndarray, store: StoreRead | None,
-                prev_token: np.ndarray, noise: Tensor | None, block_start: np.ndarray) -> Forwarded:
-        """Forward rows x (R, S).
-
-        visible: slots that exist in this step (R, S); active: slots recomputed (a subset);
-        the rest of `visible` is read from `store` (None: no cache, or nothing stored).
-        predict: slots whose prediction is needed. noise: (R, block_length, V + 1) uniforms on
-        the model's device, or None.
-        """
+    def forward(self, plan: ForwardPlan) -> Forwarded:
+        """Forward the plan's rows: recompute their active slots, attend to the stored K/V of
+        the rest of their visible slots, score the slots they predict."""
+        x, pad, visible, active, predict = (plan.x, plan.pad, plan.visible, plan.active,
+                                            plan.predict)
+        block_start, noise = plan.block_start, plan.noise
         r, s = x.shape
         if self.shift:
             # Dream reads slot i's prediction from token i-1: that token must be recomputed too.
@@ -182,13 +198,13 @@ class Runner:
         idx, ok, n_tokens, t_hat = _compact(active, canonical_tokens)
         rows_of = np.arange(r)[:, None]
         ids = x[rows_of, idx]
-        past = self._past(visible & ~active, store)
+        past = self._past(visible & ~active, plan.store)
         target = idx + self.shift  # slot each output predicts
         want = ok & (target < s) & predict[rows_of, np.minimum(target, s - 1)]
         rows, cols = np.nonzero(want)
         tslots = target[rows, cols]
         ids_t = self._to_device(ids)
-        embeds = self.suffix.embeds(self.model, ids, idx, ok, prev_token,
+        embeds = self.suffix.embeds(self.model, ids, idx, ok, plan.prev_token,
                                     block_start + self.params.block_length, ids_t)
         logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok, n_tokens,
                                        t_hat, embeds, past, rows, cols)
@@ -196,9 +212,9 @@ class Runner:
         if noise is not None:
             offset = np.minimum(np.maximum(tslots - block_start[rows], 0), noise.shape[1] - 1)
             u = noise[self._to_device(rows), self._to_device(offset)]
-        pr = self.params
-        sc = score(logits, pr.remasking, pr.temperature, u, self.suppress, pr.top_p, pr.top_k,
-                   pr.alg_temp, with_entropy=self.with_entropy)
+        at = plan.knobs[rows]  # (N,) each scored position's row's knobs
+        sc = score(logits, self.params.remasking, at["temperature"], u, self.suppress, at["top_p"],
+                   at["top_k"], at["alg_temp"], with_entropy=self.with_entropy)
         token = np.full((r, s), self.mask_id, dtype=np.int64)
         conf = np.full((r, s), -np.inf, dtype=np.float32)
         ent = np.zeros((r, s), dtype=np.float32)
@@ -207,7 +223,8 @@ class Runner:
         conf[rows, tslots] = sc.conf.cpu().numpy()
         ent[rows, tslots] = sc.entropy.cpu().numpy()
         fresh[rows, tslots] = True
-        return Forwarded(token, conf, ent, fresh, kv, kv_at, idx, ids, ok, refresh, visible, n_tokens)
+        return Forwarded(token, conf, ent, fresh, kv, kv_at, idx, ids, ok, plan.refresh, visible,
+                         n_tokens)
 
     @staticmethod
     def _past(cached: np.ndarray, read: StoreRead | None) -> Past | None:

@@ -1,0 +1,78 @@
+"""A new policy is one class and one registry call (unmask.decoding.knobs): this file adds a toy
+K/V cache policy and shows that the spec grammar, the refusal of keys it does not read, the
+engine, `LLM.generate` and `unmask bench` all take it, with no other file edited."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import EOS, MASK, PROMPTS, VOCAB, peaky_model, tiny_model_dir
+
+from unmask.caching import CachePolicy, StepView, StoreKnobs
+from unmask.decoding.knobs import Facts, register
+from unmask.decoding.params import DecodeParams, SpecError
+from unmask.engine import decode
+
+
+class BlockOnly(CachePolicy):
+    """Full forward when a row's block changes; otherwise only the block (`block_recompute`
+    says which of its slots), every other slot read from the store: what `dual` does, written
+    again here so that its output can be checked against dual's."""
+
+    def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
+        return v.block_changed, self.block(v)
+
+
+register("cache", "toy-block", BlockOnly, (StoreKnobs,), Facts(uses_store=True))
+
+
+def test_the_grammar_takes_it_and_its_knobs() -> None:
+    p = DecodeParams.parse("threshold,cache=toy-block,block_recompute=masked")
+    assert (p.cache, p.block_recompute) == ("toy-block", "masked")
+    assert DecodeParams.parse(p.spec) == p
+
+
+@pytest.mark.parametrize("key", ["entropy_tau=1", "recent_k=2", "refresh_on_block=true"])
+def test_keys_it_does_not_read_are_refused(key: str) -> None:
+    with pytest.raises(SpecError, match=key.split("=")[0]) as e:
+        DecodeParams.parse(f"threshold,cache=toy-block,{key}")
+    assert "entropy" in str(e.value)  # the policy that does read it
+
+
+@pytest.mark.parametrize("spec", ["threshold,threshold=0.5", "freedave,draft_steps=3",
+                                  "static-1,temperature=0.8,seed=2"])
+def test_the_engine_runs_it(spec: str) -> None:
+    """Same tokens and cost as dual (the same plan), fewer token-forwards than no cache: the
+    engine ran the toy policy and kept a K/V store for it."""
+    model = peaky_model("llada", 0, 4.0, VOCAB, MASK, EOS)
+
+    def run(cache: str) -> list[tuple]:
+        p = DecodeParams.parse(f"{spec},cache={cache}", gen_length=32, block_length=8)
+        return [(r.token_ids, r.nfe, r.token_forwards)
+                for r in decode(model, p, PROMPTS, mask_id=MASK, eos_id=EOS)]
+
+    toy, dual, none = run("toy-block"), run("dual"), run("none")
+    assert toy == dual
+    assert sum(t[2] for t in toy) < sum(t[2] for t in none)
+
+
+def test_llm_generate_and_bench_take_it(tmp_path: Path) -> None:
+    from unmask import LLM
+    from unmask.cli import main
+
+    folder = tiny_model_dir(tmp_path)
+    llm = LLM(folder)
+    toy, dual = (llm.generate(["2 + 2 ="], f"threshold,cache={c}", gen_length=16, block_length=8)
+                 for c in ("toy-block", "dual"))
+    assert toy[0].token_ids == dual[0].token_ids
+    js = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(folder), "--task", "math", "--n", "2", "--warmup", "0",
+                 "--decoder", "threshold,cache=dual", "--decoder", "threshold,cache=toy-block",
+                 "--gen-length", "16", "--block-length", "8", "--threads", "1",
+                 "--json", str(js)]) == 0
+    dual_row, toy_row = json.loads(js.read_text())["results"]
+    assert toy_row["decoder"] == "threshold,cache=toy-block"
+    assert toy_row["token_forwards"] == dual_row["token_forwards"]
