@@ -15,6 +15,7 @@ from helpers import tiny_model
 
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig, decode
+from unmask.errors import CanvasTooLong, InputError
 from unmask.server.engine_client import EngineClient, Submission
 from unmask.server.metrics import ServerMetrics
 from unmask.server.protocol import FieldError
@@ -136,3 +137,30 @@ def test_many_threads_through_one_door_each_get_their_own_tokens(door: EngineCli
         alone = [decode(model(), s.params, [s.prompt_ids])[0].token_ids for s in group]
         assert results[t] == alone, f"thread {t}"
     assert door.error is None
+
+
+def test_each_prompt_is_checked_once(door: EngineClient, monkeypatch) -> None:
+    """The door checks every prompt before it submits any, and the engine takes what it checked:
+    add_request does not check a prompt again (it did, once per prompt, before)."""
+    calls = []
+    check = Engine.check_prompt
+
+    def counted(self, prompt_ids, p):
+        calls.append(list(prompt_ids))
+        return check(self, prompt_ids, p)
+    monkeypatch.setattr(Engine, "check_prompt", counted)
+    assert len(asyncio.run(_run(door, items([5, 6], [7, 8, 9])))) == 2
+    assert calls == [[5, 6], [7, 8, 9]]
+
+
+def test_a_checked_prompt_is_checked_again_for_other_params() -> None:
+    """A CheckedPrompt stands for its own params and engine only: with another spec (a longer
+    canvas) or on another engine, add_request checks it again."""
+    engine = Engine(model(), SchedulerConfig())
+    ok = engine.check([5] * 200, params(gen=16))
+    engine.add_request(ok, ok.params)  # taken as checked
+    with pytest.raises(CanvasTooLong):
+        engine.add_request(ok, params(gen=64))
+    other = Engine(model(), SchedulerConfig(), mask_id=5)  # another engine: 5 is its mask
+    with pytest.raises(InputError, match="mask token"):
+        other.add_request(ok, ok.params)

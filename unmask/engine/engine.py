@@ -21,6 +21,7 @@ import numbers
 import threading
 import time
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,6 +42,15 @@ log = logging.getLogger("unmask.engine")
 def decoder_key(params: DecodeParams) -> Hashable:
     """What decides which batch a request joins: its parameters, per-row knobs aside."""
     return batch_params(params)
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedPrompt:
+    """A prompt's token ids as `Engine.check` accepted them for `params` on `engine`."""
+
+    ids: tuple[int, ...]
+    params: DecodeParams
+    engine: Engine
 
 
 def _locked(method: Callable) -> Callable:
@@ -78,10 +88,18 @@ class Engine:
 
     # --- requests ----------------------------------------------------------------------------
     @_locked
-    def add_request(self, prompt_ids: list[int], params: DecodeParams, request_id: str | None = None,
-                    trace: bool = False) -> Request:
-        """Queue a request; it joins the running batch at the next step."""
-        ids = self.check_prompt(prompt_ids, params)
+    def add_request(self, prompt_ids: list[int] | CheckedPrompt, params: DecodeParams,
+                    request_id: str | None = None, trace: bool = False) -> Request:
+        """Queue a request; it joins the running batch at the next step. A `CheckedPrompt` this
+        engine's `check` made for these params is taken as checked (a server checks every prompt
+        of an HTTP request before it submits any: each prompt is checked once)."""
+        if isinstance(prompt_ids, CheckedPrompt):
+            if prompt_ids.engine is self and prompt_ids.params is params:
+                ids = list(prompt_ids.ids)
+            else:
+                ids = self.check_prompt(list(prompt_ids.ids), params)
+        else:
+            ids = self.check_prompt(prompt_ids, params)
         if request_id is not None and not isinstance(request_id, str):
             raise InputError(f"request_id must be a string, got {type(request_id).__name__}")
         kw = {} if request_id is None else {"request_id": request_id}
@@ -91,6 +109,10 @@ class Engine:
         self.scheduler.add(req)
         self.requests[req.request_id] = req
         return req
+
+    def check(self, prompt_ids: list[int], params: DecodeParams) -> CheckedPrompt:
+        """check_prompt's result, which add_request then takes without checking it again."""
+        return CheckedPrompt(tuple(self.check_prompt(prompt_ids, params)), params, self)
 
     def check_prompt(self, prompt_ids: list[int], params: DecodeParams) -> list[int]:
         """The prompt's token ids as Python ints, or the InputError add_request would raise for

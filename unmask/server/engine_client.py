@@ -11,7 +11,7 @@ An abort takes effect before the next step: a cancelled request costs at most th
 flight.
 
 Validation. `submit` refuses a response's engine requests all together or not at all, with the
-engine's own checks (Engine.check_prompt: the ids and the canvas; the scheduler's slot budget,
+engine's own checks, made once (Engine.check: the ids and the canvas; the scheduler's slot budget,
 and how many of them an idle engine admits at once), before it submits any of them; a refusal
 is a `FieldError` naming the request's field it is about. The checks read only the engine's
 configuration, so they run on the event loop without touching the engine's state.
@@ -31,6 +31,7 @@ from typing import Any
 
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, QueueFull, Request, StepEvent
+from unmask.engine.engine import CheckedPrompt
 from unmask.errors import CanvasTooLong, InputError
 from unmask.server.metrics import ServerMetrics
 from unmask.server.protocol import FieldError
@@ -101,14 +102,14 @@ class EngineClient:
         the items in messages ("choices", "decoder lanes")."""
         if self.error is not None:
             raise EngineStopped("the engine has stopped; see the server log")
-        self.check(items, what)
+        checked = self.check(items, what)
         handles: list[Handle] = []
         try:
-            for item in items:
+            for item, ids in zip(items, checked, strict=True):
                 if left is not None and await left():
                     self._abort_all(handles)
                     return None
-                handles.append(await self._add(item, trace))
+                handles.append(await self._add(item, ids, trace))
         except QueueFull:
             self.metrics.requests.labels("rejected").inc()
             self._abort_all(handles)
@@ -118,11 +119,13 @@ class EngineClient:
             raise
         return handles
 
-    def check(self, items: list[Submission], what: str) -> None:
-        """The engine's refusal of any item, and of the items together, as a FieldError."""
+    def check(self, items: list[Submission], what: str) -> list[CheckedPrompt]:
+        """The engine's refusal of any item, and of the items together, as a FieldError; else
+        each item's prompt as the engine checked it (add_request does not check it again)."""
+        checked = []
         for item in items:
             try:
-                self.engine.check_prompt(item.prompt_ids, item.params)
+                checked.append(self.engine.check(item.prompt_ids, item.params))
             except CanvasTooLong as e:
                 raise FieldError(item.length_field or item.field, str(e)) from None
             except InputError as e:
@@ -130,18 +133,19 @@ class EngineClient:
         scheduler = self.engine.scheduler
         c = scheduler.config
         if c.max_slots is None and (c.max_queue is None or len(items) <= c.max_running + c.max_queue):
-            return  # no budget but rows: every item fits alone, and the count fits
-        reqs = [Request(list(i.prompt_ids), i.params) for i in items]
+            return checked  # no budget but rows: every item fits alone, and the count fits
+        reqs = [Request(list(p.ids), i.params) for i, p in zip(items, checked, strict=True)]
         for item, r in zip(items, reqs, strict=True):
             try:
                 scheduler.check_fits(r)
             except InputError as e:
                 raise FieldError(item.field, f"{item.field}: {e}") from None
         if c.max_queue is None or len(reqs) <= c.max_queue + 1:
-            return  # each fits alone, so an idle engine runs one at least and queues the rest
+            return checked  # each fits alone, so an idle engine runs one at least, queues the rest
         at_once = scheduler.admitted_when_idle(reqs)
         if len(reqs) > at_once + c.max_queue:
             raise FieldError(None, never_together(len(reqs), what, at_once, c))
+        return checked
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         self._cmds.put(("abort", (request_id, reason)))
@@ -165,11 +169,11 @@ class EngineClient:
         if first_text is not None:
             self.metrics.ttft.observe(first_text - handle.submitted)
 
-    async def _add(self, item: Submission, trace: bool) -> Handle:
+    async def _add(self, item: Submission, ids: CheckedPrompt, trace: bool) -> Handle:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Handle] = loop.create_future()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        self._cmds.put(("add", (item.prompt_ids, item.params, request_id, trace, loop, done)))
+        self._cmds.put(("add", (ids, item.params, request_id, trace, loop, done)))
         try:
             return await done
         except asyncio.CancelledError:  # the client left before the engine took it
