@@ -1,6 +1,7 @@
 """A new policy is one class and one registry call (unmask.decoding.knobs): this file adds a toy
 K/V cache policy and shows that the spec grammar, the refusal of keys it does not read, the
-engine, `LLM.generate` and `unmask bench` all take it, with no other file edited."""
+engine, `LLM.generate`, `unmask bench` and the OpenAI server all take it, with no other file
+edited."""
 
 from __future__ import annotations
 
@@ -76,3 +77,20 @@ def test_llm_generate_and_bench_take_it(tmp_path: Path) -> None:
     dual_row, toy_row = json.loads(js.read_text())["results"]
     assert toy_row["decoder"] == "threshold,cache=toy-block"
     assert toy_row["token_forwards"] == dual_row["token_forwards"]
+
+
+def test_the_server_serves_it() -> None:
+    """An OpenAI request with the toy policy in its `decoder` field, through the real client
+    against a live server, answers what LLM.generate gives with the same spec."""
+    from helpers import LiveServer
+
+    from unmask import LLM
+    from unmask.server.app import ServerConfig, build_app
+
+    llm, spec = LLM(), "threshold,cache=toy-block,block_recompute=masked"
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold"))) as s:
+        out = s.client().chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": "What is 47 + 38?"}],
+            max_tokens=96, extra_body={"decoder": spec})
+    expected = llm.generate(["What is 47 + 38?"], spec, gen_length=96)[0].text
+    assert out.choices[0].message.content == expected and "####" in expected
