@@ -1,4 +1,4 @@
-"""The GPU check: what unmask does on an accelerator, in one command (README § GPU).
+"""The GPU check: what unmask does on an accelerator, in one command (docs/checkpoints.md § GPU).
 
     python scripts/gpu_check.py --out DIR [--tiny] [--device cuda] [--budget 420]
         [--reference .ref/fast_dllm_llada] [--models llada,dream]

@@ -41,7 +41,7 @@ from unmask.models import build_model
 from unmask.quantize import mib, quantize_model, torchao_version, weight_bytes
 from unmask.tasks import TASKS
 
-# the README's table ("Choosing the default"), exact with early exit as there
+# the table of docs/decoders.md, "Choosing the default", exact with early exit as there
 DECODERS = ("threshold", "exact,early_exit=true", "balanced", "fast")
 # (name, dtype, scheme): the variants, float32 first (the reference of agreement and speed)
 VARIANTS = (("float32", "float32", None), ("int8", "float32", "int8"),

@@ -717,7 +717,7 @@ def counted_call(fn, calls: list):
 def test_device_reads_per_step_do_not_grow_with_the_batch(spec: str, monkeypatch) -> None:
     """On a GPU every device -> host read is a round trip. The decode state is on the host, so
     a step reads back only its model calls' scores (token, confidence, entropy: three reads a
-    call, README "GPU"), never one per row or per draft."""
+    call, docs/checkpoints.md "GPU"), never one per row or per draft."""
     import collections
 
     counts: collections.Counter[str] = collections.Counter()

@@ -62,7 +62,7 @@ def decoder_names() -> str:
 def add_decode_arguments(p: argparse.ArgumentParser, default: str = DEFAULT_DECODER) -> None:
     p.add_argument("--decoder", default=default,
                    help=f"decoder spec NAME[,key=value]* (default: {default}); NAME is one of the "
-                        f"{decoder_names()}; keys in README")
+                        f"{decoder_names()}; keys in docs/decoders.md")
     add_length_arguments(p)
 
 

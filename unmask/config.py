@@ -230,7 +230,7 @@ class ModelConfig:
             elif key not in keys.inert:
                 raise ConfigError(
                     f"config key {key!r} = {_show(value)} is not one unmask knows for model_type "
-                    f"{self.model_type}; refused rather than ignored (README: Checkpoints)")
+                    f"{self.model_type}; refused rather than ignored (docs/checkpoints.md)")
 
     @property
     def head_dim(self) -> int:

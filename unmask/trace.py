@@ -3,7 +3,7 @@
 One encoder (`Lane`) turns a request's `StepEvent`s into JSON-ready dicts; the live page of
 `unmask serve` streams them (`unmask.server.live`) and `unmask trace` records them offline through
 the engine and writes them as a self-contained HTML replay, an animated GIF or the final frame as
-a PNG. The event format is in the README (§ Live view and traces):
+a PNG. The event format is in docs/live-view.md ("The event stream"):
 
 - `layout`: one per lane, first: the decoder, the prompt, the canvas (gen_length, block_length);
 - `step`: one per decode step: the positions committed with their token text, which of them came

@@ -225,7 +225,7 @@ def spec_gen_lengths(specs: list[str], max_tokens: list[int] | None) -> dict[str
 
     The server takes a request's own spec with its max_tokens (rounded up to block_length) as
     an explicit gen_length: a spec that sets another one is a 400 for every request. So, as the
-    CLI's flags (README, "a flag left out is only a default"): a typed --max-tokens (max_tokens
+    CLI's flags (docs/cli.md, "a flag left out is only a default"): a typed --max-tokens (max_tokens
     not None) that does not fit a spec is an error here, before anything is sent; the untyped
     default yields to a spec's gen_length."""
     from unmask.decoding.params import DecodeParams

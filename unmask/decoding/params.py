@@ -218,7 +218,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # The decoder `unmask generate`, `LLM.generate` and `unmask serve` use when none is given: the
 # fastest whose held-out accuracy is within 1 point of static-1 and whose guarantee can be
-# stated (README, "Choosing the default"). `balanced` is token-identical to
+# stated (docs/decoders.md, "Choosing the default"). `balanced` is token-identical to
 # threshold,threshold=0.99,early_exit=true (FreeDave++ is exact w.r.t. its threshold rule);
 # measured 12-13x static-1's tokens/s at 256 and no problem lost on any difficulty bucket.
 # The exact decoders (static-1, exact) measured 0.7x-3.7x. static-1 stays one flag away.

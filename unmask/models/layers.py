@@ -58,7 +58,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     roll(x) = (x2, x1) times the sin whose first half is negated.
 
     float32 cos/sin with bfloat16 x is LLaDA's rope_full_precision: rotating in bfloat16 instead
-    moves the embedded model's logits by up to 0.41 (README: Checkpoints).
+    moves the embedded model's logits by up to 0.41 (docs/checkpoints.md, "Precision").
     """
     h = x if x.dtype == cos.dtype else x.to(cos.dtype)
     out = h * cos + h.roll(h.shape[-1] // 2, dims=-1) * sin

@@ -56,7 +56,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="an origin (https://host[:port], or * for any) whose pages may call this "
                         "server from a browser; repeat for several (default: none)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    r = p.add_argument_group("Ray Serve (needs unmask[ray]; see the README's \"Ray Serve\")")
+    r = p.add_argument_group("Ray Serve (needs unmask[ray]; see docs/serving.md, \"Ray Serve\")")
     r.add_argument("--ray", action="store_true",
                    help="serve with --replicas engine replicas on Ray Serve")
     r.add_argument("--replicas", type=positive, default=None,

@@ -1,5 +1,5 @@
 // The canvas renderer shared by the live page (live.js) and `unmask trace`'s HTML replay
-// (replay.js). Events are those of unmask/trace.py: layout, step, done (README: Live view and
+// (replay.js). Events are those of unmask/trace.py: layout, step, done (docs/live-view.md: Live view and
 // traces). No dependencies, no build step.
 "use strict";
 
