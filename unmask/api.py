@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from unmask.checkpoint import CheckpointError, load_model
+from unmask.compiling import check_compile, compile_model
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported: server, bench, trace)
@@ -171,9 +172,14 @@ class LLM:
     """A dLLM checkpoint ready to generate. path None = the embedded default model."""
 
     def __init__(self, path: str | Path | None = None, device: str | None = None,
-                 dtype: str | None = None, quantize: str | None = None) -> None:
+                 dtype: str | None = None, quantize: str | None = None,
+                 compile: bool = False) -> None:
         """quantize: None, or "int8" / "int4": the transformer blocks' linear weights quantized
-        at load (unmask.quantize). A folder saved quantized loads quantized as saved."""
+        at load (unmask.quantize). A folder saved quantized loads quantized as saved. compile:
+        the model's layers compiled with torch.compile after quantization (unmask.compiling;
+        the first calls of new shapes then take seconds each)."""
+        if not isinstance(compile, bool):
+            raise InputError(f"compile must be True or False, got {compile!r}")
         if path is not None:
             try:
                 name = os.fspath(path)
@@ -196,9 +202,13 @@ class LLM:
         self.device = resolve_device(device)
         if quantize is not None:  # before the load: a scheme that cannot run fails at once
             check_quantize(quantize, self.device)
+        if compile:  # before the load: a missing compiler is said at once
+            check_compile(self.device)
         self.model = load_model(self.path, self.device, dtype)
         self.load_note = self._quantize(quantize)
         log.info("%s: %s", self.path, self.load_note)
+        if compile:  # after quantization: the compiled layers trace the weights they will run
+            compile_model(self.model)
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
         check_tokenizer(self.tokenizer, self.config, self.path)

@@ -41,6 +41,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", default=None, metavar="int8|int4",
                    help="weight-only quantization of the transformer blocks' linear layers at "
                         "load, with torchao (needs unmask[quant]; default: none)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model's layers with torch.compile, after --quantize "
+                        "(README: GPU)")
 
 
 def load_llm(args: argparse.Namespace) -> LLM:
@@ -48,7 +51,8 @@ def load_llm(args: argparse.Namespace) -> LLM:
     says what its weights hold before and after."""
     from unmask.api import LLM
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
+              compile=args.compile)
     if args.quantize is not None:
         print(f"note: {llm.load_note}", file=sys.stderr)
     return llm

@@ -212,9 +212,11 @@ class Frame:
             raise ValueError("a packed frame needs key_mask (where each token goes) and row "
                              "groups (with their own stored keys), no attn_mask")
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Attention of the forwarded tokens: q (B, H, T, D), k/v (B, H_kv, T, D) -> (B, H, T, D);
-        packed, B = 1 and T = N."""
+        packed, B = 1 and T = N. A forward calls it once per layer, in layer order: the i-th
+        call is layer i (whose stored keys it reads, and whose K/V is fresh[i])."""
+        layer = len(self.fresh)
         self.fresh.append((k, v))
         if not self.packed:
             return self._attend(layer, q, k, v)

@@ -130,6 +130,8 @@ def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> st
     for flag in ("device", "dtype", "quantize"):
         if getattr(args, flag):
             argv += [f"--{flag}", getattr(args, flag)]
+    if args.compile:
+        argv.append("--compile")
     argv += ["--task", args.task]
     for s in specs:
         argv += ["--decoder", s]

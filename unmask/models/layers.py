@@ -66,12 +66,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads: int,
-              n_kv_heads: int, layer: int, frame: Frame | None, mask: Tensor | None = None) -> Tensor:
+              n_kv_heads: int, frame: Frame | None, mask: Tensor | None = None) -> Tensor:
     """Multi-head attention with grouped K/V: bidirectional, or as `mask` says without a frame.
 
     q: (B, T, H*D), k/v: (B, T, H_kv*D) projections of the forwarded tokens. Returns (B, T, H*D).
     mask: (B, 1, T, T) bool, the keys each query sees when no frame is given (a block-causal
-    family's own attention); with a frame, the frame decides.
+    family's own attention); with a frame, the frame decides. A model calls it once per layer,
+    in layer order: the frame tells layers apart by that order, so no layer index is passed (one
+    that was made torch.compile specialise a compiled layer to each index: unmask.compiling).
     """
     b, t, _ = q.shape
     q = q.view(b, t, n_heads, -1).transpose(1, 2)  # (B, H, T, D)
@@ -81,7 +83,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, n_heads
     if frame is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=n_heads != n_kv_heads)
     else:
-        out = frame.attend(layer, q, k, v)  # padding, stored keys, packing: the frame's business
+        out = frame.attend(q, k, v)  # padding, stored keys, packing: the frame's business
     return out.transpose(1, 2).reshape(b, t, -1)  # (B, T, H*D)
 
 

@@ -18,9 +18,8 @@ from unmask.models.layers import RMSNorm, attention, embedding, init_weights, ro
 
 
 class LLaDABlock(nn.Module):
-    def __init__(self, c: ModelConfig, layer: int) -> None:
+    def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.layer = layer
         self.n_heads, self.n_kv_heads = c.n_heads, c.n_kv_heads
         kv_dim = c.n_kv_heads * c.head_dim
         bias, qkv_bias = c.include_bias, c.include_bias or c.qkv_bias
@@ -37,7 +36,7 @@ class LLaDABlock(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, frame: Frame | None) -> Tensor:
         h = self.attn_norm(x)
         x = x + self.attn_out(attention(self.q_proj(h), self.k_proj(h), self.v_proj(h), cos, sin,
-                                        self.n_heads, self.n_kv_heads, self.layer, frame))
+                                        self.n_heads, self.n_kv_heads, frame))
         return x + swiglu(self.ff_norm(x), self.ff_proj, self.up_proj, self.ff_out)
 
 
@@ -50,7 +49,7 @@ class LLaDAModel(nn.Module):
         self.config = config
         t = nn.ModuleDict({
             "wte": embedding(config.embedding_size, config.d_model),
-            "blocks": nn.ModuleList(LLaDABlock(config, i) for i in range(config.n_layers)),
+            "blocks": nn.ModuleList(LLaDABlock(config) for _ in range(config.n_layers)),
             "ln_f": RMSNorm(config.d_model, config.rms_norm_eps),
         })
         if not config.weight_tying:

@@ -30,9 +30,8 @@ class QwenLayer(nn.Module):
     attention_class: type[nn.Module]
     norm_class: type[RMSNorm] = RMSNorm
 
-    def __init__(self, c: ModelConfig, layer: int) -> None:
+    def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.layer = layer
         self.n_heads, self.n_kv_heads = c.n_heads, c.n_kv_heads
         self.self_attn = self.attention_class(c)
         self.mlp = QwenMLP(c)
@@ -44,7 +43,7 @@ class QwenLayer(nn.Module):
         a, h = self.self_attn, self.input_layernorm(x)
         q, k = a.queries_keys(h)
         x = x + a.o_proj(attention(q, k, a.v_proj(h), cos, sin, self.n_heads, self.n_kv_heads,
-                                   self.layer, frame, mask))
+                                   frame, mask))
         m = self.mlp
         return x + swiglu(self.post_attention_layernorm(x), m.gate_proj, m.up_proj, m.down_proj)
 
@@ -61,7 +60,7 @@ class QwenLM(nn.Module):
         self.config = config
         self.model = nn.Module()
         self.model.embed_tokens = embedding(config.vocab_size, config.d_model)
-        self.model.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.n_layers))
+        self.model.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.n_layers))
         self.model.norm = self.norm_class(config.d_model, config.rms_norm_eps)
         if not config.weight_tying:
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)

@@ -74,6 +74,7 @@ class RayServeOptions:
     device: str | None = None
     dtype: str | None = None
     quantize: str | None = None  # int8 | int4: weight-only, at each replica's load
+    compile: bool = False  # each replica compiles its model's layers (unmask.compiling)
     threads: int | None = None  # torch threads per replica (default: max(1, cpus_per_replica))
     server: ServerConfig = field(default_factory=ServerConfig)
     health_check_period_s: float = 1.0
@@ -205,7 +206,8 @@ class EngineReplica:
         # the replica's own machine: the count is checked against the CPUs it may run on there
         set_threads(opts.threads or max(1, int(opts.cpus_per_replica)),
                     "--threads" if opts.threads else "--cpus-per-replica")
-        llm = LLM(opts.model, device=opts.device, dtype=opts.dtype, quantize=opts.quantize)
+        llm = LLM(opts.model, device=opts.device, dtype=opts.dtype, quantize=opts.quantize,
+                  compile=opts.compile)
         self.app = build_app(llm, opts.server)
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()  # starts the engine thread
@@ -446,8 +448,8 @@ def run_ray(args: Any) -> int:
     opts = RayServeOptions(
         replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
         gpus_per_replica=args.gpus_per_replica, model=args.model, device=args.device,
-        dtype=args.dtype, quantize=args.quantize, threads=args.threads, server=args.server_config,
-        shutdown_timeout_s=args.shutdown_timeout)
+        dtype=args.dtype, quantize=args.quantize, compile=args.compile, threads=args.threads,
+        server=args.server_config, shutdown_timeout_s=args.shutdown_timeout)
     local = args.address is None
     init: dict[str, Any] = {"include_dashboard": False, "logging_level": args.log_level.upper()}
     if local:

@@ -1,0 +1,126 @@
+"""`--compile` (unmask.compiling): the compiled layers give the eager forward's tokens through the
+engine, recompile a bounded number of times over varied calls, and a missing compiler is one
+line.
+
+Compiling on the CPU takes tens of seconds, so the compiled models are built once per module.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from helpers import EOS, MASK, VOCAB, peaky_model
+
+from unmask.cli import main
+from unmask.compiling import check_compile, compile_model, recompile_count
+from unmask.decoding.params import DecodeParams
+from unmask.engine import decode
+from unmask.errors import InputError
+
+SPECS = ("threshold,threshold=0.5", "fast,threshold=0.5",
+         "freedave++,draft_steps=4,threshold=0.5", "threshold,threshold=0.5,cache=dual")
+# prompts of 3-19 tokens in batches of 1, 3 and 4: one row, packed rows of several shape
+# groups, padded rows of one (runner.py); with and without stored keys
+LENGTHS = ((7,), (3, 12, 19), (10,) * 4)
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, tuple[torch.nn.Module, torch.nn.Module] | int]:
+    """(eager, compiled) of the same weights, per model type (copies: peaky_model is shared),
+    and the recompilations before any of them ran ("before")."""
+    out: dict = {"before": recompile_count()}
+    for kind in ("llada", "Dream"):
+        eager = peaky_model(kind, 0, 8.0, VOCAB, MASK, EOS)
+        compiled = copy.deepcopy(eager)
+        compile_model(compiled)  # compiles at the first call
+        out[kind] = eager, compiled
+    return out
+
+
+def prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, MASK, size=n).tolist() for n in lengths]
+
+
+def tokens(model: torch.nn.Module, spec: str, gen_length: int, lengths: tuple[int, ...],
+           seed: int = 0) -> list[list[int]]:
+    params = DecodeParams.parse(spec, gen_length=gen_length, block_length=8)
+    return [r.token_ids for r in decode(model, params, prompts(lengths, seed), mask_id=MASK,
+                                        eos_id=EOS)]
+
+
+def check_same_tokens(eager: torch.nn.Module, compiled: torch.nn.Module) -> None:
+    for spec in SPECS:
+        for lengths in LENGTHS:
+            assert tokens(compiled, spec, 24, lengths) == tokens(eager, spec, 24, lengths), \
+                (spec, lengths)
+
+
+def test_compiled_llada_decodes_the_eager_tokens(models):
+    from torch._dynamo.utils import counters
+
+    check_same_tokens(*models["llada"])
+    # compiled code ran (a model left eager would pass the comparison)
+    assert counters["frames"]["ok"] > 0
+
+
+def test_recompilations_stay_bounded_over_varied_calls(models):
+    """The LLaDA model's calls so far in this module and a round of other prompt lengths, batch
+    sizes and gen_lengths recompile 10 times in all, the number measured from a fresh process:
+    its 4 compiled functions (a layer's two graphs, split by the eager attention, in 4 frames)
+    compile 3-4 times each (the first sizes, then symbolic sizes, 1 row vs several, packed vs
+    padded attention output). A second round of yet other sizes and decoders compiles nothing.
+    A layer index in the traced code made it 14 (each layer its own compilations; 2 layers
+    here, 32 in LLaDA-8B); static shapes, one per new width."""
+    _, compiled = models["llada"]
+    for i, (spec, gen, lengths) in enumerate(
+            [(s, g, n) for s in SPECS[:2] for g in (16, 40) for n in LENGTHS]):
+        tokens(compiled, spec, gen, lengths, seed=i)
+    first = recompile_count() - models["before"]
+    assert first <= 10
+    for i, (spec, gen, lengths) in enumerate(
+            [(s, g, n) for s in SPECS for g in (24, 56) for n in ((2, 30), (8,) * 8, (25,))]):
+        tokens(compiled, spec, gen, lengths, seed=100 + i)
+    assert recompile_count() - models["before"] == first
+
+
+@pytest.mark.slow
+def test_compiled_dream_decodes_the_eager_tokens(models):
+    check_same_tokens(*models["Dream"])
+
+
+def test_compile_keeps_the_state_dict_and_refuses_an_unknown_mode():
+    model = copy.deepcopy(peaky_model("llada", 0, 8.0, VOCAB, MASK, EOS))
+    keys = list(model.state_dict())
+    with pytest.raises(InputError, match="unknown compile mode 'fastest'; valid: default"):
+        compile_model(model, "fastest")
+    compile_model(model, "max-autotune-no-cudagraphs")  # compiles lazily: nothing runs here
+    assert list(model.state_dict()) == keys
+
+
+@pytest.fixture
+def no_cxx():
+    """No C++ compiler, as inductor finds one: its search list (torch._inductor.config.cpp.cxx,
+    $CXX or g++ by default) names one that does not exist."""
+    from torch._inductor import config
+
+    with config.patch({"cpp.cxx": (None, "no-such-c++-compiler")}):
+        yield
+
+
+def test_compile_without_a_cxx_compiler_is_one_line(no_cxx, capsys):
+    with pytest.raises(InputError, match="--compile on cpu needs a C\\+\\+ compiler"):
+        check_compile(torch.device("cpu"))
+    assert main(["generate", "--compile", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("unmask: error: --compile on cpu needs a C++ compiler")
+    assert "run without --compile" in err and "\n" not in err
+
+
+def test_compile_on_an_unsupported_device_is_refused():
+    with pytest.raises(InputError, match="--compile runs on cpu or cuda, not meta"):
+        check_compile(torch.device("meta"))
+    check_compile(torch.device("cpu"))  # this machine has g++
