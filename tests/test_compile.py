@@ -92,11 +92,14 @@ def test_compiled_dream_decodes_the_eager_tokens(models):
     check_same_tokens(*models["Dream"])
 
 
-def test_compile_keeps_the_state_dict_and_refuses_an_unknown_mode():
+def test_compile_keeps_the_state_dict_and_refuses_unknown_and_cuda_graph_modes():
     model = copy.deepcopy(peaky_model("llada", 0, 8.0, VOCAB, MASK, EOS))
     keys = list(model.state_dict())
     with pytest.raises(InputError, match="unknown compile mode 'fastest'; valid: default"):
         compile_model(model, "fastest")
+    with pytest.raises(InputError, match="'reduce-overhead' records CUDA graphs, .*; valid: "
+                                         "default, .*max-autotune-no-cudagraphs"):
+        compile_model(model, "reduce-overhead")
     compile_model(model, "max-autotune-no-cudagraphs")  # compiles lazily: nothing runs here
     assert list(model.state_dict()) == keys
 
@@ -124,3 +127,16 @@ def test_compile_on_an_unsupported_device_is_refused():
     with pytest.raises(InputError, match="--compile runs on cpu or cuda, not meta"):
         check_compile(torch.device("meta"))
     check_compile(torch.device("cpu"))  # this machine has g++
+
+
+def test_llm_compiles_its_layers_only_when_asked(tmp_path):
+    from helpers import tiny_model_dir
+
+    from unmask.api import LLM
+
+    folder = tiny_model_dir(tmp_path)
+    with pytest.raises(InputError, match="compile must be True or False, got 'yes'"):
+        LLM(folder, device="cpu", compile="yes")
+    blocks = [LLM(folder, device="cpu", compile=c).model.model.transformer.blocks for c in (False, True)]
+    assert [b._compiled_call_impl is not None for b in blocks[0]] == [False, False]
+    assert [b._compiled_call_impl is not None for b in blocks[1]] == [True, True]

@@ -5,8 +5,9 @@ What is compiled, and why (measured; BENCHMARKS.md, "Compiled forward"):
 - Each layer (the modules of the model's layer list: LLaDA's blocks, Dream's layers) is compiled
   with `nn.Module.compile`, in place: norms, projections, RoPE and the MLP. torch.compile takes a
   module's parameters as graph inputs, so one compilation serves every layer of the stack (a
-  32-layer model compiles one layer's graphs) and works on weights of any tensor subclass the
-  compiler supports (torchao's quantized ones).
+  32-layer model compiles one layer's graphs); the weights are left as they are (a tensor
+  subclass that torch.compile supports, such as torchao's quantized weights, stays one: not
+  tested here).
 - The attention of a call (`Frame.attend`) runs eager, between a layer's two graphs: its Python
   structure depends on the call (packed or padded rows, row groups, stored keys), so traced it
   recompiled at almost every step and, past torch's recompile limit (8 per function), ran
@@ -23,6 +24,10 @@ and of the two layouts attention hands back (packed, padded rows) that is a hand
 per function however many steps, rows and widths follow (tests/test_compile.py counts them).
 `dynamic=True` (every size symbolic from the start, d_model too) gave CPU code 1.2-2.8x slower
 than eager on the embedded model.
+
+CUDA graphs (mode reduce-overhead, max-autotune) are refused: they failed on an H200 (below).
+On that H200 (torch 2.11, bfloat16, a 140M-parameter LLaDA shape) mode default decoded in
+1.09-1.14x eager's time, and float32 tokens equalled eager's for 4 decoders x LLaDA and Dream.
 """
 
 from __future__ import annotations
@@ -42,14 +47,22 @@ RECOMPILE_LIMIT = 64  # compilations per function before torch runs it uncompile
 
 def compile_model(model: nn.Module, mode: str = "default") -> None:
     """Compile `model`'s layers in place (on the device and dtype it has now; its state_dict
-    keys stay the same). mode: torch.compile's ("default", "reduce-overhead": CUDA graphs on
-    CUDA, "max-autotune", "max-autotune-no-cudagraphs"). Call check_compile first for a
-    message that says what is missing instead of the compiler's error at the first forward."""
+    keys stay the same). mode: torch.compile's, among those without CUDA graphs ("default",
+    "max-autotune-no-cudagraphs"). Call check_compile first for a message that says what is
+    missing instead of the compiler's error at the first forward."""
     from torch._inductor import list_mode_options
 
-    modes = tuple(list_mode_options())
+    modes = {name: bool(options.get("triton.cudagraphs")) for name, options
+             in list_mode_options().items()}
+    valid = ", ".join(name for name, graphs in modes.items() if not graphs)
     if mode not in modes:
-        raise InputError(f"unknown compile mode {mode!r}; valid: {', '.join(modes)}")
+        raise InputError(f"unknown compile mode {mode!r}; valid: {valid}")
+    if modes[mode]:
+        # On an H200 (torch 2.11) reduce-overhead failed in its first forward (a RuntimeError
+        # from the CUDA graph trees' memory pool check) and every request with it: a layer's
+        # two graphs hand tensors to and from the eager attention between them.
+        raise InputError(f"compile mode {mode!r} records CUDA graphs, which the eager attention "
+                         f"between a layer's graphs breaks (unmask.compiling); valid: {valid}")
     layers = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not layers:
         raise InputError(f"{type(model).__name__} has no layer list (nn.ModuleList) to compile")
@@ -57,8 +70,10 @@ def compile_model(model: nn.Module, mode: str = "default") -> None:
     import torch._dynamo
 
     # The compile units are shared by every model in the process (layers.attention by LLaDA
-    # and Dream): each model, dtype and layout adds compilations of them, and torch's default
-    # limit (8 per function) ran out with two models, after which it runs them uncompiled.
+    # and Dream): each model, dtype and layout adds compilations of them (3-4 per function for
+    # the first model, measured; the second took attention's to 5), so a process running a few
+    # (scripts/gpu_check.py) would pass torch's default limit of 8 per function, past which it
+    # runs them uncompiled.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                RECOMPILE_LIMIT)
     for layer in (m for stack in layers for m in stack):
