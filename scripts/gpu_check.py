@@ -559,7 +559,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(sdar: logits and forward; the engine does not decode it yet)")
     p.add_argument("--variants", default="eager,int8,int4,compile",
                    help="decode variants for the first model (the others run eager only): eager, "
-                        "int8, int4, compile[:MODE] (torch.compile mode, e.g. reduce-overhead)")
+                        "int8, int4, compile[:MODE] (torch.compile mode, e.g. max-autotune-no-cudagraphs; "
+                        "CUDA-graph modes are refused, an error row)")
     p.add_argument("--sections", default="logits,forward,decode,load",
                    help="comma-separated, run in this order: logits, forward, decode, load")
     args = p.parse_args(argv)

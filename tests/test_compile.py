@@ -12,13 +12,15 @@ import copy
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, MASK, VOCAB, peaky_model
+from helpers import EOS, MASK, VOCAB, peaky_model, tiny_model, tiny_model_dir
 
+from unmask.api import LLM
 from unmask.cli import main
 from unmask.compiling import check_compile, compile_model, recompile_count
 from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
 from unmask.errors import InputError
+from unmask.kv import Frame
 
 SPECS = ("threshold,threshold=0.5", "fast,threshold=0.5",
          "freedave++,draft_steps=4,threshold=0.5", "threshold,threshold=0.5,cache=dual")
@@ -130,13 +132,57 @@ def test_compile_on_an_unsupported_device_is_refused():
 
 
 def test_llm_compiles_its_layers_only_when_asked(tmp_path):
-    from helpers import tiny_model_dir
-
-    from unmask.api import LLM
-
     folder = tiny_model_dir(tmp_path)
     with pytest.raises(InputError, match="compile must be True or False, got 'yes'"):
         LLM(folder, device="cpu", compile="yes")
     blocks = [LLM(folder, device="cpu", compile=c).model.model.transformer.blocks for c in (False, True)]
     assert [b._compiled_call_impl is not None for b in blocks[0]] == [False, False]
     assert [b._compiled_call_impl is not None for b in blocks[1]] == [True, True]
+
+
+def _forward(model: torch.nn.Module, frame: Frame | None) -> torch.Tensor:
+    ids = torch.arange(3, 27).view(2, 12)
+    with torch.no_grad():
+        return model(ids, torch.arange(12).expand(2, 12), frame=frame)
+
+
+@pytest.mark.parametrize("kind", ["llada", "Dream", "sdar"])
+def test_layers_of_a_deeper_stack_reuse_the_compiled_code(kind):
+    """A Frame tells layers apart by call order, so no layer index reaches the compiled code:
+    after a 2-layer model, a 6-layer one of the same shapes compiles nothing (with a layer
+    index the layers past the second recompiled, 4 times, for every family). SDAR's frameless
+    forward, which attends with its block-causal mask, compiles to the eager logits."""
+    _forward(compiled(tiny_model(kind, n_layers=2)), Frame())
+    eager = tiny_model(kind, n_layers=6)
+    deep = compiled(copy.deepcopy(eager))
+    before = recompile_count()
+    got = _forward(deep, Frame())
+    assert recompile_count() == before
+    torch.testing.assert_close(got, _forward(eager, Frame()), atol=1e-4, rtol=0)
+    if kind == "sdar":
+        torch.testing.assert_close(_forward(deep, None), _forward(eager, None), atol=1e-4, rtol=0)
+
+
+def compiled(model: torch.nn.Module) -> torch.nn.Module:
+    compile_model(model)
+    return model
+
+
+def test_llm_compiles_an_int8_model_to_its_tokens(tmp_path):
+    """LLM(quantize="int8", compile=True): torchao's Int8Tensor weights go through the compiled
+    layers (compiled after quantization) and give the uncompiled int8 model's tokens (int8 runs
+    in the checkpoint's float32 here)."""
+    from torch._dynamo.utils import counters
+
+    folder = tiny_model_dir(tmp_path)
+    plain, fast = (LLM(folder, device="cpu", quantize="int8", compile=c) for c in (False, True))
+    blocks = fast.model.model.transformer.blocks
+    assert all(b._compiled_call_impl is not None for b in blocks)
+    assert type(blocks[0].q_proj.weight).__name__ == "Int8Tensor"
+    compiled_frames = counters["frames"]["ok"]
+    prompts = ["hello", "what is 12 + 34?", "sort the list [3, 1, 2]"]
+    for spec in ("threshold,threshold=0.5", "fast,threshold=0.5"):
+        want = [g.token_ids for g in plain.generate(prompts, spec, gen_length=16, block_length=8)]
+        assert [g.token_ids for g in fast.generate(prompts, spec, gen_length=16,
+                                                   block_length=8)] == want, spec
+    assert counters["frames"]["ok"] > compiled_frames  # compiled code ran

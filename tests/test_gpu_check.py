@@ -15,7 +15,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
 def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
-    variants = "eager,int8,int4"
+    variants = "eager,int8,int4,compile"
     out = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--out",
                           str(tmp_path), "--variants", variants, "--budget", "600",
                           "--sections", "logits,load,forward,decode"],

@@ -5,9 +5,9 @@ What is compiled, and why (measured; BENCHMARKS.md, "Compiled forward"):
 - Each layer (the modules of the model's layer list: LLaDA's blocks, Dream's layers) is compiled
   with `nn.Module.compile`, in place: norms, projections, RoPE and the MLP. torch.compile takes a
   module's parameters as graph inputs, so one compilation serves every layer of the stack (a
-  32-layer model compiles one layer's graphs); the weights are left as they are (a tensor
-  subclass that torch.compile supports, such as torchao's quantized weights, stays one: not
-  tested here).
+  32-layer model compiles one layer's graphs); the weights are left as they are: torchao's
+  quantized weights (unmask.quantize; LLM compiles after quantizing) stay its tensor subclass,
+  and compiled int8 layers give the uncompiled int8 model's tokens (tests/test_compile.py).
 - The attention of a call (`Frame.attend`) runs eager, between a layer's two graphs: its Python
   structure depends on the call (packed or padded rows, row groups, stored keys), so traced it
   recompiled at almost every step and, past torch's recompile limit (8 per function), ran
