@@ -43,7 +43,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "load, with torchao (needs unmask[quant]; default: none)")
     p.add_argument("--compile", action="store_true",
                    help="compile the model's layers with torch.compile, after --quantize "
-                        "(README: GPU)")
+                        "(docs/checkpoints.md, \"Compiled layers\")")
 
 
 def load_llm(args: argparse.Namespace) -> LLM:
