@@ -22,6 +22,7 @@ from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported: server, bench, trace)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
+from unmask.hub import resolve_model
 from unmask.quantize import (
     check_quantize,
     mib,
@@ -53,8 +54,9 @@ class Generation:
 
 
 def load_tokenizer(path: str | Path):
-    """The checkpoint's fast tokenizer (with its chat template), from local files only."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """The checkpoint's fast tokenizer (with its chat template), from local files only: the
+    folder is local (a hub id was downloaded before, by unmask.hub), so the hub's offline mode
+    is left as the user set it."""
     from transformers import PreTrainedTokenizerFast
 
     folder = Path(path)
@@ -169,7 +171,9 @@ def set_threads(n: int, flag: str = "--threads") -> None:
 
 
 class LLM:
-    """A dLLM checkpoint ready to generate. path None = the embedded default model."""
+    """A dLLM checkpoint ready to generate. path: a model folder, a Hugging Face hub id
+    ("org/name", downloaded into the hub cache on first use: unmask.hub), or None for the
+    embedded default model."""
 
     def __init__(self, path: str | Path | None = None, device: str | None = None,
                  dtype: str | None = None, quantize: str | None = None,
@@ -191,7 +195,7 @@ class LLM:
             if not name.strip():  # Path("") is ".", the working folder
                 raise CheckpointError("the model path is empty; give a model folder, or none for "
                                       "the embedded model")
-            path = Path(os.path.expanduser(name))  # "~nobody/x" stays as written
+            path = resolve_model(name)  # a hub id "org/name" is downloaded here
         else:
             path = DEFAULT_MODEL
             if not (path / "model.safetensors").is_file():

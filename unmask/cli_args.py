@@ -32,7 +32,9 @@ def positive(text: str) -> int:
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded model)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder, or a Hugging Face hub id org/name (downloaded into "
+                        "the hub cache on first use; default: the embedded model)")
     p.add_argument("--device", default=None, help=DEVICE_HELP)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights/compute dtype (default: the config's torch_dtype)")
