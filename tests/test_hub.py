@@ -174,3 +174,13 @@ def test_an_unreachable_hub_is_one_line_exit_2(tmp_path) -> None:
 ])
 def test_which_names_are_hub_ids(name: str, hub_id: bool) -> None:
     assert looks_like_hub_id(name) is hub_id
+
+
+def test_show_of_a_hub_id_downloads_no_weights(hub, tmp_path) -> None:
+    got = run(["show", REPO, "--json"], tmp_path, hub)
+    assert got.returncode == 0, got.stderr
+    report = json.loads(got.stdout)
+    assert report["family"] == "llada" and report["parameters"] == 1_377_408
+    assert report["chat_template"] is True
+    assert not any("model.safetensors" in r for r in FakeHub.requested)
+    assert f"GET /{REPO}/resolve/{COMMIT}/config.json" in FakeHub.requested

@@ -1,4 +1,5 @@
-"""The `unmask` command line: generate, eval, bench, train, serve, bench-serve.
+"""The `unmask` command line: generate, eval, bench, train, serve, bench-serve, trace, models,
+show.
 
 Exit codes: 0 success; 2 the caller's input is wrong (an `UnmaskError`: bad spec, bad model
 folder, bad lengths, empty or undecodable prompt, unusable device or output path, or an argparse
@@ -90,7 +91,9 @@ def decode_progress(total: int) -> Iterator[Callable | None]:
 def build_parser() -> argparse.ArgumentParser:
     from unmask.bench.cli import add_bench_arguments, add_eval_arguments
     from unmask.bench.serve import add_bench_serve_arguments
+    from unmask.catalog import add_models_arguments
     from unmask.server.run import add_serve_arguments
+    from unmask.show import add_show_arguments
     from unmask.trace import add_trace_arguments
     from unmask.training.args import add_train_arguments
 
@@ -124,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
          "unmask.trace", "run_trace", True),
         ("bench-serve", "load a running server: throughput, TTFT, latency percentiles (needs "
          "httpx)", add_bench_serve_arguments, "unmask.bench.serve", "run_bench_serve", True),
+        ("models", "the models this machine has: embedded, hub cache, --dir / $UNMASK_MODELS",
+         add_models_arguments, "unmask.catalog", "run_models", True),
+        ("show", "a model's architecture, parameters, tokens, and whether it fits in memory",
+         add_show_arguments, "unmask.show", "run_show", True),
     ]
     for name, help_, add_arguments, module, function, returns_code in lazy_commands:
         c = sub.add_parser(name, help=help_, epilog=EXIT_CODES,

@@ -18,8 +18,9 @@ from unmask.errors import CheckpointError
 
 # config.json, the tokenizer files (unmask.checkpoint.TOKENIZER_FILES) and the weights: one
 # model.safetensors or shards with their index. Nothing else (pytorch_model.bin, GGUF, images).
-ALLOW_PATTERNS = ["config.json", "tokenizer.json", "tokenizer_config.json",
-                  "special_tokens_map.json", "*.safetensors", "model.safetensors.index.json"]
+DESCRIPTION_PATTERNS = ["config.json", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json", "chat_template.jinja"]
+ALLOW_PATTERNS = [*DESCRIPTION_PATTERNS, "*.safetensors", "model.safetensors.index.json"]
 # The hub's own rule for repository names: letters, digits, '-', '_', '.'; no '--' or '..'.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 
@@ -28,17 +29,19 @@ def looks_like_hub_id(name: str) -> bool:
     return bool(HUB_ID.match(name)) and ".." not in name and "--" not in name
 
 
-def resolve_model(name: str) -> Path:
+def resolve_model(name: str, patterns: list[str] = ALLOW_PATTERNS) -> Path:
     """The folder `name` names: itself when it exists or is not a hub id, else the hub
-    snapshot of that id (downloaded if the cache lacks it)."""
+    snapshot of that id with the files `patterns` match (downloaded if the cache lacks them;
+    DESCRIPTION_PATTERNS: what `unmask show` reads, no weights)."""
     path = Path(os.path.expanduser(name))  # "~nobody/x" stays as written
     if path.exists() or not looks_like_hub_id(name):
         return path
-    return download(name)
+    return download(name, patterns)
 
 
-def download(repo_id: str) -> Path:
-    """snapshot_download of the loader's files of `repo_id`; CheckpointError naming the cause."""
+def download(repo_id: str, patterns: list[str]) -> Path:
+    """snapshot_download of `repo_id`'s files `patterns` match; CheckpointError naming the
+    cause when it cannot."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -51,7 +54,7 @@ def download(repo_id: str) -> Path:
     where = f"{repo_id!r} is not a local folder"
     endpoint = constants.ENDPOINT
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except GatedRepoError:  # before RepositoryNotFoundError, its base class
         raise CheckpointError(f"{where}, and on {endpoint} it is a gated model: accept its terms "
                               f"on its page, then set HF_TOKEN (or run `hf auth login`)") from None

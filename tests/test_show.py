@@ -1,0 +1,156 @@
+"""`unmask show` and `unmask models`: the weight estimate against the bytes a loaded model holds
+(the shipped model and tiny random folders, by dtype and quantization), the fit verdict, the
+listing of the embedded model, model folders and the hub cache, and bad input in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import edit_config, tiny_model_dir
+
+from unmask.api import DEFAULT_MODEL
+from unmask.checkpoint import load_model
+from unmask.cli import main
+from unmask.config import ModelConfig
+from unmask.quantize import quantize_model, weight_bytes
+from unmask.show import Workload, estimate, verdict
+from unmask.show import weight_bytes as estimated_weight_bytes
+
+try:
+    from unmask.quantize import torchao_version
+
+    torchao_version()
+    HAS_TORCHAO = True
+except Exception:  # noqa: BLE001  (torchao missing or too old: the quantized cases skip)
+    HAS_TORCHAO = False
+
+CASES = [("float32", None), ("bfloat16", None), ("float16", None),
+         pytest.param("float32", "int8", marks=pytest.mark.skipif(not HAS_TORCHAO, reason="torchao")),
+         pytest.param("bfloat16", "int4", marks=pytest.mark.skipif(not HAS_TORCHAO, reason="torchao"))]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> list[Path]:
+    tmp = tmp_path_factory.mktemp("models")
+    return [DEFAULT_MODEL,
+            tiny_model_dir(tmp, "llada", name="tied", weight_tying=True, mlp_hidden_size=96),
+            tiny_model_dir(tmp, "Dream", name="dream", n_heads=4, n_kv_heads=2, d_model=64)]
+
+
+@pytest.mark.parametrize(("dtype", "scheme"), CASES)
+def test_the_weight_estimate_is_the_bytes_a_loaded_model_holds(folders, dtype, scheme) -> None:
+    for folder in folders:
+        model = load_model(folder, "cpu", dtype)
+        if scheme is not None:
+            quantize_model(model, scheme)
+        config = ModelConfig.load(folder)
+        assert estimated_weight_bytes(config, Workload(dtype, scheme)) == weight_bytes(model), folder
+
+
+def test_working_memory_grows_with_batch_and_canvas() -> None:
+    config = ModelConfig.load(DEFAULT_MODEL)
+    one = estimate(config, Workload("float32", gen_length=64, prompt_length=64))
+    four = estimate(config, Workload("float32", gen_length=64, prompt_length=64, batch=4))
+    assert four.weights == one.weights
+    assert (four.kv, four.logits, four.activations) == (4 * one.kv, 4 * one.logits, 4 * one.activations)
+    # K/V: 128 positions x 4 layers x K and V x 4 heads x 32 wide x 4 bytes
+    assert one.kv == 128 * 4 * 2 * 4 * 32 * 4
+
+
+def test_the_verdict_names_the_first_cheaper_setting_that_fits() -> None:
+    config = ModelConfig.load(DEFAULT_MODEL)
+    work = Workload("float32")
+    need = estimate(config, work).total
+    assert verdict(config, work, need) == "fits"
+    assert verdict(config, work, need - 1) == "does not fit, try --dtype bfloat16"
+    bf16 = estimate(config, Workload("bfloat16")).total
+    # on this toy the float32 working memory outweighs what int8 saves: int4 in bfloat16 is next
+    assert estimate(config, Workload("float32", "int8")).total > bf16
+    assert verdict(config, work, bf16 - 1) == "does not fit, try --dtype bfloat16 --quantize int4"
+    int8 = estimate(config, Workload("float32", "int8")).total
+    assert verdict(config, Workload("float32", batch=1, gen_length=8), int8) == "fits"
+    assert verdict(config, work, 1).startswith("does not fit, even quantized int4")
+
+
+def test_show_reports_the_model(capsys, folders) -> None:
+    assert main(["show", str(folders[2]), "--json", "--batch", "2", "--gen-length", "32"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    config = ModelConfig.load(folders[2])
+    assert (r["family"], r["layers"], r["kv_heads"], r["dtype"]) == ("Dream", 2, 2, "float32")
+    assert (r["mask_token_id"], r["eos_token_id"], r["chat_template"]) == (2, 1, True)
+    assert r["parameters"] == sum(p.numel() for p in load_model(folders[2]).parameters())
+    assert r["memory"]["weights"] == 4 * r["parameters"]
+    assert r["memory"]["kv"] == estimate(config, Workload("float32", gen_length=32, batch=2)).kv
+    assert r["fits"]["cpu"]["verdict"] == "fits" and r["fits"]["cpu"]["free"] > 2**20
+
+    assert main(["show"]) == 0  # the embedded model, as text
+    text = capsys.readouterr().out
+    assert "chat template present" in text and "RAM available: fits" in text and "1,377,408" in text
+
+
+@pytest.mark.parametrize(("argv", "expect"), [
+    (["show", "NOWHERE"], "does not exist"),
+    (["show", "--quantize", "int4"], "int4 needs the model in bfloat16"),
+    (["models", "--dir", "NOWHERE"], "--dir names NOWHERE, which is not a folder"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, expect) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expect in err[0], err
+
+
+def test_show_refuses_a_folder_that_is_not_a_dllm(tmp_path, capsys, folders) -> None:
+    bert = tmp_path / "bert"
+    shutil.copytree(folders[1], bert)
+    edit_config(bert, model_type="bert")
+    assert main(["show", str(bert)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model_type 'bert' is not supported" in err[0], err
+
+
+def fake_hub_cache(root: Path, repo: str, folder: Path) -> Path:
+    """huggingface_hub's cache layout for `repo` at one commit holding `folder`'s files."""
+    commit = "f" * 40
+    base = root / f"models--{repo.replace('/', '--')}"
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    (base / "blobs").mkdir()
+    shutil.copytree(folder, base / "snapshots" / commit)
+    return base / "snapshots" / commit
+
+
+def test_models_lists_the_embedded_model_folders_and_the_hub_cache(tmp_path, monkeypatch, capsys,
+                                                                   folders) -> None:
+    from huggingface_hub import constants
+
+    cache, mine = tmp_path / "hub", tmp_path / "mine"
+    snapshot = fake_hub_cache(cache, "org/tiny-dream", folders[2])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    mine.mkdir()
+    shutil.copytree(folders[1], mine / "tied")
+    shutil.copytree(folders[1], mine / "bert")
+    edit_config(mine / "bert", model_type="bert")
+    (mine / "notes").mkdir()  # no config.json: not a model, not mentioned
+    monkeypatch.setenv("UNMASK_MODELS", str(mine))
+
+    assert main(["models", "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["name"], r["source"], r["family"]) for r in rows] == [
+        ("(embedded)", "embedded", "llada"), ("org/tiny-dream", "hub cache", "Dream"),
+        (str(mine / "tied"), "folder", "llada")]
+    assert rows[1]["path"] == str(snapshot)
+    assert rows[0]["parameters"] == 1_377_408 and rows[0]["dtype"] == "float32"
+    assert rows[2]["disk_bytes"] == sum(p.stat().st_size for p in (mine / "tied").iterdir())
+    assert err.count("\n") == 1 and "left out 1 folder" in err and "bert" in err
+    assert "notes" not in err
+
+    # --dir replaces UNMASK_MODELS; a model folder itself may be named; the table form
+    assert main(["models", "--dir", str(mine / "tied")]) == 0
+    out = capsys.readouterr().out
+    assert "shipped with unmask" in out and "org/tiny-dream" in out and "hub cache" in out
+    assert "mine/tied" in out and "\u2026" not in out  # folded over lines in 80 columns, not cut
+    assert "bert" not in out

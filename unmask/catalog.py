@@ -1,0 +1,198 @@
+"""What a model folder holds, read without loading its weights, and `unmask models`: the models
+this machine has (the embedded one, dLLM folders in the Hugging Face cache, folders under
+UNMASK_MODELS or --dir).
+
+Torch-free at import (the CLI's parser imports the argument function); the parameter count
+builds the model on the meta device, which allocates nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from unmask.errors import CheckpointError, ConfigError
+
+MODELS_ENV = "UNMASK_MODELS"
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """A checkpoint folder as its files describe it."""
+
+    name: str  # how to pass it to --model / LLM(...): a hub id, or the folder
+    path: str
+    family: str  # config.json's model_type
+    parameters: int
+    dtype: str  # the weights' dtype, or the quantization scheme of a folder saved quantized
+    disk_bytes: int
+    source: str  # embedded | hub cache | folder
+
+
+def config_of(folder: Path):
+    """The folder's ModelConfig; CheckpointError naming why it is not a dLLM checkpoint."""
+    from unmask.config import ModelConfig
+
+    try:
+        return ModelConfig.load(folder)
+    except ConfigError as e:  # some of its messages name the folder already
+        raise CheckpointError(str(e) if str(folder) in str(e) else f"{folder}: {e}") from None
+
+
+def meta_model(config):
+    """The model of `config` on the meta device: shapes, no memory."""
+    import torch
+
+    from unmask.models import build_model
+
+    with torch.device("meta"):
+        return build_model(config)
+
+
+def count_parameters(config) -> int:
+    return sum(p.numel() for p in meta_model(config).parameters())
+
+
+def weights_dtype(folder: Path, config) -> str:
+    from unmask.quantize import QUANTIZED_FILE
+
+    if (folder / QUANTIZED_FILE).is_file():  # the scheme is in the file; reading it loads it
+        return "quantized"
+    return config.torch_dtype
+
+
+def disk_bytes(folder: Path) -> int:
+    """Bytes of the folder's files, links followed (the hub cache links snapshots to blobs)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def summarize(folder: Path, name: str, source: str) -> ModelSummary:
+    """CheckpointError for a folder that is not a dLLM checkpoint, or has no weights (a hub
+    snapshot `unmask show` fetched the description of)."""
+    from unmask.quantize import QUANTIZED_FILE
+
+    config = config_of(folder)
+    if not any(folder.glob("*.safetensors")) and not (folder / QUANTIZED_FILE).is_file():
+        raise CheckpointError(f"{folder}: no weights (*.safetensors) in the folder")
+    return ModelSummary(name=name, path=str(folder), family=config.model_type,
+                        parameters=count_parameters(config),
+                        dtype=weights_dtype(folder, config), disk_bytes=disk_bytes(folder),
+                        source=source)
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the tokenizer files carry a chat template (tokenizer_config.json's
+    chat_template, or a chat_template.jinja beside it), read without loading the tokenizer."""
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    try:
+        raw = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and bool(raw.get("chat_template"))
+
+
+# --- where models are -------------------------------------------------------------------------
+def candidates(dirs: list[Path]) -> list[tuple[Path, str, str]]:
+    """(folder, name, source) of every place a model may be: the embedded model, the hub
+    cache's model snapshots (the newest revision of each), each dir and its subfolders."""
+    from unmask.api import DEFAULT_MODEL
+
+    found = [(DEFAULT_MODEL, "(embedded)", "embedded"), *hub_snapshots()]
+    for d in dirs:
+        found += [(sub, str(sub), "folder") for sub in [d, *sorted(d.iterdir())]
+                  if sub.is_dir() and (sub != d or (d / "config.json").is_file())]
+    return found
+
+
+def hub_snapshots() -> list[tuple[Path, str, str]]:
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)
+    except CacheNotFound:  # nothing was ever downloaded
+        return []
+    out = []
+    for repo in sorted(cache.repos, key=lambda r: r.repo_id):
+        if repo.repo_type == "model" and repo.revisions:
+            newest = max(repo.revisions, key=lambda r: r.last_modified)
+            out.append((newest.snapshot_path, repo.repo_id, "hub cache"))
+    return out
+
+
+def model_dirs(flags: list[str] | None) -> list[Path]:
+    """--dir flags, else UNMASK_MODELS (folders separated by os.pathsep); each must exist."""
+    names = flags or [d for d in os.environ.get(MODELS_ENV, "").split(os.pathsep) if d]
+    dirs = [Path(os.path.expanduser(n)) for n in names]
+    for d in dirs:
+        if not d.is_dir():
+            where = "--dir" if flags else MODELS_ENV
+            raise CheckpointError(f"{where} names {d}, which is not a folder")
+    return dirs
+
+
+def list_models(dirs: list[Path]) -> tuple[list[ModelSummary], list[str]]:
+    """The dLLM checkpoints found, and 'NAME (why)' for each folder with a config.json that
+    is not one (a folder without one is no model at all, and not mentioned)."""
+    models, left_out = [], []
+    for folder, name, source in candidates(dirs):
+        if not (folder / "config.json").is_file():
+            continue
+        try:
+            models.append(summarize(folder, name, source))
+        except CheckpointError as e:
+            left_out.append(f"{name} ({str(e).removeprefix(f'{folder}: ')[:200]})")
+    return models, left_out
+
+
+# --- the command ------------------------------------------------------------------------------
+def add_models_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", action="append", default=None, metavar="DIR",
+                   help=f"a folder of model folders (or one model folder); repeatable "
+                        f"(default: ${MODELS_ENV}, folders separated by '{os.pathsep}')")
+    p.add_argument("--json", action="store_true", help="one JSON object per model, one per line")
+
+
+def run_models(args: argparse.Namespace) -> int:
+    models, left_out = list_models(model_dirs(args.dir))
+    if args.json:
+        for m in models:
+            print(json.dumps(asdict(m)))
+    else:
+        print_table(models)
+    if left_out:
+        print(f"note: left out {len(left_out)} folder(s) that are not dLLM checkpoints: "
+              f"{'; '.join(left_out)}", file=sys.stderr)
+    return 0
+
+
+def print_table(models: list[ModelSummary]) -> None:
+    """One row per model; the name is what --model takes (a hub id, or the folder), folded
+    rather than cut on a narrow terminal. --json has each model's path too."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None)
+    table.add_column("model", overflow="fold")
+    for title in ("family", "parameters", "dtype", "on disk", "where"):
+        table.add_column(title, no_wrap=True)
+    for m in models:
+        table.add_row(m.name, m.family, human(m.parameters), m.dtype, gib(m.disk_bytes),
+                      "shipped with unmask" if m.source == "embedded" else m.source)
+    Console().print(table)
+
+
+def human(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

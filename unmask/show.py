@@ -1,0 +1,226 @@
+"""`unmask show MODEL`: a checkpoint's architecture, parameters, tokens and chat template, and
+whether it fits this machine: the memory its weights take (by dtype and --quantize), plus the
+K/V store and the logits of a batch of canvases, against this machine's RAM and GPU memory.
+
+The weight bytes are exact for the safetensors loader and torchao 0.18's tensors (checked
+against loaded models in tests/test_show.py):
+- float: every parameter at the dtype's width;
+- int8 (``Int8Tensor``): one byte per block-linear weight, plus a float32 scale and an int8
+  zero point per output row;
+- int4 (``Int4OpaqueTensor`` on the CPU): half a byte per block-linear weight, plus a bfloat16
+  scale and zero point per group of input features (the largest of unmask.quantize's group
+  sizes that divides every width); the CUDA packing differs by a few bytes per row.
+Working memory is an estimate, not a measurement: the K/V store holds every position of the
+batch (``KVStore``: 2 x layers x K/V heads x head width, in the dtype), the logits are those of
+every generated position in the dtype plus the float32 copy scoring makes (`unmask/decoding/scoring.py`),
+and one layer's activations are the MLP's three hidden-width tensors per position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from unmask.catalog import (
+    config_of,
+    count_parameters,
+    gib,
+    has_chat_template,
+    human,
+    meta_model,
+    weights_dtype,
+)
+from unmask.cli_args import positive
+from unmask.decoding.params import DecodeParams
+from unmask.errors import InputError
+
+WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
+SCHEMES = ("int8", "int4")
+GEN_LENGTH = DecodeParams().gen_length
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to size: the weights' dtype and scheme, and the canvases decoded at once."""
+
+    dtype: str
+    quantize: str | None = None
+    gen_length: int = GEN_LENGTH
+    prompt_length: int = 128
+    batch: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in WIDTH:
+            raise InputError(f"dtype {self.dtype!r}: valid {', '.join(WIDTH)}")
+        if self.quantize not in (None, *SCHEMES):
+            raise InputError(f"quantize {self.quantize!r}: valid {', '.join(SCHEMES)}")
+        if self.quantize == "int4" and self.dtype != "bfloat16":
+            raise InputError("int4 needs the model in bfloat16 (docs/checkpoints.md, "
+                             "\"Quantized weights\"): add --dtype bfloat16")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: int
+    kv: int
+    logits: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.logits + self.activations
+
+
+def weight_bytes(config, work: Workload) -> int:
+    """Bytes the loaded weights hold (module docstring: the formula per scheme)."""
+    from unmask.quantize import INT4_GROUP_SIZES, block_linears
+
+    model = meta_model(config)
+    total = sum(p.numel() for p in model.parameters())
+    width = WIDTH[work.dtype]
+    if work.quantize is None:
+        return total * width
+    linears = block_linears(model).values()
+    linear = sum(m.weight.numel() for m in linears)
+    rest = (total - linear) * width
+    if work.quantize == "int8":
+        return rest + linear + sum(m.out_features for m in linears) * (4 + 1)
+    group = next((g for g in INT4_GROUP_SIZES if all(m.in_features % g == 0 for m in linears)),
+                 None)
+    if group is None:
+        raise InputError(f"int4 groups input features by {INT4_GROUP_SIZES}; this model has a "
+                         f"width none divides: use --quantize int8")
+    return rest + linear // 2 + (linear // group) * 2 * WIDTH["bfloat16"]
+
+
+def estimate(config, work: Workload) -> MemoryEstimate:
+    width = WIDTH[work.dtype]
+    positions = work.batch * (work.prompt_length + work.gen_length)
+    kv = positions * config.n_layers * 2 * config.n_kv_heads * config.head_dim * width
+    logits = work.batch * work.gen_length * config.vocab_size * (width + 4)
+    activations = positions * config.mlp_hidden_size * 3 * width
+    return MemoryEstimate(weight_bytes(config, work), kv, logits, activations)
+
+
+# --- the machine ------------------------------------------------------------------------------
+def machine_memory() -> dict[str, int]:
+    """Free bytes by device: 'cpu' (RAM available now) and each 'cuda:N' torch can see."""
+    out = {"cpu": available_ram()}
+    import torch
+
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            out[f"cuda:{i}"] = torch.cuda.mem_get_info(i)[0]
+    return out
+
+
+def available_ram() -> int:
+    """MemAvailable of /proc/meminfo (Linux: what can be allocated without swapping), else
+    the free pages sysconf reports."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def verdict(config, work: Workload, free: int) -> str:
+    """'fits' or 'does not fit, try ...' with the first cheaper setting that fits."""
+    if estimate(config, work).total <= free:
+        return "fits"
+    for change, tried in cheaper(work):
+        try:
+            if estimate(config, tried).total <= free:
+                return f"does not fit, try {change}"
+        except InputError:  # a scheme this model's widths do not allow
+            continue
+    return "does not fit, even quantized int4 with batch 1: use a machine with more memory"
+
+
+def cheaper(work: Workload) -> list[tuple[str, Workload]]:
+    from dataclasses import replace
+
+    options = [("--dtype bfloat16", replace(work, dtype="bfloat16", quantize=None)),
+               ("--quantize int8", replace(work, quantize="int8")),
+               ("--dtype bfloat16 --quantize int4", replace(work, dtype="bfloat16", quantize="int4"))]
+    if work.batch > 1:
+        options.append(("--batch 1 --dtype bfloat16 --quantize int4",
+                        replace(work, dtype="bfloat16", quantize="int4", batch=1)))
+    return [(c, w) for c, w in options if w != work]
+
+
+# --- the command ------------------------------------------------------------------------------
+def add_show_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="model folder or hub id org/name (default: the embedded model)")
+    p.add_argument("--dtype", default=None, choices=list(WIDTH),
+                   help="the dtype to size (default: the config's torch_dtype)")
+    p.add_argument("--quantize", default=None, choices=list(SCHEMES),
+                   help="size the weights quantized (int4 needs --dtype bfloat16)")
+    p.add_argument("--gen-length", type=positive, default=GEN_LENGTH,
+                   help=f"generated positions ({GEN_LENGTH})")
+    p.add_argument("--prompt-length", type=positive, default=128, help="prompt tokens (128)")
+    p.add_argument("--batch", type=positive, default=1, help="canvases decoded at once (1)")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from unmask.api import DEFAULT_MODEL
+    from unmask.hub import DESCRIPTION_PATTERNS, resolve_model
+
+    # a hub id: its config and tokenizer files only; whether it fits is asked before downloading
+    folder = DEFAULT_MODEL if args.model is None else resolve_model(args.model, DESCRIPTION_PATTERNS)
+    if not folder.is_dir():
+        raise InputError(f"model folder {folder} does not exist")
+    config = config_of(folder)
+    work = Workload(dtype=args.dtype or config.torch_dtype, quantize=args.quantize,
+                    gen_length=args.gen_length, prompt_length=args.prompt_length, batch=args.batch)
+    report = describe(folder, config, work)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0
+
+
+def describe(folder: Path, config, work: Workload) -> dict:
+    mem = estimate(config, work)
+    return {
+        "path": str(folder), "family": config.model_type, "layers": config.n_layers,
+        "d_model": config.d_model, "heads": config.n_heads, "kv_heads": config.n_kv_heads,
+        "head_dim": config.head_dim, "mlp_hidden_size": config.mlp_hidden_size,
+        "vocab_size": config.vocab_size, "max_sequence_length": config.max_sequence_length,
+        "parameters": count_parameters(config), "dtype": weights_dtype(folder, config),
+        "chat_template": has_chat_template(folder), "mask_token_id": config.mask_token_id,
+        "eos_token_id": config.eos_token_id, "workload": asdict(work),
+        "memory": {**asdict(mem), "total": mem.total},
+        "fits": {dev: {"free": free, "verdict": verdict(config, work, free)}
+                 for dev, free in machine_memory().items()},
+    }
+
+
+def print_report(r: dict) -> None:
+    w, m = r["workload"], r["memory"]
+    scheme = f", quantized {w['quantize']}" if w["quantize"] else ""
+    lines = [
+        f"model        {r['path']}",
+        f"family       {r['family']}: {r['layers']} layers, d_model {r['d_model']}, {r['heads']} "
+        f"heads ({r['kv_heads']} K/V) of {r['head_dim']}, MLP {r['mlp_hidden_size']}",
+        f"vocabulary   {r['vocab_size']:,} tokens; mask id {r['mask_token_id']}, EOS id "
+        f"{r['eos_token_id']}; context {r['max_sequence_length']:,}",
+        f"parameters   {human(r['parameters'])} ({r['parameters']:,}), weights in {r['dtype']}",
+        f"chat         {'chat template present' if r['chat_template'] else 'no chat template'}",
+        f"memory       {w['dtype']}{scheme}, batch {w['batch']} x ({w['prompt_length']} prompt + "
+        f"{w['gen_length']} generated): weights {gib(m['weights'])} + K/V {gib(m['kv'])} + "
+        f"logits {gib(m['logits'])} + activations {gib(m['activations'])} = {gib(m['total'])}",
+    ]
+    for dev, f in r["fits"].items():
+        what = "RAM available" if dev == "cpu" else "free"
+        lines.append(f"{dev:<12} {gib(f['free'])} {what}: {f['verdict']}")
+    print("\n".join(lines), file=sys.stdout)
