@@ -163,8 +163,9 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
                    help="the dtype to size (default: the config's torch_dtype)")
     p.add_argument("--quantize", default=None, choices=list(SCHEMES),
                    help="size the weights quantized (int4 needs --dtype bfloat16)")
-    p.add_argument("--gen-length", type=positive, default=GEN_LENGTH,
-                   help=f"generated positions ({GEN_LENGTH})")
+    # None by default, as every flag named after a decoder key (unmask.cli_args.DECODER_FLAGS)
+    p.add_argument("--gen-length", type=positive, default=None,
+                   help=f"generated positions (default: {GEN_LENGTH}, the decoders')")
     p.add_argument("--prompt-length", type=positive, default=128, help="prompt tokens (128)")
     p.add_argument("--batch", type=positive, default=1, help="canvases decoded at once (1)")
     p.add_argument("--json", action="store_true", help="one JSON object")
@@ -180,7 +181,8 @@ def run_show(args: argparse.Namespace) -> int:
         raise InputError(f"model folder {folder} does not exist")
     config = config_of(folder)
     work = Workload(dtype=args.dtype or config.torch_dtype, quantize=args.quantize,
-                    gen_length=args.gen_length, prompt_length=args.prompt_length, batch=args.batch)
+                    gen_length=args.gen_length or GEN_LENGTH, prompt_length=args.prompt_length,
+                    batch=args.batch)
     report = describe(folder, config, work)
     if args.json:
         print(json.dumps(report))
