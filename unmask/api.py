@@ -243,8 +243,7 @@ class LLM:
         """encode_prompt past its checks (generate has made them, naming each prompt)."""
         tok = self.tokenizer
         if chat and tok.chat_template:
-            text = self.render_chat([{"role": "user", "content": prompt}])
-            return tok.encode(text, add_special_tokens=False)
+            return self.encode_messages([{"role": "user", "content": prompt}])
         if chat:  # shown once per checkpoint (Python's default warning filter)
             warnings.warn(self.no_chat_template_note("chat=False"), stacklevel=2)
         return tok.encode(prompt, add_special_tokens=False)
@@ -274,6 +273,10 @@ class LLM:
             raise InputError(f"the checkpoint's chat template (tokenizer_config.json's "
                              f"chat_template) failed on these messages: {type(e).__name__}: "
                              f"{_first_line(e)}") from None
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Token ids of messages through the chat template, ready for the assistant's turn."""
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Text of generated tokens (special tokens dropped); the server streams prefixes of it."""

@@ -1,5 +1,5 @@
-"""The `unmask` command line: generate, eval, bench, train, serve, bench-serve, trace, models,
-show.
+"""The `unmask` command line: generate, chat, eval, bench, train, serve, bench-serve, trace,
+models, show.
 
 Exit codes: 0 success; 2 the caller's input is wrong (an `UnmaskError`: bad spec, bad model
 folder, bad lengths, empty or undecodable prompt, unusable device or output path, or an argparse
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     from unmask.bench.cli import add_bench_arguments, add_eval_arguments
     from unmask.bench.serve import add_bench_serve_arguments
     from unmask.catalog import add_models_arguments
+    from unmask.chat import add_chat_arguments
     from unmask.server.run import add_serve_arguments
     from unmask.show import add_show_arguments
     from unmask.trace import add_trace_arguments
@@ -129,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
          "httpx)", add_bench_serve_arguments, "unmask.bench.serve", "run_bench_serve", True),
         ("models", "the models this machine has: embedded, hub cache, --dir / $UNMASK_MODELS",
          add_models_arguments, "unmask.catalog", "run_models", True),
+        ("chat", "a multi-turn chat with a model, answers streamed as they are committed",
+         add_chat_arguments, "unmask.chat", "run_chat", True),
         ("show", "a model's architecture, parameters, tokens, and whether it fits in memory",
          add_show_arguments, "unmask.show", "run_show", True),
     ]

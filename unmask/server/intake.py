@@ -84,10 +84,9 @@ def encode_chat(llm: LLM, messages: list[dict]) -> list[int]:
     if not any(m["content"].strip() for m in messages):
         raise APIError(400, "empty messages: give the model something to answer", param="messages")
     try:
-        text = llm.render_chat(messages)
+        return llm.encode_messages(messages)
     except UnmaskError as e:
         raise APIError(400, str(e), param="messages") from None
-    return tok.encode(text, add_special_tokens=False)
 
 
 def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
