@@ -1,0 +1,157 @@
+"""`unmask chat`: a piped session answers as `LLM.generate` does for the same conversation and
+decoder, its commands change what they say, bad input is one line and the session goes on,
+Ctrl-C stops an answer and not the session, and /watch's canvas reads at 80 columns."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from unmask.api import LLM
+from unmask.chat import CanvasView, Chat
+from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLED = "static-1,temperature=0.9"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(device="cpu")
+
+
+def run_chat(stdin: bytes, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "unmask.cli", "chat", "--device", "cpu",
+                           "--threads", "1", *flags], input=stdin, capture_output=True,
+                          env=env, timeout=300)
+
+
+def settings(p: DecodeParams) -> str:
+    return (f"decoder {p.spec}: gen_length {p.gen_length}, block_length {p.block_length}, "
+            f"seed {p.seed}")
+
+
+def test_a_piped_session_answers_as_generate_does(llm: LLM) -> None:
+    first, second, third = "What is 2 + 3?", "And what is 7 + 8?", "Sort 5, 2, 9."
+    stdin = "\n".join([
+        first, "/stats", "/length abc", "/foo", "/decoder nope,gen_length=8",
+        "/decoder static-1", "/length 64", second, "/reset", f"/decoder {SAMPLED}", "/seed 3",
+        "/watch", "/watch", third,
+    ]).encode() + b"\n\xff bad bytes\n/bye\nnot read\n"
+    r = run_chat(stdin)
+    assert r.returncode == 0, r.stderr
+
+    a1 = llm.generate(first, DEFAULT_DECODER)[0]
+    greedy = DecodeParams.parse("static-1", gen_length=64)
+    turns = [{"role": "user", "content": first}, {"role": "assistant", "content": a1.text},
+             {"role": "user", "content": second}]
+    a2 = llm.generate_ids([llm.encode_messages(turns)], greedy)[0]
+    assert a2.text != llm.generate(second, greedy)[0].text  # the history is what makes a2
+    sampled = DecodeParams.parse(SAMPLED, gen_length=64).replace(seed=3)
+    a3 = llm.generate(third, sampled)[0]
+    assert a3.text != llm.generate(third, sampled.replace(seed=0))[0].text  # /seed matters
+    out = r.stdout.decode()
+    stats = f"NFE {a1.nfe} | TPF {a1.tpf:.2f} | "
+    expected = [a1.text, stats, settings(DecodeParams.parse("static-1")), settings(greedy), a2.text,
+                "conversation cleared", settings(DecodeParams.parse(SAMPLED, gen_length=64)),
+                settings(sampled), "watch on", "watch off", a3.text]
+    at = 0
+    for part in expected:  # in order; the stats line's numbers after TPF are timings
+        found = out.find(part + ("" if part == stats else "\n"), at)
+        assert found == at, (part, out[at:])
+        at = out.index("\n", found + len(part) - 1) + 1 if part == stats else found + len(part) + 1
+    assert out[at:] == ""  # the bad line is refused and /bye ends the session before "not read"
+    errors = r.stderr.decode().splitlines()
+    assert [e.split(":")[0] for e in errors] == ["error"] * 4, errors
+    assert "/length takes an integer >= 1, got 'abc'" in errors[0]
+    assert "unknown command '/foo'" in errors[1] and "/decoder" in errors[1]
+    assert "unknown decoder 'nope'" in errors[2]
+    assert "not valid UTF-8" in errors[3]
+
+
+def test_eof_in_the_middle_of_a_line_is_answered(llm: LLM) -> None:
+    r = run_chat(b"/length 32\nhello", "--decoder", "static-1")
+    assert r.returncode == 0, r.stderr
+    answer = llm.generate("hello", "static-1", gen_length=32)[0].text
+    assert r.stdout.decode() == settings(DecodeParams.parse("static-1", gen_length=32)) + "\n" + answer + "\n"
+
+
+@pytest.mark.parametrize("flags", [["--decoder", "nope"], ["--gen-length", "0"],
+                                   ["--decoder", "static-1,gen_length=64", "--gen-length", "32"]])
+def test_bad_flags_exit_2_in_one_line(flags: list[str]) -> None:
+    r = run_chat(b"hello\n", *flags)
+    assert r.returncode == 2 and r.stdout == b""
+    assert len(r.stderr.decode().strip().splitlines()) == 1, r.stderr
+
+
+def test_ctrl_c_stops_the_answer_not_the_session(llm: LLM) -> None:
+    params = DecodeParams.parse("static-1", gen_length=32)
+    chat = Chat(llm, params, io.StringIO())
+    step, calls = chat.engine.step, []
+
+    def step_then_ctrl_c():
+        calls.append(1)
+        if len(calls) == 4:  # Ctrl-C as the user sends it, mid-answer
+            signal.raise_signal(signal.SIGINT)
+        return step()
+
+    chat.engine.step = step_then_ctrl_c
+    full = llm.generate("hello", params)[0]
+    stopped = chat.answer("hello")
+    assert chat.stats.finish_reason == "abort" and chat.stats.nfe == 4
+    assert full.text.startswith(stopped) and len(stopped) < len(full.text)
+    assert chat.history == [] and not chat.engine.has_unfinished
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+    chat.engine.step = step
+    assert chat.answer("hello") == full.text  # the session goes on, the same engine answers
+    assert chat.stats.finish_reason == full.finish_reason and chat.stats.nfe == full.nfe
+    assert chat.out.getvalue() == stopped + "\n" + full.text + "\n"
+
+
+@pytest.mark.parametrize("width", [80, 20])
+def test_watch_draws_the_canvas_within_the_width(llm: LLM, width: int) -> None:
+    params = DecodeParams.parse("static-1", gen_length=64)
+    console = Console(record=True, width=width, file=io.StringIO())
+    out = io.StringIO()
+    chat = Chat(llm, params, out, console=console)
+    chat.command("/watch")
+    answer = chat.answer("What is 2 + 3?")
+    assert answer == llm.generate("What is 2 + 3?", params)[0].text
+    assert out.getvalue().endswith(answer + "\n")  # the answer follows the view, whole
+    frames = console.export_text()
+    lines = frames.splitlines()
+    assert max(map(len, lines)) <= width
+    assert sum("NFE" in line for line in lines) == chat.stats.nfe + 1  # a frame a step (EOS fill)
+    last = frames[frames.rindex("static-1"):]
+    flat = "".join(last.splitlines()[1:]) if width == 80 else "".join(
+        line for line in last.splitlines() if "NFE" not in line)
+    shown = answer.replace("\n", "\u21b5")
+    assert shown.replace(" ", "") in flat.replace(" ", "")  # wrapped lines joined back
+    assert "\u2591" not in flat and "\u2592" not in flat  # every position committed
+
+
+def test_watch_on_a_terminal_is_a_live_view(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = DecodeParams.parse("static-1", gen_length=32)
+    console = Console(record=True, width=80, file=io.StringIO(), force_terminal=True)
+    chat = Chat(llm, params, io.StringIO(), console=console)
+    chat.command("/watch")
+    view_frames: list[str] = []
+    render = CanvasView.__rich_console__
+
+    def counted(self, c, options):
+        view_frames.append("frame")
+        return render(self, c, options)
+
+    monkeypatch.setattr(CanvasView, "__rich_console__", counted)
+    chat.answer("hello")
+    assert len(view_frames) >= chat.stats.nfe  # redrawn each step, in place
+    text = console.export_text()
+    assert text.count("NFE") < len(view_frames)  # not a frame printed per step
