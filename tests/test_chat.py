@@ -84,8 +84,18 @@ def test_eof_in_the_middle_of_a_line_is_answered(llm: LLM) -> None:
     assert r.stdout.decode() == settings(DecodeParams.parse("static-1", gen_length=32)) + "\n" + answer + "\n"
 
 
+def test_the_model_as_a_positional_argument(llm: LLM) -> None:
+    """`unmask chat MODEL` as `unmask chat --model MODEL` (the issue's synopsis)."""
+    from unmask.api import DEFAULT_MODEL
+
+    r = run_chat(b"hello", str(DEFAULT_MODEL), "--decoder", "static-1", "--gen-length", "32")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode() == llm.generate("hello", "static-1", gen_length=32)[0].text + "\n"
+
+
 @pytest.mark.parametrize("flags", [["--decoder", "nope"], ["--gen-length", "0"],
-                                   ["--decoder", "static-1,gen_length=64", "--gen-length", "32"]])
+                                   ["--decoder", "static-1,gen_length=64", "--gen-length", "32"],
+                                   ["some/where", "--model", "else/where"]])
 def test_bad_flags_exit_2_in_one_line(flags: list[str]) -> None:
     r = run_chat(b"hello\n", *flags)
     assert r.returncode == 2 and r.stdout == b""

@@ -282,6 +282,8 @@ class CanvasView:
 
 # --- the command ---------------------------------------------------------------------------------
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as --model takes it (`unmask chat org/name`)")
     add_model_arguments(p)
     add_decode_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the spec's)")
@@ -290,6 +292,11 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     from unmask.cli_args import chat_for, load_llm, parse_decoder
 
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise InputError(f"the model is given twice: {args.model_arg!r} and --model "
+                             f"{args.model!r}; give one")
+        args.model = args.model_arg
     params = parse_decoder(args.decoder, args)  # before the load: a bad spec fails at once
     llm = load_llm(args)
     chat_for(llm, raw=False, raw_flag=None)  # a base model: a note that there are no turns
