@@ -154,3 +154,18 @@ def test_models_lists_the_embedded_model_folders_and_the_hub_cache(tmp_path, mon
     assert "shipped with unmask" in out and "org/tiny-dream" in out and "hub cache" in out
     assert "mine/tied" in out and "\u2026" not in out  # folded over lines in 80 columns, not cut
     assert "bert" not in out
+
+
+@pytest.mark.parametrize("scheme", [None, pytest.param("int8", marks=pytest.mark.skipif(
+    not HAS_TORCHAO, reason="torchao"))])
+def test_the_weight_estimate_holds_for_a_model_of_a_few_hundred_mb(tmp_path, scheme) -> None:
+    """The estimate at a size where rounding or a forgotten tensor would show: an 85M-parameter
+    LLaDA folder (340 MB in float32), loaded and (int8) quantized."""
+    folder = tiny_model_dir(tmp_path, "llada", name="big", d_model=768, n_heads=12, n_kv_heads=12,
+                            n_layers=12, mlp_hidden_size=2048)
+    model = load_model(folder, "cpu", "float32")
+    if scheme is not None:
+        quantize_model(model, scheme)
+    held = weight_bytes(model)
+    assert held > (80 << 20 if scheme else 300 << 20)
+    assert estimated_weight_bytes(ModelConfig.load(folder), Workload("float32", scheme)) == held
