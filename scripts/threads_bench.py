@@ -4,11 +4,12 @@ default --threads (unmask.api.default_threads; docs/cli.md, "Threads").
     python scripts/threads_bench.py [--out benchmarks/threads.md] [--rounds 5] [--n 4]
 
 Models: `shipped`, the embedded model on its held-out math prompts; `medium`, random weights of
-LLaDA's layout at 60M parameters (scripts/compile_bench.py's `large` at d_model 512, 8 layers) on the same prompts'
-token ids (speed, not text). Each round runs every model at 1 and 2 threads back to back (the
-order alternating by round), the decoder `fast`, batch 1, gen_length 64: the medians over rounds
-of useful tokens/s, and of each round's 2-thread / 1-thread ratio. The load average is recorded:
-the machine is shared, and contention is what the rule is about.
+LLaDA's layout at 60M parameters (compile_bench.py's `large` at d_model 512, 8 layers; half of
+them the 32,000-token embedding and head) on the same prompts' token ids (speed, not text).
+Each round runs every model at 1 and 2 threads back to back (the order alternating by round),
+the decoder `fast`, batch 1, gen_length 64: the medians over rounds of useful tokens/s, and of
+each round's 2-thread / 1-thread ratio. The load average is recorded: the machine is shared,
+and contention is what the rule is about.
 """
 
 from __future__ import annotations

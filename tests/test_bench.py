@@ -52,7 +52,7 @@ def test_bench_json_markdown_plot(tiny_model: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     js, md, png = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "b.png"
     rc = main(["bench", "--model", str(tiny_model), "--task", "math", "--n", "8",
-               "--decoder", "static-1", "--decoder", "static-1", "--decoder", "static,steps=8",
+               "--decoder", "static-1", "--decoder", "static-1,seed=1", "--decoder", "static,steps=8",
                *TINY, "--json", str(js), "--markdown", str(md), "--plot", str(png)])
     assert rc == 0
     doc = json.loads(js.read_text())
@@ -66,7 +66,8 @@ def test_bench_json_markdown_plot(tiny_model: Path, tmp_path: Path,
         assert r["n"] == 8
         assert r["accuracy"] == 0.0  # a random model does no arithmetic
     assert base["speedup"] == 1.0 and base["exact_match"] == 1.0
-    # The same decoder against itself: identical tokens, and speedup ~1 up to timing noise.
+    # The same decoder against itself (another sampling seed, unused at temperature 0; a bare
+    # repeat is refused): identical tokens, and speedup ~1 up to timing noise.
     assert same["exact_match"] == 1.0
     assert 0.5 < same["speedup"] < 2.0
     assert same["nfe"] == base["nfe"] == 32 and same["tpf"] == 1.0

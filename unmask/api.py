@@ -176,9 +176,9 @@ def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")
     return len(cores) or None
 
 
-# Below this many parameters a decode runs on one thread by default: a forward of a model this
-# small is too short for a second thread to pay for its synchronisation, and on a shared machine
-# a thread waiting for a busy core stalls every step (benchmarks/threads-*.md, docs/cli.md).
+# Below this many parameters a decode runs on one thread by default: on the embedded model (1.4M)
+# a second thread gained 17% on free cores and lost 15-100x while another process held one, as
+# it waits for a busy core every step (benchmarks/threads-dd1c48b.md, docs/cli.md "Threads").
 TINY_MODEL_PARAMS = 10_000_000
 
 
