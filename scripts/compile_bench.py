@@ -55,10 +55,12 @@ BATCHES = (1, 16)
 EXAMPLE = "What is 47 + 38?"
 
 
-def large_model(eos: int, mask: int) -> torch.nn.Module:
-    """LLaDA-8B's shape, scaled down (module docstring), random weights."""
-    config = ModelConfig(model_type="llada", d_model=768, n_heads=12, n_kv_heads=12, n_layers=12,
-                         mlp_hidden_size=3 * 768, vocab_size=32000, embedding_size=32000,
+def large_model(eos: int, mask: int, d_model: int = 768, n_layers: int = 12) -> torch.nn.Module:
+    """LLaDA-8B's shape, scaled down (module docstring; 64-wide heads), random weights."""
+    heads = d_model // 64
+    config = ModelConfig(model_type="llada", d_model=d_model, n_heads=heads, n_kv_heads=heads,
+                         n_layers=n_layers, mlp_hidden_size=3 * d_model, vocab_size=32000,
+                         embedding_size=32000,
                          mask_token_id=mask, eos_token_id=eos, max_sequence_length=4096)
     torch.manual_seed(0)
     model = build_model(config)

@@ -184,6 +184,7 @@ def test_cli_bad_model_folder(kind: str, needle: str, llada_dir: Path, tmp_path:
     err = _run_error(["generate", "--model", str(d), "--gen-length", "16", "--block-length", "8",
                       "hello"], capsys)
     assert needle in err
+    assert err.count(str(d)) <= 1, err  # "D: D has no config.json" named the folder twice
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -220,9 +221,67 @@ def test_threads_past_the_cpus_is_a_one_line_error(capsys: pytest.CaptureFixture
     import torch
 
     before = torch.get_num_threads()
-    err = _run_error(["generate", "--threads", "100000", "--gen-length", "16", "hi"], capsys)
+    err = _run_error(["generate", "--threads", "100000", "--gen-length", "32", "hi"], capsys)
     assert "--threads 100000" in err and "valid: 1.." in err
     assert torch.get_num_threads() == before
+
+
+def test_physical_cores_count_hyperthread_siblings_once(tmp_path: Path) -> None:
+    """Four logical CPUs on two cores (two hyperthreads each): two cores; unreadable: None."""
+    from unmask.api import physical_cores
+
+    for cpu, core in enumerate([0, 0, 1, 1]):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{core}\n")
+    assert physical_cores({0, 1, 2, 3}, tmp_path) == 2
+    assert physical_cores({0, 2}, tmp_path) == 2
+    assert physical_cores({0, 1}, tmp_path) == 1
+    assert physical_cores({0, 4}, tmp_path) is None  # cpu4 has no topology
+
+
+def test_default_threads_one_per_core_one_for_a_tiny_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    import unmask.api as api
+
+    monkeypatch.setattr(api, "allowed_cpus", lambda: {0, 1, 2, 3})
+    monkeypatch.setattr(api, "physical_cores", lambda cpus: 2)
+    assert api.default_threads(api.TINY_MODEL_PARAMS)[0] == 2
+    n, why = api.default_threads(api.TINY_MODEL_PARAMS - 1)
+    assert n == 1 and "parameters" in why and "2 physical core(s)" in why
+    monkeypatch.setattr(api, "physical_cores", lambda cpus: None)  # no topology: the CPUs
+    n, why = api.default_threads(api.TINY_MODEL_PARAMS)
+    assert n == 4 and "unreadable" in why
+
+
+@pytest.mark.parametrize("typed", [None, "1"])
+def test_load_llm_sets_threads_and_verbose_says_why(typed: str | None, llada_dir: Path,
+                                                    capsys: pytest.CaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --threads torch's own default (every logical CPU) ran a tiny model 15x slower on
+    a loaded 2-core machine; the choice is made in load_llm, and --verbose says it."""
+    import torch
+
+    import unmask.api as api
+
+    monkeypatch.setattr(api, "allowed_cpus", lambda: {0, 1})
+    monkeypatch.setattr(api, "physical_cores", lambda cpus: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        argv = ["generate", "--model", str(llada_dir), "--gen-length", "16", "--block-length", "8",
+                "--verbose", "hi"] + (["--threads", typed] if typed else [])
+        assert main(argv) == 0
+        assert torch.get_num_threads() == 1  # the tiny model's default, or the typed value
+    finally:
+        torch.set_num_threads(before)
+    err = capsys.readouterr().err
+    assert "note: 1 CPU thread(s): " + ("--threads" if typed else "the model has") in err, err
+
+
+def test_encode_prompt_refuses_a_non_string(llms: dict[str, LLM]) -> None:
+    with pytest.raises(InputError, match="must be a string, got int"):  # was AttributeError
+        llms["llada"].encode_prompt(5)
 
 
 @pytest.mark.parametrize("damage", ["config-array", "garbage-weights"])

@@ -52,7 +52,7 @@ def test_bench_json_markdown_plot(tiny_model: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     js, md, png = tmp_path / "b.json", tmp_path / "b.md", tmp_path / "b.png"
     rc = main(["bench", "--model", str(tiny_model), "--task", "math", "--n", "8",
-               "--decoder", "static-1", "--decoder", "static-1", "--decoder", "static,steps=8",
+               "--decoder", "static-1", "--decoder", "static-1,seed=1", "--decoder", "static,steps=8",
                *TINY, "--json", str(js), "--markdown", str(md), "--plot", str(png)])
     assert rc == 0
     doc = json.loads(js.read_text())
@@ -66,7 +66,8 @@ def test_bench_json_markdown_plot(tiny_model: Path, tmp_path: Path,
         assert r["n"] == 8
         assert r["accuracy"] == 0.0  # a random model does no arithmetic
     assert base["speedup"] == 1.0 and base["exact_match"] == 1.0
-    # The same decoder against itself: identical tokens, and speedup ~1 up to timing noise.
+    # The same decoder against itself (another sampling seed, unused at temperature 0; a bare
+    # repeat is refused): identical tokens, and speedup ~1 up to timing noise.
     assert same["exact_match"] == 1.0
     assert 0.5 < same["speedup"] < 2.0
     assert same["nfe"] == base["nfe"] == 32 and same["tpf"] == 1.0
@@ -499,3 +500,40 @@ def test_a_bad_spec_among_several_decoders_is_named(capsys: pytest.CaptureFixtur
     assert main(["eval", "--task", "math", "--n", "1", "--gen-length", "16", "--decoder", "static-1",
                  "--decoder", "threshold"]) == 2
     assert "--decoder 'threshold': gen_length (16)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("second, also", [("static-1", ""),
+                                          ("static-1,early_exit=false", "the same parameters")])
+def test_bench_refuses_a_repeated_decoder(second: str, also: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    """As bench-serve: a repeat is a row measured twice; refused before anything loads."""
+    assert main(["bench", "--task", "math", "--model", str(tmp_path / "absent"),
+                 "--decoder", "static-1", "--decoder", "fast", "--decoder", second]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--decoder {second!r} is given twice" in err, err
+    assert also in err
+
+
+def test_plot_tick_labels_do_not_overlap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over two decades of speedup the log axis' minor labels (0.6x 0.7x 0.8x 0.9x 1x) ran
+    together; every label drawn must clear every other (boxes as the Agg renderer lays them)."""
+    import matplotlib.pyplot as plt
+
+    from unmask.bench.plot import plot_speedup_accuracy
+
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to measure it
+    results = [{"decoder": f"threshold,threshold=0.{i},cache=prefix,suffix=local,early_exit=true",
+                "speedup": s, "accuracy": 0.8} for i, s in enumerate([1.0, 0.55, 2.1, 13.0, 37.8])]
+    plot_speedup_accuracy(results, tmp_path / "p.png", title="t")
+    ax = figures[0].axes[0]
+    renderer = figures[0].canvas.get_renderer()
+    low, high = ax.get_xlim()
+    boxes = [(t.get_text(), t.get_window_extent(renderer))
+             for t in ax.get_xticklabels(which="both")
+             if t.get_visible() and t.get_text() and low <= t.get_position()[0] <= high]
+    assert len(boxes) >= 6  # the axis is still labelled: 1x, 10x and minor ones between
+    clashes = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1:]
+               if box.overlaps(other)]
+    close(figures[0])
+    assert not clashes, clashes

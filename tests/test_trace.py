@@ -140,6 +140,26 @@ def test_cli_trace_bad_input(args: list[str], needle: str, tmp_path: Path,
     assert err.startswith("unmask: error:") and needle in err, err
 
 
+def test_cli_trace_caps_lanes_as_the_live_route(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """Five --decoder ran five lanes where POST /v1/unmask/trace caps them at four."""
+    specs = [f"static-1,seed={i}" for i in range(5)]
+    argv = ["trace", PROMPT, "--out", str(tmp_path / "x.html")]
+    assert main([*argv, *(a for s in specs for a in ("--decoder", s))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "at most 4" in err, err
+    assert not (tmp_path / "x.html").exists()
+
+
+def test_trace_lane_cap_is_the_live_routes() -> None:
+    pytest.importorskip("fastapi")
+    from unmask.server import live
+    from unmask.trace import MAX_LANES
+
+    field = live.TraceRequest.model_fields["decoders"]
+    assert any(getattr(m, "max_length", None) == MAX_LANES for m in field.metadata)
+
+
 def test_cli_trace_empty_prompt(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["trace", " ", "--out", str(tmp_path / "x.gif")]) == 2
     assert "empty prompt" in capsys.readouterr().err

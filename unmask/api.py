@@ -153,11 +153,49 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     raise InputError(f"device {name!r} is not supported here; valid here: {choices}")
 
 
-def available_cpus() -> int:
-    """The CPUs this process may run on (its affinity: a container's share, not the host's)."""
+def allowed_cpus() -> set[int]:
+    """The CPU numbers this process may run on (its affinity: a container's share, not the host's)."""
     if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def available_cpus() -> int:
+    return len(allowed_cpus())
+
+
+def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """The physical cores among logical CPUs ``cpus`` (hyperthread siblings share one core: a
+    (package, core) pair in the kernel's topology); None where the topology cannot be read."""
+    cores = set()
+    for cpu in cpus:
+        topology = sysfs / f"cpu{cpu}" / "topology"
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(),
+                       (topology / "core_id").read_text().strip()))
+        except OSError:
+            return None
+    return len(cores) or None
+
+
+# Below this many parameters a decode runs on one thread by default: on the embedded model (1.4M)
+# a second thread gained 17% on free cores and lost 15-100x while another process held one, as
+# it waits for a busy core every step (benchmarks/threads-dd1c48b.md, docs/cli.md "Threads").
+TINY_MODEL_PARAMS = 10_000_000
+
+
+def default_threads(n_params: int) -> tuple[int, str]:
+    """The CPU threads to decode a model of ``n_params`` parameters with, when none are asked
+    for, and why (said by --verbose): one per physical core this process may run on (a
+    hyperthread sibling shares its core's arithmetic units), one for a tiny model."""
+    cpus = allowed_cpus()
+    cores = physical_cores(cpus)
+    counted = (f"{cores} physical core(s) among the {len(cpus)} CPU(s) this process may use"
+               if cores is not None else f"{len(cpus)} CPU(s), the core topology unreadable")
+    if n_params < TINY_MODEL_PARAMS:
+        return 1, (f"the model has {n_params / 1e6:.1f}M parameters, under "
+                   f"{TINY_MODEL_PARAMS / 1e6:g}M, and decodes fastest on one ({counted})")
+    return (cores or len(cpus)), f"one per core ({counted})"
 
 
 def set_threads(n: int, flag: str = "--threads") -> None:
@@ -234,6 +272,8 @@ class LLM:
                 f"{torchao_version()} ({mib(held)} before)")
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
+        if not isinstance(prompt, str):
+            raise InputError(f"the prompt must be a string, got {type(prompt).__name__}")
         if not prompt.strip():
             raise InputError("empty prompt: give the model something to answer")
         check_text(prompt, "the prompt")

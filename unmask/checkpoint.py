@@ -119,8 +119,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"model folder {folder} {what}")
     try:
         config = ModelConfig.load(folder)
-    except ConfigError as e:
-        raise CheckpointError(f"{folder}: {e}") from e
+    except ConfigError as e:  # its message names the folder already
+        raise CheckpointError(str(e)) from e
     quantized = (folder / QUANTIZED_FILE).is_file()
     # a quantized folder runs in the dtype it was saved in: no advice to load it in another
     dtype = _resolve_dtype(config, torch.device(device), dtype, advise=not quantized)

@@ -158,10 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if isinstance(getattr(args, "threads", None), int):
-            from unmask.api import set_threads
-
-            set_threads(args.threads)
         code = args.func(args)
     except UnmaskError as e:
         print(f"unmask: error: {e}", file=sys.stderr)

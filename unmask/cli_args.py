@@ -39,24 +39,37 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights/compute dtype (default: the config's torch_dtype)")
     p.add_argument("--threads", type=positive, default=None,
-                   help="torch CPU threads (default: torch's choice)")
+                   help="torch CPU threads (default: one per physical core, one for a model under "
+                        "10M parameters; docs/cli.md, \"Threads\")")
     p.add_argument("--quantize", default=None, metavar="int8|int4",
                    help="weight-only quantization of the transformer blocks' linear layers at "
                         "load, with torchao (needs unmask[quant]; default: none)")
     p.add_argument("--compile", action="store_true",
                    help="compile the model's layers with torch.compile, after --quantize "
                         "(docs/checkpoints.md, \"Compiled layers\")")
+    p.add_argument("--verbose", action="store_true",
+                   help="say on stderr how the model is run: threads chosen and why")
 
 
 def load_llm(args: argparse.Namespace) -> LLM:
-    """The model the arguments of add_model_arguments name; with --quantize, a note on stderr
-    says what its weights hold before and after."""
-    from unmask.api import LLM
+    """The model the arguments of add_model_arguments name, run on --threads CPU threads, else
+    on unmask.api.default_threads' choice; with --quantize, a note on stderr says what its
+    weights hold before and after, with --verbose, one says the threads and why."""
+    from unmask.api import LLM, default_threads, set_threads
 
+    if args.threads is not None:  # before the load: a count this machine cannot run fails at once
+        set_threads(args.threads)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
               compile=args.compile)
+    if args.threads is None:
+        n, why = default_threads(sum(p.numel() for p in llm.model.parameters()))
+        set_threads(n)
+    else:
+        n, why = args.threads, "--threads"
     if args.quantize is not None:
         print(f"note: {llm.load_note}", file=sys.stderr)
+    if args.verbose:
+        print(f"note: {n} CPU thread(s): {why}", file=sys.stderr)
     return llm
 
 

@@ -302,7 +302,10 @@ class ModelConfig:
         # ValueError: bad JSON or bad UTF-8; RecursionError: absurdly deep nesting
         except (ValueError, RecursionError) as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:  # every message of load names the folder, once
+            raise ConfigError(f"{folder}: {e}") from e
 
     def save(self, folder: str | Path) -> None:
         Path(folder, "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -108,6 +108,18 @@ class Lane:
 
 
 # --- recording -----------------------------------------------------------------------------------
+# Decoders side by side in one trace, here and on the live page (unmask.server.live): each lane
+# is a row of the replay, and each costs a request's decode.
+MAX_LANES = 4
+
+
+def check_lanes(specs: Sequence[str | DecodeParams]) -> None:
+    if not specs:
+        raise InputError("give at least one decoder spec")
+    if len(specs) > MAX_LANES:
+        raise InputError(f"{len(specs)} decoders: a trace runs at most {MAX_LANES} side by side")
+
+
 def record(llm: LLM, prompt: str, specs: Sequence[str | DecodeParams], gen_length: int | None = None,
            block_length: int | None = None, chat: bool = True) -> dict[str, Any]:
     """Decode `prompt` with each decoder (a spec or DecodeParams) side by side (one engine,
@@ -118,8 +130,7 @@ def record(llm: LLM, prompt: str, specs: Sequence[str | DecodeParams], gen_lengt
 
     from unmask.engine import Engine, SchedulerConfig
 
-    if not specs:
-        raise InputError("give at least one decoder spec")
+    check_lanes(specs)
     lengths = dict(gen_length=gen_length, block_length=block_length)
     if any(isinstance(s, DecodeParams) for s in specs) and any(v is not None for v in lengths.values()):
         raise InputError("gen_length / block_length apply to decoder spec strings; set them in "
@@ -367,6 +378,7 @@ def run_trace(args: argparse.Namespace) -> int:
     check_outputs(args, ("out", "json"))
     # Parsed before the model loads, so that a bad spec or a spec/flag conflict fails fast.
     params = [parse_decoder(spec, args) for spec in args.decoder or ["static-1"]]
+    check_lanes(params)
     check_prompts([args.prompt])
     llm = load_llm(args)
     trace = record(llm, args.prompt, params, chat=chat_for(llm, args.raw))

@@ -23,7 +23,7 @@ from unmask.cli_args import (
     parse_decoder,
     positive,
 )
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, same_decoder
 from unmask.errors import InputError
 
 if TYPE_CHECKING:
@@ -103,6 +103,12 @@ def _print_tasks() -> int:
 def _parse_decoders(specs: list[str], args: argparse.Namespace) -> list[DecodeParams]:
     decoders = [parse_decoder(s, args, gen_length=DEFAULT_GEN_LENGTH,
                               block_length=DEFAULT_BLOCK_LENGTH, seed=DEFAULT_SEED) for s in specs]
+    for i, d in enumerate(decoders):  # a repeat is a row measured twice under two names
+        first = next(j for j, e in enumerate(decoders) if same_decoder(d, e))
+        if first < i:
+            also = "" if specs[first] == specs[i] else f" (as {specs[first]!r}: the same parameters)"
+            raise InputError(f"--decoder {specs[i]!r} is given twice{also}; each is one row of "
+                             f"the table")
     lengths = {d.gen_length for d in decoders}
     if len(lengths) > 1:
         # Outputs of different lengths are never token-identical, and TPS over different

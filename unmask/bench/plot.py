@@ -69,12 +69,32 @@ def plot_speedup_accuracy(results: Sequence[dict[str, Any]], out: str | Path, ti
             ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
                       borderaxespad=0)
         fig.tight_layout()
+        _thin_minor_labels(ax, times)
         _place_numbers(ax, pts)
         out = Path(plot_path(out))
         fig.savefig(out, bbox_inches="tight")
     finally:
         plt.close(fig)
     return out
+
+
+def _thin_minor_labels(ax: Any, label: Any) -> None:
+    """Label a minor tick of the log axis only where its label clears the major ones and the
+    minor ones already kept, left to right: over two decades "0.7x 0.8x 0.9x" ran together."""
+    from matplotlib.ticker import FuncFormatter
+
+    renderer = ax.figure.canvas.get_renderer()
+    ax.figure.draw(renderer)  # lays the ticks out, labels and all, at their final positions
+    xmin, xmax = sorted(ax.get_xlim())
+    kept = [t.label1.get_window_extent(renderer).expanded(1.15, 1.0)
+            for t in ax.xaxis.get_major_ticks() if xmin <= t.get_loc() <= xmax]
+    shown = set()
+    for tick in sorted(ax.xaxis.get_minor_ticks(), key=lambda t: t.get_loc()):
+        box = tick.label1.get_window_extent(renderer).expanded(1.15, 1.0)
+        if xmin <= tick.get_loc() <= xmax and not any(box.overlaps(b) for b in kept):
+            kept.append(box)
+            shown.add(tick.get_loc())
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, i: label(v, i) if v in shown else ""))
 
 
 def _place_numbers(ax: Any, pts: Sequence[tuple[int, float, float, str]]) -> None:

@@ -36,9 +36,7 @@ from unmask.server.intake import (
 )
 from unmask.server.protocol import Unsupported, _Common, check_text, error_body
 from unmask.server.state import ServerState, State
-from unmask.trace import STATIC, Lane
-
-MAX_LANES = 4
+from unmask.trace import MAX_LANES, STATIC, Lane
 
 
 class TraceRequest(_Common):
