@@ -90,7 +90,7 @@ def identical(ref: list[list[list[int]]], got: list[list[list[int]]]) -> tuple[i
     """(identical steps, steps, prompts with every step identical)."""
     same = total = whole = 0
     for a, b in zip(ref, got, strict=True):
-        n = sum(x == y for x, y in zip(a, b))
+        n = sum(x == y for x, y in zip(a, b, strict=False))
         same, total, whole = same + n, total + max(len(a), len(b)), whole + (n == len(a) == len(b))
     return same, total, whole
 

@@ -84,5 +84,5 @@ def test_commit_order_is_the_references(spec: str, steps: int | None,
         with torch.no_grad():
             want = reference(prompt, steps, threshold)
         got = engine(prompt, spec)
-        first = next((s for s, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        first = next((s for s, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
         assert got == want, f"prompt {i}: first differs at step {first}"
