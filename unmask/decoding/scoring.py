@@ -46,8 +46,8 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
     score comes from the softmax over the rest of the vocabulary, as the references compute
     it (docs/design.md § Vocabulary, "Confidence"). top_p / top_k restrict the sampled token
     to the smallest set with probability >= top_p / the k likeliest. alg_temp > 0: the
-    ranking score is log(conf) + alg_temp * Gumbel noise (alg_temp times log(conf) / alg_temp + Gumbel), so ranking draws
-    positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp). with_entropy=False
+    ranking score is log(conf) + alg_temp * Gumbel noise (alg_temp times log(conf) / alg_temp
+    + Gumbel), so ranking draws positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp). with_entropy=False
     skips the entropy (zeros) when nothing reads it: an O(V) pass per position saved.
     """
     rule = entry("remasking", remasking)
