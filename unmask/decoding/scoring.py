@@ -41,14 +41,15 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
     the position (random remasking, alg_temp); rows of positions that do not sample are never
     read. suppress: token ids that may never be predicted (always the mask token: committing it
     would commit nothing; EOS when asked); ids past the vocabulary are ignored, and a tensor of
-    ids must hold none. drop: those of them removed from the distribution itself (EOS when asked,
-    as LLaDA's ``logits_eos_inf``); the others (the mask token) are only never chosen: every
-    score comes from the softmax over the rest of the vocabulary, as the references compute
-    it (docs/design.md § Vocabulary, "Confidence"). top_p / top_k restrict the sampled token
-    to the smallest set with probability >= top_p / the k likeliest. alg_temp > 0: the
-    ranking score is log(conf) + alg_temp * Gumbel noise (alg_temp times log(conf) / alg_temp
-    + Gumbel), so ranking draws positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp). with_entropy=False
-    skips the entropy (zeros) when nothing reads it: an O(V) pass per position saved.
+    ids must hold none. drop: those of them removed from the distribution itself (EOS when
+    asked, as LLaDA's ``logits_eos_inf``); the others (the mask token) are only never chosen:
+    every score comes from the softmax over the rest of the vocabulary, as the references
+    compute it (docs/design.md § Vocabulary, "Confidence"). top_p / top_k restrict the sampled
+    token to the smallest set with probability >= top_p / the k likeliest. alg_temp > 0: the
+    ranking score is log(conf) + alg_temp * Gumbel noise (alg_temp times log(conf) / alg_temp +
+    Gumbel), so ranking draws positions in proportion to conf ** (1 / alg_temp) (Dream's
+    alg_temp). with_entropy=False skips the entropy (zeros) when nothing reads it: an O(V) pass
+    per position saved.
     """
     rule = entry("remasking", remasking)
     n = logits.shape[0]
