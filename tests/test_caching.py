@@ -358,8 +358,9 @@ def test_freedave_exact_entropy_inf_recent0(kind: str, k: int) -> None:
     "them one per step; the K/V of a slot that leaves the recent set is also frozen from a "
     "different canvas. Different K/V -> different logits on the same canvas."))
 def test_freedave_exact_entropy_inf_recent_k() -> None:
-    model = tiny_model("llada", 0)
-    prompts = [[57, 35, 18, 5]]
+    # seed 1: seed 0's example stopped differing when scores took the mask token's share
+    model = tiny_model("llada", 1)
+    prompts = [[5, 6, 7]]
     spec = "cache=entropy,entropy_tau=inf,refresh_on_block=true,recent_k=4"
     ref = decode(model, f"static-1,{spec}", prompts)
     assert tokens(decode(model, f"freedave,draft_steps=4,{spec}", prompts)) == tokens(ref)

@@ -104,7 +104,8 @@ def reference(fn: LogitFn, prompt: list[int], method: str, gen_length: int, bloc
               steps: int | None = None, tau: float = 0.9,
               remasking: str = "low_confidence") -> tuple[list[int], list[list[int]]]:
     """docs/design.md § Reference decoders, written plainly: LLaDA's static schedule / threshold
-    at temperature 0, ties to the lowest position and the lowest token id, the mask token never predicted."""
+    at temperature 0, ties to the lowest position and the lowest token id, the mask token never
+    predicted but its share kept in the softmax the scores come from (§ Vocabulary)."""
     p, x = len(prompt), prompt + [MASK] * gen_length
     seen = []
     n_blocks = gen_length // block_length
@@ -118,16 +119,17 @@ def reference(fn: LogitFn, prompt: list[int], method: str, gen_length: int, bloc
             seen.append(list(x))
             t = torch.tensor(x)
             logits = fn(t, torch.arange(len(x))).float().clone()
-            logits[:, MASK] = float("-inf")
             prob = torch.softmax(logits, -1)
-            tok = [int(row.tolist().index(max(row.tolist()))) for row in logits]  # first max
+            chosen = logits.clone()
+            chosen[:, MASK] = float("-inf")
+            tok = [int(row.tolist().index(max(row.tolist()))) for row in chosen]  # first max
             if remasking == "topk_margin":  # Dream's rules (docs/design.md § Reference decoders)
                 top2 = prob.topk(2, -1).values
                 conf = (top2[:, 0] - top2[:, 1]).tolist()
             elif remasking == "entropy":
                 conf = (prob * torch.log_softmax(logits, -1).clamp_min(-1e30)).sum(-1).tolist()
             else:
-                conf = prob.max(-1).values.tolist()
+                conf = prob.gather(-1, torch.tensor(tok)[:, None]).squeeze(-1).tolist()
             cand = [i for i in range(lo, hi) if x[i] == MASK]
             order = sorted(cand, key=lambda i: (-conf[i], i))
             if method == "static":
@@ -300,9 +302,10 @@ def test_threshold_commits_exactly_confident_or_one(tau: float) -> None:
     p = len(PROMPT)
     n_fallback = n_multi = 0
     for before, after in pairwise(seen):
-        logits = fn(torch.tensor(before), torch.arange(len(before))).clone()
-        logits[:, MASK] = float("-inf")
-        conf = torch.softmax(logits, -1).max(-1).values
+        logits = fn(torch.tensor(before), torch.arange(len(before)))
+        chosen = logits.clone()
+        chosen[:, MASK] = float("-inf")
+        conf = torch.softmax(logits, -1).gather(-1, chosen.argmax(-1)[:, None]).squeeze(-1)
         first_mask = next(i for i in range(p, len(before)) if before[i] == MASK)
         lo = p + (first_mask - p) // block * block
         cand = [i for i in range(lo, lo + block) if before[i] == MASK]

@@ -321,7 +321,8 @@ def test_engine_model_calls_count_forwards_of_drafts_not_accepted() -> None:
     "block_recompute=all (the default) recomputes the whole block every step: exact."))
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_freedave_exact_under_block_recompute_masked(cache: str) -> None:
-    m = tiny_model("llada", 0)
+    # seed 1: seed 0's example stopped differing when scores took the mask token's share
+    m = tiny_model("llada", 1)
     prompts = [[5, 6, 7], [20, 30, 40, 50], [9], [11, 12, 13]]
     spec = f"cache={cache},block_recompute=masked"
     assert tokens(decode(m, f"exact,{spec}", prompts, 32, 16)) == \

@@ -32,7 +32,8 @@ class Scored:
 
 def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor | None,
           suppress: list[int] | Tensor, top_p: Values = 1.0, top_k: Values = 0,
-          alg_temp: Values = 0.0, with_entropy: bool = True) -> Scored:
+          alg_temp: Values = 0.0, with_entropy: bool = True,
+          drop: list[int] | Tensor = ()) -> Scored:
     """Score N positions from their logits (N, V).
 
     noise_u: (N, V + 1) float64 uniforms where a position samples: columns 0..V-1 for the token
@@ -40,28 +41,32 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
     the position (random remasking, alg_temp); rows of positions that do not sample are never
     read. suppress: token ids that may never be predicted (always the mask token: committing it
     would commit nothing; EOS when asked); ids past the vocabulary are ignored, and a tensor of
-    ids must hold none. top_p / top_k restrict the sampled token to the smallest set with
-    probability >= top_p / the k likeliest. alg_temp > 0: the ranking score is log(conf) +
-    alg_temp * Gumbel noise (alg_temp times log(conf) / alg_temp + Gumbel), so ranking draws
-    positions in proportion to conf ** (1 / alg_temp) (Dream's alg_temp). with_entropy=False
-    skips the entropy (zeros) when nothing reads it: an O(V) pass per position saved.
+    ids must hold none. drop: those of them removed from the distribution itself (EOS when
+    asked, as LLaDA's ``logits_eos_inf``); the others (the mask token) are only never chosen:
+    every score comes from the softmax over the rest of the vocabulary, as the references
+    compute it (docs/design.md § Vocabulary, "Confidence"). top_p / top_k restrict the sampled
+    token to the smallest set with probability >= top_p / the k likeliest. alg_temp > 0: the
+    ranking score is log(conf) + alg_temp * Gumbel noise (alg_temp times log(conf) / alg_temp +
+    Gumbel), so ranking draws positions in proportion to conf ** (1 / alg_temp) (Dream's
+    alg_temp). with_entropy=False skips the entropy (zeros) when nothing reads it: an O(V) pass
+    per position saved.
     """
     rule = entry("remasking", remasking)
     n = logits.shape[0]
     temperature, alg_temp = _each(temperature, n), _each(alg_temp, n)
-    if isinstance(suppress, Tensor):
-        suppressed = suppress  # the caller's, already within the vocabulary
-    else:
-        suppressed = torch.tensor([t for t in suppress if t < logits.shape[-1]], dtype=torch.long,
-                                  device=logits.device)
-    logits = logits.float().index_fill(-1, suppressed, NEG_INF)
-    # Confidence from softmax, as LLaDA's reference computes it (exp(log_softmax) differs by an
-    # ulp near p = 1, which makes or breaks near-ties in the commit order).
-    p = torch.softmax(logits, dim=-1)
+    suppressed, dropped = _ids(suppress, logits), _ids(drop, logits)
+    full = logits.float()
+    if dropped.numel():
+        full = full.index_fill(-1, dropped, NEG_INF)
+    # Scores from softmax over the full vocabulary, as LLaDA's reference computes them: without
+    # the mask token's share a confidence came out 1-2 ulps higher, and exp(log_softmax) an ulp
+    # off near p = 1, either of which breaks near-ties in the commit order the other way.
+    p = torch.softmax(full, dim=-1)
     if with_entropy or rule.facts.reads_entropy:
-        entropy = entropy_of(p, torch.log_softmax(logits, dim=-1))
+        entropy = entropy_of(p, torch.log_softmax(full, dim=-1))
     else:
         entropy = torch.zeros(p.shape[0], device=p.device)
+    logits = full.index_fill(-1, suppressed, NEG_INF)  # what the token is chosen from
     sampled = temperature > 0
     if not sampled.any():
         token = argmax(logits)
@@ -85,6 +90,14 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
         scale = torch.from_numpy(alg_temp[drawn]).to(u.device)
         conf[at] = base + (scale * gumbel).float()  # conf is the rule's own new tensor
     return Scored(token, conf, entropy)
+
+
+def _ids(ids: list[int] | Tensor, logits: Tensor) -> Tensor:
+    """Token ids as a tensor on the logits' device, those past the vocabulary left out."""
+    if isinstance(ids, Tensor):
+        return ids  # the caller's, already within the vocabulary
+    return torch.tensor([t for t in ids if t < logits.shape[-1]], dtype=torch.long,
+                        device=logits.device)
 
 
 def _each(values: Values, n: int, dtype: type = np.float64) -> np.ndarray:

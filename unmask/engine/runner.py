@@ -172,8 +172,11 @@ class Runner:
                              or entry("remasking", params.remasking).facts.reads_entropy)
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
-        self.suppress = torch.tensor([t for t in [mask_id] + ([eos_id] if params.suppress_eos else [])
-                                      if t < vocab], dtype=torch.long, device=self.device)
+        # EOS leaves the distribution (LLaDA's logits_eos_inf); the mask token is only never chosen
+        self.drop = torch.tensor([eos_id] if params.suppress_eos and eos_id < vocab else [],
+                                 dtype=torch.long, device=self.device)
+        self.suppress = torch.cat([torch.tensor([mask_id] if mask_id < vocab else [],
+                                                dtype=torch.long, device=self.device), self.drop])
         self.shift = int(getattr(model, "logit_shift", 0))
 
     def _to_device(self, a: np.ndarray) -> Tensor:
@@ -214,7 +217,7 @@ class Runner:
             u = noise[self._to_device(rows), self._to_device(offset)]
         at = plan.knobs[rows]  # (N,) each scored position's row's knobs
         sc = score(logits, self.params.remasking, at["temperature"], u, self.suppress, at["top_p"],
-                   at["top_k"], at["alg_temp"], with_entropy=self.with_entropy)
+                   at["top_k"], at["alg_temp"], with_entropy=self.with_entropy, drop=self.drop)
         token = np.full((r, s), self.mask_id, dtype=np.int64)
         conf = np.full((r, s), -np.inf, dtype=np.float32)
         ent = np.zeros((r, s), dtype=np.float32)
