@@ -20,7 +20,7 @@ from unmask.checkpoint import CheckpointError, load_model
 from unmask.compiling import check_compile, compile_model
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
-from unmask.engine.request import useful_length  # noqa: F401  (re-exported: server, bench, trace)
+from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.hub import resolve_model
 from unmask.quantize import (

@@ -72,7 +72,7 @@ class Lane:
 
     def text(self, ids: list[int | None]) -> tuple[str, int]:
         """(text, useful tokens) of the committed prefix of `ids`, up to the first EOS."""
-        from unmask.api import useful_length
+        from unmask.engine.request import useful_length
 
         n = ids.index(None) if None in ids else len(ids)
         committed = [t for t in ids[:n] if t is not None]

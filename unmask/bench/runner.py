@@ -15,9 +15,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from unmask.api import LLM, useful_length
+from unmask.api import LLM
 from unmask.bench.tasks import BenchTask
 from unmask.decoding.params import DecodeParams, reference_of, same_decoder
+from unmask.engine.request import useful_length
 from unmask.errors import InputError
 
 

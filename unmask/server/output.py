@@ -7,9 +7,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from unmask.api import LLM, useful_length
+from unmask.api import LLM
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Request, StepEvent
+from unmask.engine.request import useful_length
 from unmask.server.engine_client import Handle
 
 

@@ -460,9 +460,9 @@ def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: i
     a copy elsewhere (``write 5`` ... ``= 85`` ... ``#### 85``); decoding from a blank canvas is what
     the model is for, and this number stays at 0 long after recall looks good.
     """
-    from unmask.api import useful_length
     from unmask.decoding.params import DecodeParams
     from unmask.engine import decode
+    from unmask.engine.request import useful_length
     from unmask.tasks import math as math_task
 
     check = check or (lambda text, p: math_task.check(text, p.answer))
