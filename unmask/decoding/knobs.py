@@ -136,6 +136,12 @@ def register(kind: str, name: str, impl: Any, knobs: tuple[type, ...] = (),
     return entry
 
 
+def knob_classes() -> tuple[type, ...]:
+    """Every registered policy's knob classes, each once, in registration order."""
+    return tuple(dict.fromkeys(k for kind in REGISTRY.values() for p in kind.values()
+                               for k in p.knobs))
+
+
 def names(kind: str) -> tuple[str, ...]:
     return tuple(REGISTRY[kind])
 
