@@ -1,7 +1,7 @@
 """Decoding parameters and the one decoder-spec grammar: ``NAME[,key=value]*``.
 
-NAME is a method (static, static-1, threshold, freedave, freedave++) or a preset (exact,
-balanced, fast);
+NAME is a method (static, static-1, threshold, freedave, freedave++, entropy_bounded) or a
+preset (exact, balanced, fast);
 keys are DecodeParams fields. The same parser serves the CLI, the bench and the Python API, so
 a spec means the same thing everywhere.
 """
