@@ -313,3 +313,18 @@ def test_cache_block_is_refused_on_a_bidirectional_model() -> None:
         Engine(m, mask_id=MASK, eos_id=EOS).add_request([5], DecodeParams.parse(
             "static-1,cache=block", gen_length=8, block_length=8))
     assert issubclass(DecoderMismatch, SpecError)
+
+
+def test_the_rounded_canvas_must_fit_the_model() -> None:
+    """The canvas reaches the end of the last block, so prompt + gen_length within
+    max_sequence_length (here 126, not whole blocks of 4) is refused when rounding takes it
+    past."""
+    from helpers import tiny_model
+
+    from unmask.errors import CanvasTooLong
+
+    eng = Engine(tiny_model("sdar", max_sequence_length=126))
+    eng.check_prompt([5] * 4, params("static-1", 120))  # 124: fits
+    with pytest.raises(CanvasTooLong, match="128 positions in the model's whole blocks exceeds "
+                                            "max_sequence_length 126"):
+        eng.check_prompt([5] * 5, params("static-1", 120))  # 125, rounded to 128
