@@ -67,11 +67,11 @@ class BlockSchedule:
 
 class Rule:
     """How many candidates (R, S) one reference step commits per row (host arrays); knobs: (R,)
-    the rows' per-row knobs (unmask.engine.batch); entropy: (R, S) the predictive entropies
-    (computed for rules whose Facts say reads_entropy; else zeros or None)."""
+    the rows' per-row knobs (unmask.engine.batch). A rule registered with
+    Facts(reads_entropy=True) also gets entropy=(R, S), the predictive entropies."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
-              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
+              knobs: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -79,7 +79,7 @@ class OneToken(Rule):
     """static-1: one token per step."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
-              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
+              knobs: np.ndarray) -> np.ndarray:
         return cand.any(-1).astype(np.int64)
 
 
@@ -87,7 +87,7 @@ class Threshold(Rule):
     """Fast-dLLM: every candidate with confidence >= the row's threshold, at least one."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
-              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
+              knobs: np.ndarray) -> np.ndarray:
         return threshold_count(conf, cand, knobs["threshold"])
 
 
@@ -95,7 +95,7 @@ class Static(Rule):
     """LLaDA's reference schedule: a block's M masked positions over s steps."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
-              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
+              knobs: np.ndarray) -> np.ndarray:
         assert schedule is not None, "the static rule needs its block schedule"
         n = static_count(schedule.masked_at_start, schedule.steps_per_block, schedule.step)
         return np.maximum(n, 1)
@@ -148,6 +148,14 @@ class Method:
     rule: Rule
     n_drafts: int = 1
     uses_schedule: bool = False
+    reads_entropy: bool = False
+
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
+              knobs: np.ndarray, entropy: np.ndarray) -> np.ndarray:
+        """The rule's count; the entropies go only to a rule that reads them."""
+        if self.reads_entropy:
+            return self.rule.count(conf, cand, schedule, knobs, entropy=entropy)
+        return self.rule.count(conf, cand, schedule, knobs)
 
     @property
     def drafts(self) -> bool:
@@ -157,4 +165,4 @@ class Method:
 def make_method(params: DecodeParams) -> Method:
     e = METHODS[params.method]
     return Method(e.impl(), n_drafts=params.draft_steps if e.facts.drafts else 1,
-                  uses_schedule=e.facts.uses_schedule)
+                  uses_schedule=e.facts.uses_schedule, reads_entropy=e.facts.reads_entropy)
