@@ -62,10 +62,14 @@ CHECKS = ("canvas", "canvas, 4-D mask", "cached")
 
 def read_reference(repo: Path, model: str, name: str) -> bytes:
     """A file of training/model/<model>/ from a checkout or a bare git directory."""
-    path = repo / "training" / "model" / model / name
-    if path.is_file():
-        return path.read_bytes()
-    return subprocess.check_output(["git", "--git-dir", str(repo), "show", f"HEAD:{path.relative_to(repo)}"])
+    return read_repo_file(repo, f"training/model/{model}/{name}")
+
+
+def read_repo_file(repo: Path, path: str) -> bytes:
+    """A file of a repository, from a checkout or a bare git directory."""
+    if (repo / path).is_file():
+        return (repo / path).read_bytes()
+    return subprocess.check_output(["git", "--git-dir", str(repo), "show", f"HEAD:{path}"])
 
 
 def reference_commit(repo: Path) -> str:
@@ -151,13 +155,18 @@ def pair(ref_module: types.ModuleType, raw: dict, seed: int):
     """(ours, reference) in float32 with identical weights, from one config.json dict."""
     ours = build_model(ModelConfig.from_dict(raw)).eval()
     randomize(ours, seed)
+    return ours, reference_model(ref_module, raw, ours.state_dict())
+
+
+def reference_model(ref_module: types.ModuleType, raw: dict, state: dict) -> torch.nn.Module:
+    """The reference's SDARForCausalLM in float32 from a config.json dict, holding `state`."""
     config_cls = importlib.import_module("sdar_reference.configuration_sdar").SDARConfig
     # transformers 4.52 gave every config pad_token_id None; 5 gives none (the embedding reads it)
     config = config_cls(pad_token_id=None, **{k: v for k, v in raw.items() if k != "torch_dtype"})
     config._attn_implementation = "sdpa"  # the published "flex_attention" is training's
     ref = ref_module.SDARForCausalLM(config).eval().float()
-    ref.load_state_dict(ours.state_dict(), strict=True)
-    return ours, ref
+    ref.load_state_dict(state, strict=True)
+    return ref
 
 
 def block_mask(num_blocks: int, block_length: int) -> torch.Tensor:
@@ -187,15 +196,15 @@ def canvas_logits(ours, ref, x: torch.Tensor, num_blocks: int, bl: int, per_head
     return got, want
 
 
-def indexed_cache():
-    """A DynamicCache the reference can read as transformers 4.52's: cache[layer] -> (k, v)."""
+def indexed_cache_class() -> type:
+    """DynamicCache as the reference reads transformers 4.52's: cache[layer] -> (k, v)."""
     from transformers.cache_utils import DynamicCache
 
     class IndexedCache(DynamicCache):
         def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self.layers[layer].keys, self.layers[layer].values
 
-    return IndexedCache()
+    return IndexedCache
 
 
 @torch.no_grad()
@@ -205,7 +214,7 @@ def cached_block_logits(ours, ref, x: torch.Tensor, num_blocks: int, bl: int, n_
     if done == 0:
         return None
     mask, pos = block_mask(num_blocks, bl), torch.arange(x.shape[1])[None]
-    cache = indexed_cache()
+    cache = indexed_cache_class()()
     end = done * bl
     ref(x[:, :end], attention_mask=mask[:, :end, :end], position_ids=pos[:, :end],
         past_key_values=cache, use_cache=True, store_kv=True)

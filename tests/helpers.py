@@ -116,7 +116,7 @@ def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: 
     config = ModelConfig(model_type=kind, d_model=32, n_heads=2, n_kv_heads=1 if kind == "Dream" else 2,
                          n_layers=2, mlp_hidden_size=64, vocab_size=vocab, embedding_size=vocab,
                          mask_token_id=mask, eos_token_id=eos, qkv_bias=kind == "Dream",
-                         max_sequence_length=128)
+                         max_sequence_length=128, block_size=4 if kind == "sdar" else None)
     torch.manual_seed(seed)
     model = build_model(config)
     with torch.no_grad():
