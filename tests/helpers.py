@@ -126,6 +126,22 @@ def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: 
     return model.eval()
 
 
+def join_and_abort(eng, running: list, target: list[int], params, join_at: int, abort_at: int):
+    """Step `eng` join_at times, add `target` with `params`, then run to the end, aborting
+    running[0] (a request already in the engine) after abort_at steps; returns target's
+    request (batch invariance: it must equal the request decoded alone)."""
+    for _ in range(join_at):
+        eng.step()
+    req = eng.add_request(target, params)
+    steps = 0
+    while eng.has_unfinished:
+        eng.step()
+        steps += 1
+        if steps == abort_at and not running[0].finished:
+            assert eng.abort(running[0].request_id)
+    return req
+
+
 def assert_lm_eval_equals_unmask_eval(out: Path, tmp_path: Path, n: int, eval_args: list[str]) -> float:
     """lm-eval's logged unmask_math samples under `out` (--log_samples --output_path) against
     `unmask eval --task math --n N *eval_args`: same prompts, outputs, scores and accuracy.
