@@ -295,7 +295,7 @@ def freedave_sides(b: int, threshold: float | None, label: str) -> tuple[Side, S
             Side("re-impl", run_reimplementation, (strategy, FREEDAVE_STOP)))
 
 
-def settings(b: int) -> list[Setting]:
+def settings(b: int, gen_length: int) -> list[Setting]:
     half = b // 2
     static = {"remasking_strategy": "low_confidence_static"}
     dynamic = {"remasking_strategy": "low_confidence_dynamic", "confidence_threshold": THRESHOLD}
@@ -305,16 +305,20 @@ def settings(b: int) -> list[Setting]:
     return [
         Setting("static-1", (*sdar_sides({**static, "denoising_steps": b}),
                              Side("freedave", run_freedave, {}), Side("ours", run_ours, "static-1"))),
-        Setting(f"static, {half} steps per block", sdar_sides({**static, "denoising_steps": half}),
-                f"{b // half} per step, counted over the whole block: the first decode block, "
-                "holding the prompt's tail, runs out of masks first"),
+        Setting(f"static, {half} steps per block", (
+            *sdar_sides({**static, "denoising_steps": half}),
+            Side("ours", run_ours, f"static,steps={half * gen_length // b}")),
+            f"{b // half} per step, counted over the whole block: a first decode block holding an odd "
+            "number of masks runs out of them a step early, and SDAR then rewrites a prompt token "
+            "(ours commits the last mask alone)"),
         Setting(f"dynamic {THRESHOLD}", (
             *sdar_sides({**dynamic, "denoising_steps": b}),
             Side("freedave", run_freedave, {"confidence_threshold": THRESHOLD}),
             Side("ours", run_ours, f"threshold,threshold={THRESHOLD}")),
             "SDAR commits conf > threshold, FreeDave and ours conf >= threshold"),
         Setting(f"dynamic {THRESHOLD}, {half} steps per block",
-                sdar_sides({**dynamic, "denoising_steps": half}), f"fallback: the top {b // half}"),
+                sdar_sides({**dynamic, "denoising_steps": half}),
+                f"fallback: the top {b // half} (ours has no threshold with a per-step count)"),
         Setting(f"entropy-bounded {EB_THRESHOLD}, fixed to run", sdar_sides({**eb, "denoising_steps": b}),
                 "SDAR's formula: one count per block from the chosen tokens' probabilities, the "
                 "leftmost masks (docs/sdar-reference-semantics.md)"),
@@ -359,12 +363,8 @@ def section(setting: Setting, prompts: list[list[int]], runs: dict[str, list[Run
     lines += [f"- {side.label}: {side.spelled()}" for side in setting.sides]
     errors = sorted({f"{k}: {r.error}" for k in sides for r in runs[k] if r.error})
     lines += [f"- **error** {e}" for e in errors]
-    for a, b in pairs:
-        same = sum(first_diff(x, y) == "=" for x, y in zip(runs[a], runs[b], strict=True))
-        lines.append(f"- {a} vs {b}: **{same}/{len(prompts)}** prompts token-identical")
-    totals = [f"{k} {sum(r.nfe for r in runs[k])} / {sum(r.token_forwards for r in runs[k])}"
-              for k in sides]
-    lines += [f"- NFE / token-forwards, all prompts: {', '.join(totals)}", ""]
+    lines += [f"- {a} vs {b}: **{identical(runs, a, b)}** prompts token-identical" for a, b in pairs]
+    lines += [f"- NFE / token-forwards, all prompts: {totals(runs)}", ""]
     head = ["prompt", "P", f"{sides[0]} tokens", *[f"{a} vs {b}" for a, b in pairs],
             *[f"{k} NFE / TF" for k in sides], "notes"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -377,14 +377,32 @@ def section(setting: Setting, prompts: list[list[int]], runs: dict[str, list[Run
     return lines + [""]
 
 
-def check(s: Sides, prompts: list[list[int]]) -> list[str]:
-    lines = []
-    for setting in settings(s.block):
+def identical(runs: dict[str, list[Run]], a: str, b: str) -> str:
+    same = sum(first_diff(x, y) == "=" for x, y in zip(runs[a], runs[b], strict=True))
+    return f"{same}/{len(runs[a])}"
+
+
+def totals(runs: dict[str, list[Run]]) -> str:
+    return ", ".join(f"{k} {sum(r.nfe for r in rs)} / {sum(r.token_forwards for r in rs)}"
+                     for k, rs in runs.items())
+
+
+def summary_row(setting: Setting, runs: dict[str, list[Run]]) -> str:
+    first, *others = runs
+    same = ", ".join(f"{b} {identical(runs, first, b)}" for b in others)
+    return f"| {setting.name} | {first} | {same} | {totals(runs)} |"
+
+
+def check(s: Sides, prompts: list[list[int]]) -> tuple[list[str], list[str]]:
+    """(the summary table's rows, the per-setting sections)."""
+    rows, body = [], []
+    for setting in settings(s.block, s.gen_length):
         runs = {side.label: side.run(s, side.spec, prompts) for side in setting.sides}
         block = section(setting, prompts, runs)
         print("\n".join(block), flush=True)
-        lines += block
-    return lines
+        rows.append(summary_row(setting, runs))
+        body += block
+    return rows, body
 
 
 def published_entropy_bounded(s: Sides, prompt: list[int]) -> str:
@@ -396,7 +414,32 @@ def published_entropy_bounded(s: Sides, prompt: list[int]) -> str:
     return run.error or "it ran"
 
 
-def report(args, s: Sides, prompts: list[list[int]], body: list[str], seconds: float) -> str:
+READING = [
+    "Reading:",
+    "",
+    "- **The two references agree** where both have the mode: SDAR's static with one step per "
+    "position is FreeDave's static-1, SDAR's dynamic with one step per position is FreeDave's "
+    "threshold (`>` against `>=` only differs on a confidence exactly at the threshold). FreeDave "
+    "and FreeDave++ (tree-attention verification, eager or not) are token-identical to the rule "
+    "they wrap, at fewer forwards and many more token-forwards.",
+    "- **Where they disagree with their names**: SDAR has no greedy mode (`top_k=1`, its only "
+    "deterministic one, makes every confidence 1.0, so `low_confidence_*` ranks by `torch.topk`'s "
+    "tie order: the as-published row); `entropy_bounded` crashes as published, and fixed it ranks "
+    "nothing by entropy (one count per block, the leftmost masks); static with fewer steps than "
+    "the block overwrites a prompt or committed token when a first decode block holds an odd "
+    "number of masks (`prompt overwritten`, or a committed one).",
+    "- **Ours** matches SDAR's generate.py (with FreeDave's greedy sampler) in static-1, static with "
+    "fewer steps (except the overwrite: ours commits only masked positions) and threshold, and "
+    "FreeDave's decoders token for token; it has no entropy-bounded rule and no threshold with a "
+    "per-step count. NFE: ours fuses each store forward with the next block's first call (and "
+    "the prefill with the first block's), and never stores the last block.",
+    "- The tests (tests/test_sdar_reference.py) hold ours to tests/block_reference.py, the "
+    "`re-impl` rows here: token-identical to both references, NFE and token-forwards equal.",
+]
+
+
+def report(args, s: Sides, prompts: list[list[int]], rows: list[str], body: list[str],
+           seconds: float) -> str:
     commits = {name: sdar_ref.reference_commit(repo)[:12]
                for name, repo in (("JetAstra/SDAR", args.sdar), ("cychomatica/FreeDave", args.freedave))}
     model = args.model or f"a tiny random SDAR ({json.dumps(sdar_ref.TINY)}, output rows x{LOGIT_SCALE})"
@@ -414,7 +457,9 @@ def report(args, s: Sides, prompts: list[list[int]], body: list[str], seconds: f
         "and token-forwards of the whole request (prefill and store forwards included; SDAR "
         "decodes the EOS block to its end, FreeDave until a block of EOS only).", "",
         f"SDAR's entropy_bounded as published: {published_entropy_bounded(s, prompts[0])}.", "",
-        *body])
+        *READING, "",
+        "| setting | against | token-identical prompts | NFE / token-forwards, all prompts |",
+        "|---|---|---|---|", *rows, "", *body])
 
 
 def main() -> None:
@@ -439,8 +484,8 @@ def main() -> None:
                   load_sdar_generate(args.sdar, True), load_freedave(args.freedave), llm,
                   c.block_size, c.mask_token_id, c.eos_token_id, args.gen_length)
         prompts = [llm.encode_prompt(e.prompt) for e in load_task("math", args.n).examples]
-        body = check(s, prompts)
-        text = report(args, s, prompts, body, time.perf_counter() - start)
+        rows, body = check(s, prompts)
+        text = report(args, s, prompts, rows, body, time.perf_counter() - start)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print(text)

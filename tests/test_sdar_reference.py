@@ -14,8 +14,11 @@ import functools
 
 import pytest
 import torch
-from block_reference import STOPS, Strategy, entropy_bounded, generate, pick, schedule
+from block_reference import STOPS, Strategy, answer, entropy_bounded, generate, pick, schedule
 from helpers import peaky_model
+
+from unmask.decoding.params import DecodeParams
+from unmask.engine import decode
 
 VOCAB, MASK, EOS, BS = 64, 63, 1, 4
 F, T = False, True
@@ -26,11 +29,13 @@ def masks(*flags: bool) -> torch.Tensor:
 
 
 @functools.cache
-def sdar(seed: int = 0, scale: float = 4.0) -> torch.nn.Module:
-    """A peaky tiny random SDAR (blocks of 4) whose output row for the mask token is zero: the
-    references do not remove the mask token from the argmax, unmask does, so it must never win."""
+def sdar(seed: int = 0, scale: float = 4.0, head: float = 1.0) -> torch.nn.Module:
+    """A peaky tiny random SDAR (blocks of 4), its output rows scaled by `head`, the mask
+    token's zero: the references do not remove the mask token from the argmax, unmask does, so
+    it must never win."""
     model = copy.deepcopy(peaky_model("sdar", seed, scale, VOCAB, MASK, EOS))
     with torch.no_grad():
+        model.lm_head.weight.mul_(head)
         model.lm_head.weight[MASK] = 0
     return model
 
@@ -117,3 +122,49 @@ def test_stops_after_the_block_holding_eos() -> None:
     whole = next(i for i in range(end - BS, len(full.canvas), BS) if set(full.canvas[i:i + BS]) == {stop})
     assert freedave_stop.canvas[:whole + BS] == full.canvas[:whole + BS]
     assert set(freedave_stop.canvas[whole:]) == {stop}  # the rest filled with EOS
+
+
+# --- unmask against the re-implementation ---------------------------------------------------------
+# Prompts of every length modulo the block size, one shorter than a block (no prefill).
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10], [20], [30, 31, 32, 33, 34]]
+GEN = 16  # whole blocks, but not past a prompt of odd length: its last block runs past GEN
+# ours, the reference's strategy, the prompts it applies to. steps=8 over 16 tokens: 2 per block
+# of 4; SDAR's static schedule rewrites a committed offset when a first decode block holds an odd
+# number of masks (docs/sdar-reference-semantics.md), which ours never does: those prompts left out.
+CASES = [
+    ("static-1", Strategy("static", BS), PROMPTS),
+    ("static,steps=8", Strategy("static", 2), [p for p in PROMPTS if len(p) % 2 == 0]),
+    ("threshold,threshold=0.5", Strategy("dynamic", BS, threshold=0.5, at_least=True), PROMPTS),
+    ("freedave,draft_steps=3", Strategy("static", BS), PROMPTS),
+    ("freedave++,draft_steps=3,threshold=0.5",
+     Strategy("dynamic", BS, threshold=0.5, at_least=True), PROMPTS),
+]
+
+
+# (seed, scale, head, eos): varied tokens, one commit a step under threshold 0.5, EOS on some
+# prompts early, on some late, on one never; sharper output rows, threshold steps of 1 to 4
+MODELS = [(0, 4.0, 1.0, 22), (3, 2.0, 4.0, 5)]
+
+
+@pytest.mark.parametrize("spec,strategy,prompts", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("seed,scale,head,eos", MODELS, ids=["varied", "sharp"])
+def test_tokens_are_the_references(spec: str, strategy: Strategy, prompts: list[list[int]],
+                                   seed: int, scale: float, head: float, eos: int) -> None:
+    """Token-identical to the reference loop through the first EOS (a token the model commits,
+    so some prompts stop early); NFE is the reference's denoising forwards alone (the prefill
+    and each store forward ride on the next block's first call) and the token-forwards its own
+    less the last block's store, for the plain rules; FreeDave forwards drafts, never more
+    calls than the rule it reproduces."""
+    model = sdar(seed, scale, head)
+    params = DecodeParams.parse(spec, gen_length=GEN, block_length=BS)
+    out = decode(model, params, prompts, mask_id=MASK, eos_id=eos)
+    for prompt, req in zip(prompts, out, strict=True):
+        with torch.no_grad():
+            want = generate(forward(model), prompt, MASK, GEN, BS, strategy, [eos])
+        assert answer(req.token_ids, eos, GEN, MASK) == answer(want.canvas[len(prompt):], eos,
+                                                               GEN, MASK), prompt
+        denoising = sum(len(block) for block in want.commits)
+        if spec.startswith("freedave"):
+            assert req.nfe <= denoising
+        else:
+            assert (req.nfe, req.token_forwards) == (denoising, want.token_forwards - BS)
