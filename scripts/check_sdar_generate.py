@@ -147,8 +147,12 @@ def tiny_folder(repo: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def reference_model(ref_module: types.ModuleType, folder: Path, ours: torch.nn.Module):
-    raw = json.loads((folder / "config.json").read_text())
+def reference_model(ref_module: types.ModuleType, repo: Path, folder: Path, ours: torch.nn.Module):
+    """The reference holding our weights. Keys of the published config that the folder's lacks
+    (unmask writes no training-only key, and the reference's code reads fuse_cross_entropy)
+    come from the published one."""
+    published = json.loads(sdar_ref.read_reference(repo, MODELING, "config.json"))
+    raw = {**published, **json.loads((folder / "config.json").read_text())}
     return sdar_ref.reference_model(ref_module, raw, ours.state_dict())
 
 
@@ -478,7 +482,7 @@ def main() -> None:
     try:
         folder = args.model or tiny_folder(args.sdar, scratch / "tiny-sdar")
         llm = unmask.LLM(folder, device="cpu", dtype="float32")
-        ref = reference_model(sdar_ref.load_reference(args.sdar, MODELING), folder, llm.model)
+        ref = reference_model(sdar_ref.load_reference(args.sdar, MODELING), args.sdar, folder, llm.model)
         c = llm.config
         s = Sides(ref, Counter(ref), load_sdar_generate(args.sdar, False),
                   load_sdar_generate(args.sdar, True), load_freedave(args.freedave), llm,
