@@ -169,6 +169,15 @@ def reference_model(ref_module: types.ModuleType, raw: dict, state: dict) -> tor
     return ref
 
 
+def as_loaded(ref: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The reference in `dtype` as from_pretrained(torch_dtype=...) loads it: parameters only,
+    RoPE's inv_freq buffer stays float32 (ref.to(dtype) would round it, which generate.py never
+    does)."""
+    for p in ref.parameters():
+        p.data = p.data.to(dtype)
+    return ref
+
+
 def block_mask(num_blocks: int, block_length: int) -> torch.Tensor:
     """generate.py's block_diffusion_attention_mask: (1, L, L) float ones/zeros."""
     blocks = torch.tril(torch.ones(num_blocks, num_blocks))
@@ -235,10 +244,7 @@ def measure(ref_module, raw: dict, seed: int) -> dict:
     want32: dict = {}
     for dtype in (torch.float32, torch.bfloat16):
         ours = ours.to(dtype)
-        # parameters only, as from_pretrained(torch_dtype=...) loads them: RoPE's inv_freq buffer
-        # stays float32 (ref.to(dtype) would round it to bfloat16, which generate.py never does)
-        for p in ref.parameters():
-            p.data = p.data.to(dtype)
+        as_loaded(ref, dtype)
         for check in CHECKS:
             diffs, ref_drift, agree, scale = [], [], [], []
             for i, p in enumerate(prompts):
