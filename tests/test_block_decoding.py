@@ -130,8 +130,9 @@ def reference_loop(model, prompt: list[int], gen: int, steps_per_block: int, rul
     a step (threshold: every masked position at or above it, at least that count), then one
     forward stores it; generation stops after a block holding EOS. The mask token is never
     chosen, and only masked positions are committed. entropy_bounded: the most confident masked
-    positions while their summed entropy stays below `threshold`, at least one. Returns (the gen tokens, the later
-    positions EOS; NFE; token-forwards) as the reference loop with its cache would spend them."""
+    positions while their summed entropy stays below `threshold`, at least one. Returns (the
+    gen tokens, the later positions EOS; NFE; token-forwards) as the reference loop with its
+    cache would spend them)."""
     n = len(prompt)
     total = -(-(n + gen) // BS) * BS
     x = torch.full((total,), MASK)
