@@ -104,8 +104,8 @@ def _parse_decoders(specs: list[str], args: argparse.Namespace,
                     model: dict[str, Any] | None = None) -> list[DecodeParams]:
     """The decoders of `specs`, the command's defaults under them; model: the loaded model's
     (unmask.engine.layout.model_defaults: a block-causal model's blocks and cache)."""
-    defaults = dict(gen_length=DEFAULT_GEN_LENGTH, block_length=DEFAULT_BLOCK_LENGTH,
-                    seed=DEFAULT_SEED, **(model or {}))
+    defaults = {"gen_length": DEFAULT_GEN_LENGTH, "block_length": DEFAULT_BLOCK_LENGTH,
+                "seed": DEFAULT_SEED, **(model or {})}
     decoders = [parse_decoder(s, args, **defaults) for s in specs]
     for i, d in enumerate(decoders):  # a repeat is a row measured twice under two names
         first = next(j for j, e in enumerate(decoders) if same_decoder(d, e))
