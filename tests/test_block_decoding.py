@@ -78,7 +78,8 @@ class CallLogits:
 def test_every_call_equals_a_plain_block_causal_forward(spec: str) -> None:
     model = sdar()
     with CallLogits() as spy:
-        run(model, spec)
+        run(model, spec)  # rows of several shapes: packed calls
+        run(model, spec, [PROMPTS[2]])  # one row: padded (unpacked) calls
     assert spy.calls
     n_fused = 0
     for plan, rows, slots, logits in spy.calls:
