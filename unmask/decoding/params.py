@@ -1,7 +1,7 @@
 """Decoding parameters and the one decoder-spec grammar: ``NAME[,key=value]*``.
 
-NAME is a method (static, static-1, threshold, freedave, freedave++) or a preset (exact,
-balanced, fast);
+NAME is a method (static, static-1, threshold, freedave, freedave++, entropy_bounded) or a
+preset (exact, balanced, fast);
 keys are DecodeParams fields. The same parser serves the CLI, the bench and the Python API, so
 a spec means the same thing everywhere.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from unmask.caching import EntropyKnobs, StoreKnobs
 from unmask.decoding.knobs import REGISTRY, Knobs, applies_to, at_least, choice, entry, knob, knob_of, names
-from unmask.decoding.methods import FreeDaveKnobs, StaticKnobs, ThresholdKnobs
+from unmask.decoding.methods import EntropyBoundKnobs, FreeDaveKnobs, StaticKnobs, ThresholdKnobs
 from unmask.decoding.sampling import SamplingKnobs
 from unmask.errors import SpecError
 from unmask.suffix import MIDDLE_RULES as _MIDDLE
@@ -49,7 +49,7 @@ class _Choices(Knobs):
 
 @dataclass(frozen=True)
 class DecodeParams(InjectKnobs, MiddleKnobs, LocalKnobs, StoreKnobs, EntropyKnobs, FreeDaveKnobs,
-                   ThresholdKnobs, StaticKnobs, SamplingKnobs, _Choices):
+                   EntropyBoundKnobs, ThresholdKnobs, StaticKnobs, SamplingKnobs, _Choices):
     """Everything that decides which tokens a decoder commits: the knobs of every policy, each
     declared beside the policy that reads it (bases listed last-first: fields run from
     `_Choices` to `InjectKnobs`).
