@@ -244,6 +244,18 @@ def run_reimplementation(s: Sides, spec: tuple[block_reference.Strategy, str],
     return runs
 
 
+def run_freedave_reimplementation(s: Sides, kw: dict, prompts: list[list[int]]) -> list[Run]:
+    """tests/block_reference.py's FreeDave (no eager acceptance), through our model."""
+    runs = []
+    for p in prompts:
+        with torch.no_grad():
+            r = block_reference.freedave(lambda ids, pos: s.llm.model(ids, pos), p, s.mask,
+                                         s.gen_length, s.block, kw["draft_steps"],
+                                         kw.get("confidence_threshold"), [s.eos])
+        runs.append(Run(s.answer(r.canvas[len(p):]), r.nfe, r.token_forwards))
+    return runs
+
+
 def run_ours(s: Sides, spec: str, prompts: list[list[int]]) -> list[Run]:
     try:
         params = unmask.DecodeParams.parse(spec, gen_length=s.gen_length, block_length=s.block)
@@ -335,6 +347,7 @@ def settings(b: int, gen_length: int) -> list[Setting]:
             "top_k=1 makes every confidence 1.0: positions go in torch.topk's tie order"),
         Setting("freedave, 4 drafts", (
             *freedave_static, Side("freedave", run_freedave, {"draft_steps": 4}),
+            Side("freedave re-impl", run_freedave_reimplementation, {"draft_steps": 4}),
             Side("ours", run_ours, "freedave,draft_steps=4"))),
         Setting("freedave, 8 drafts, eager acceptance (FreeDave's evaluation)", (
             *freedave_static,
@@ -343,6 +356,8 @@ def settings(b: int, gen_length: int) -> list[Setting]:
         Setting(f"freedave++ {THRESHOLD}, 4 drafts", (
             *freedave_threshold,
             Side("freedave++", run_freedave, {"draft_steps": 4, "confidence_threshold": THRESHOLD}),
+            Side("freedave++ re-impl", run_freedave_reimplementation,
+                 {"draft_steps": 4, "confidence_threshold": THRESHOLD}),
             Side("ours", run_ours, f"freedave++,draft_steps=4,threshold={THRESHOLD}"))),
     ]
 

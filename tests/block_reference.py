@@ -1,7 +1,9 @@
-"""SDAR's `block_diffusion_generate` and FreeDave's base block decoder at temperature 0,
-re-implemented in plain torch from docs/sdar-reference-semantics.md (our code, written from that
-description): the loop tests/test_sdar_reference.py holds unmask's block decoding to, and which
-scripts/check_sdar_generate.py checks against the real references.
+"""SDAR's `block_diffusion_generate`, FreeDave's base block decoder and its draft-and-verify one
+(without eager acceptance) at temperature 0, re-implemented in plain torch from
+docs/sdar-reference-semantics.md (our code, written from that description): the loops
+tests/test_sdar_reference.py holds unmask's block decoding to, and which
+scripts/check_sdar_generate.py checks against the real references (tokens, NFE and
+token-forwards equal).
 
 Greedy as FreeDave's temperature-0 sampler: the argmax over the whole vocabulary (the mask token
 included, as both references leave it) and its softmax probability in the logits' dtype, at
@@ -148,6 +150,106 @@ def entropy_bounded(conf: Tensor, masked: Tensor, eb_threshold: float) -> Tensor
     chosen = torch.zeros_like(masked)
     chosen[order[:k]] = True
     return chosen
+
+
+# --- FreeDave's draft-and-verify decoder (block_decode_with_block_attention_FreeDave) --------------
+def freedave(forward: Forward, prompt: list[int], mask_id: int, gen_length: int, block_length: int,
+             draft_steps: int, threshold: float | None, stop_ids: list[int]) -> Result:
+    """Without eager acceptance (drafts stay in the block), greedy, early exit on. Its tree-
+    attention verify forward (each draft attends to the stored blocks and itself) is one
+    forward of every draft's prefix here, counted once with all the drafts' tokens."""
+    p, b = len(prompt), block_length
+    n_blocks = -(-(p + gen_length) // b)
+    x = torch.full((1, n_blocks * b), mask_id, dtype=torch.long)
+    x[0, :p] = torch.tensor(prompt)
+    pos = torch.arange(n_blocks * b)[None]
+    out = Result(canvas=[])
+    if p // b:
+        out.forwarded(p // b * b)
+    for n in range(p // b, n_blocks):
+        out.commits.append(freedave_block(forward, x, pos, n, b, mask_id, draft_steps, threshold, out))
+        if stopped(x[0, n * b:(n + 1) * b], x[0, p:], stop_ids, STOPS[1]):
+            x[0, (n + 1) * b:] = stop_ids[0]
+            break
+    out.canvas = x[0].tolist()
+    return out
+
+
+def freedave_block(forward: Forward, x: Tensor, pos: Tensor, n: int, b: int, mask_id: int,
+                   draft_steps: int, threshold: float | None, out: Result) -> list[list[int]]:
+    """Block n in place: one forward, then rounds of drafts verified by one forward each (none
+    when one mask is left: the first draft is the rule's own step), then the store forward."""
+    lo, hi = n * b, (n + 1) * b
+    block = x[0, lo:hi].clone()
+    token, conf = predict(forward, x, pos, lo, block, mask_id)
+    out.forwarded(b)
+    commits = []
+    while True:
+        masked = block == mask_id
+        drafts = draft(block, token, conf, min(draft_steps, int(masked.sum())), threshold, mask_id)
+        if int(masked.sum()) <= 1:
+            accepted = drafts[0]
+        else:
+            out.forwarded(len(drafts) * b)
+            preds = [predict(forward, x, pos, lo, d, mask_id) for d in drafts]
+            targets = [draft(d, *pred, 1, threshold, mask_id)[0]
+                       for d, pred in zip(drafts, preds, strict=True)]
+            best = verify(drafts, targets, mask_id)
+            accepted, (token, conf) = drafts[best], preds[best]
+        commits.append((accepted != block).nonzero()[:, 0].tolist())
+        block = accepted
+        if not (block == mask_id).any():
+            break
+    x[0, lo:hi] = block
+    out.forwarded(b)  # the store forward
+    return commits
+
+
+def predict(forward: Forward, x: Tensor, pos: Tensor, lo: int, block: Tensor,
+            mask_id: int) -> tuple[Tensor, Tensor]:
+    """(b,) argmax and (b,) its probability at the masked offsets of `block` in place of the
+    canvas's block at lo (-inf elsewhere)."""
+    hi = lo + block.shape[0]
+    canvas = x[:, :hi].clone()
+    canvas[0, lo:] = block
+    logits = forward(canvas, pos[:, :hi])[0, lo:]
+    token = logits.argmax(-1)
+    conf = torch.softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]
+    return token, torch.where(block == mask_id, conf, float("-inf"))
+
+
+def draft(block: Tensor, token: Tensor, conf: Tensor, k: int, threshold: float | None,
+          mask_id: int) -> list[Tensor]:
+    """FreeDave's token_transfer, k drafts from one prediction: static-1, draft j commits the
+    top j + 1 masked offsets; with a threshold (FreeDave++) draft 0 is one threshold step (>=
+    it, else the top one) and draft j adds the next j by confidence."""
+    masked = int((block == mask_id).sum())
+    if threshold is None:
+        drafts = []
+        for j in range(max(k, 1)):
+            d = block.clone()
+            at = torch.topk(conf, min(j + 1, masked)).indices
+            d[at] = token[at]
+            drafts.append(d)
+        return drafts
+    first = block.clone()
+    high = conf >= threshold
+    at = high.nonzero()[:, 0] if bool(high.any()) else torch.topk(conf, min(1, masked)).indices
+    first[at] = token[at]
+    rest = torch.where(first == mask_id, conf, float("-inf"))
+    return [first] + draft(first, token, rest, k - 1, None, mask_id)[: k - 1] if k > 1 else [first]
+
+
+def verify(drafts: list[Tensor], targets: list[Tensor], mask_id: int) -> int:
+    """FreeDave's chain: from draft 0, move to the last later draft equal to the current one's
+    target (or all masks), until none is."""
+    best = 0
+    while True:
+        later = [j for j in range(best + 1, len(drafts))
+                 if bool((drafts[j] == targets[best]).all()) or bool((drafts[j] == mask_id).all())]
+        if not later:
+            return best
+        best = later[-1]
 
 
 def stopped(block: Tensor, generated: Tensor, stop_ids: list[int], stop: str) -> bool:

@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from block_reference import STOPS, Strategy, answer, entropy_bounded, generate, pick, schedule
+from block_reference import STOPS, Strategy, answer, entropy_bounded, freedave, generate, pick, schedule
 from helpers import peaky_model
 
 from unmask.decoding.params import DecodeParams
@@ -168,3 +168,27 @@ def test_tokens_are_the_references(spec: str, strategy: Strategy, prompts: list[
             assert req.nfe <= denoising
         else:
             assert (req.nfe, req.token_forwards) == (denoising, want.token_forwards - BS)
+
+
+@pytest.mark.parametrize("spec,threshold", [("freedave,draft_steps=3", None),
+                                            ("freedave++,draft_steps=3,threshold=0.5", 0.5)],
+                         ids=["freedave", "freedave++"])
+@pytest.mark.parametrize("seed,scale,head,eos", MODELS, ids=["varied", "sharp"])
+def test_freedave_calls_no_more_than_freedaves_own(spec: str, threshold: float | None, seed: int,
+                                                   scale: float, head: float, eos: int) -> None:
+    """FreeDave's own block decoder (re-implemented, no eager acceptance) reproduces its rule;
+    ours gives its tokens in no more forwards per prompt than it, less the prefill and the store
+    forwards ours fuses into the next call (one per decoded block)."""
+    model = sdar(seed, scale, head)
+    rule = (Strategy("static", BS) if threshold is None else
+            Strategy("dynamic", BS, threshold=threshold, at_least=True))
+    out = decode(model, DecodeParams.parse(spec, gen_length=GEN, block_length=BS), PROMPTS,
+                 mask_id=MASK, eos_id=eos)
+    for prompt, req in zip(PROMPTS, out, strict=True):
+        with torch.no_grad():
+            theirs = freedave(forward(model), prompt, MASK, GEN, BS, 3, threshold, [eos])
+            plain = generate(forward(model), prompt, MASK, GEN, BS, rule, [eos], STOPS[1])
+        want = answer(theirs.canvas[len(prompt):], eos, GEN, MASK)
+        assert want == answer(plain.canvas[len(prompt):], eos, GEN, MASK)
+        assert answer(req.token_ids, eos, GEN, MASK) == want, prompt
+        assert req.nfe <= theirs.nfe - (len(prompt) >= BS) - len(theirs.commits)
