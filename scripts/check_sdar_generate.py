@@ -2,7 +2,8 @@
 decoders, token by token, on the same weights and held-out math prompts.
 
     python scripts/check_sdar_generate.py <JetAstra/SDAR> <cychomatica/FreeDave> \\
-        [--model FOLDER] [--n 16] [--gen-length 32] [--out benchmarks/sdar-generate.md]
+        [--model FOLDER] [--n 16] [--gen-length 32] [--dtype float32|bfloat16] \\
+        [--out benchmarks/sdar-generate.md]
 
 Each repository path is a checkout or a bare git directory (the `fetch` tool's mirror). What
 the references compute, and where it is not what their names say: docs/sdar-reference-
@@ -22,7 +23,8 @@ Without --model the weights are a tiny random SDAR with the shipped model's toke
 output row for the mask token zeroed (neither reference removes the mask token from the
 vocabulary: a random model could predict it, a trained one does not). NFE and token-forwards
 of the references are counted by a forward hook on the model, as FreeDave's own monitor does:
-prefill, denoising, verification and store forwards all count.
+prefill, denoising, verification and store forwards all count. tests/block_reference.py (the
+re-implementation the CI tests hold ours to) runs beside them as `re-impl`, through our model.
 """
 
 from __future__ import annotations
@@ -63,20 +65,6 @@ FREEDAVE_FILES = ("__init__", "core", "sampling_utils", "attn_utils", "cache_uti
 
 
 # --- the references, loaded ---------------------------------------------------------------------
-def scratch_package(name: str, files: dict[str, bytes]) -> types.ModuleType:
-    """Files as package `name` in a temporary folder, imported."""
-    package = Path(tempfile.mkdtemp(prefix=f"{name}-")) / name
-    package.mkdir()
-    (package / "__init__.py").write_bytes(files.pop("__init__", b""))
-    for stem, text in files.items():
-        (package / f"{stem}.py").write_bytes(text)
-    sys.path.insert(0, str(package.parent))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(package.parent))
-
-
 EB_BRANCH = '            elif remasking_strategy == "entropy_bounded":\n'
 EB_FIX = "                transfer_index = torch.zeros_like(x0, dtype=torch.bool)\n"
 
@@ -89,7 +77,7 @@ def load_sdar_generate(repo: Path, fix_entropy_bounded: bool) -> types.ModuleTyp
     if fix_entropy_bounded:
         text = text.replace(EB_BRANCH, EB_BRANCH + EB_FIX)
     name = "sdar_generate_fixed" if fix_entropy_bounded else "sdar_generate"
-    package = scratch_package(name, {"generate": text.encode()})
+    package = sdar_ref.scratch_package(name, {"generate": text.encode()})
     module = importlib.import_module(f"{package.__name__}.generate")
     module.DynamicCache = sdar_ref.indexed_cache_class()
     return module
@@ -109,7 +97,7 @@ def load_freedave(repo: Path) -> types.ModuleType:
     deprecated.deprecated = lambda *args, **kwargs: (lambda f: f)  # a warning, nothing else
     sys.modules.setdefault("deprecated", deprecated)
     files = {stem: sdar_ref.read_repo_file(repo, f"generation/{stem}.py") for stem in FREEDAVE_FILES}
-    core = importlib.import_module(f"{scratch_package('freedave_generation', files).__name__}.core")
+    core = importlib.import_module(f"{sdar_ref.scratch_package('freedave_generation', files).__name__}.core")
     core.DynamicCache = sdar_ref.indexed_cache_class()
     return core
 

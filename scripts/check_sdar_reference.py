@@ -129,14 +129,22 @@ def load_reference(repo: Path, model: str) -> types.ModuleType:
     sys.modules["einops"].rearrange = rearrange
     loss = sys.modules["sdar_reference.fused_linear_diffusion_cross_entropy"]
     loss.FusedLinearDiffusionCrossEntropyLoss = None  # training only
-    package = Path(tempfile.mkdtemp(prefix="sdar-reference-")) / "sdar_reference"
+    files = {stem: read_reference(repo, model, f"{stem}.py")
+             for stem in ("configuration_sdar", "modeling_sdar")}
+    return importlib.import_module(f"{scratch_package('sdar_reference', files).__name__}.modeling_sdar")
+
+
+def scratch_package(name: str, files: dict[str, bytes]) -> types.ModuleType:
+    """Files (stem -> source) as package `name` in a temporary folder, imported; its modules
+    import as `name.stem`."""
+    package = Path(tempfile.mkdtemp(prefix=f"{name}-")) / name
     package.mkdir()
-    (package / "__init__.py").write_text("")
-    for name in ("configuration_sdar.py", "modeling_sdar.py"):
-        (package / name).write_bytes(read_reference(repo, model, name))
+    (package / "__init__.py").write_bytes(files.get("__init__", b""))
+    for stem, text in files.items():
+        (package / f"{stem}.py").write_bytes(text)
     sys.path.insert(0, str(package.parent))
     try:
-        return importlib.import_module("sdar_reference.modeling_sdar")
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(package.parent))
 
