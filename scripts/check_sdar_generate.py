@@ -30,6 +30,7 @@ re-implementation the CI tests hold ours to) runs beside them as `re-impl`, thro
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import shutil
@@ -456,16 +457,23 @@ BY_DTYPE = {
 }
 
 
+def weights_hash(folder: Path) -> str:
+    """The first 12 hex digits of model.safetensors' sha256: which weights a report is of."""
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()[:12]
+
+
 def report(args, s: Sides, prompts: list[list[int]], rows: list[str], body: list[str],
            seconds: float) -> str:
     commits = {name: sdar_ref.reference_commit(repo)[:12]
                for name, repo in (("JetAstra/SDAR", args.sdar), ("cychomatica/FreeDave", args.freedave))}
-    model = args.model or f"a tiny random SDAR ({json.dumps(sdar_ref.TINY)}, output rows x{LOGIT_SCALE})"
+    model = (f"{args.model.name} (model.safetensors sha256 {weights_hash(args.model)})" if args.model
+             else f"a tiny random SDAR ({json.dumps(sdar_ref.TINY)}, output rows x{LOGIT_SCALE})")
     return "\n".join([
         "# SDAR block decoding: ours vs SDAR's generate.py and FreeDave's block decoders", "",
         f"`python scripts/check_sdar_generate.py` ({', '.join(f'{k} {v}' for k, v in commits.items())}; "
         f"torch {torch.__version__}, {args.dtype}, CPU, {seconds:.0f} s). Weights: {model}, block "
-        f"{s.block}, the shipped tokenizer; {len(prompts)} held-out math prompts (chat template, "
+        f"{s.block}, {'its' if args.model else 'the shipped'} tokenizer; {len(prompts)} held-out "
+        "math prompts (chat template, "
         f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens), gen_length {s.gen_length}, "
         f"stop at EOS ({s.eos}). Greedy: argmax, confidence = softmax probability (SDAR's sampler "
         "swapped for FreeDave's temperature-0 one, except where a row says 'as published'). "
