@@ -62,10 +62,14 @@ CHECKS = ("canvas", "canvas, 4-D mask", "cached")
 
 def read_reference(repo: Path, model: str, name: str) -> bytes:
     """A file of training/model/<model>/ from a checkout or a bare git directory."""
-    path = repo / "training" / "model" / model / name
-    if path.is_file():
-        return path.read_bytes()
-    return subprocess.check_output(["git", "--git-dir", str(repo), "show", f"HEAD:{path.relative_to(repo)}"])
+    return read_repo_file(repo, f"training/model/{model}/{name}")
+
+
+def read_repo_file(repo: Path, path: str) -> bytes:
+    """A file of a repository, from a checkout or a bare git directory."""
+    if (repo / path).is_file():
+        return (repo / path).read_bytes()
+    return subprocess.check_output(["git", "--git-dir", str(repo), "show", f"HEAD:{path}"])
 
 
 def reference_commit(repo: Path) -> str:
@@ -125,14 +129,22 @@ def load_reference(repo: Path, model: str) -> types.ModuleType:
     sys.modules["einops"].rearrange = rearrange
     loss = sys.modules["sdar_reference.fused_linear_diffusion_cross_entropy"]
     loss.FusedLinearDiffusionCrossEntropyLoss = None  # training only
-    package = Path(tempfile.mkdtemp(prefix="sdar-reference-")) / "sdar_reference"
+    files = {stem: read_reference(repo, model, f"{stem}.py")
+             for stem in ("configuration_sdar", "modeling_sdar")}
+    return importlib.import_module(f"{scratch_package('sdar_reference', files).__name__}.modeling_sdar")
+
+
+def scratch_package(name: str, files: dict[str, bytes]) -> types.ModuleType:
+    """Files (stem -> source) as package `name` in a temporary folder, imported; its modules
+    import as `name.stem`."""
+    package = Path(tempfile.mkdtemp(prefix=f"{name}-")) / name
     package.mkdir()
-    (package / "__init__.py").write_text("")
-    for name in ("configuration_sdar.py", "modeling_sdar.py"):
-        (package / name).write_bytes(read_reference(repo, model, name))
+    (package / "__init__.py").write_bytes(files.get("__init__", b""))
+    for stem, text in files.items():
+        (package / f"{stem}.py").write_bytes(text)
     sys.path.insert(0, str(package.parent))
     try:
-        return importlib.import_module("sdar_reference.modeling_sdar")
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(package.parent))
 
@@ -151,13 +163,27 @@ def pair(ref_module: types.ModuleType, raw: dict, seed: int):
     """(ours, reference) in float32 with identical weights, from one config.json dict."""
     ours = build_model(ModelConfig.from_dict(raw)).eval()
     randomize(ours, seed)
+    return ours, reference_model(ref_module, raw, ours.state_dict())
+
+
+def reference_model(ref_module: types.ModuleType, raw: dict, state: dict) -> torch.nn.Module:
+    """The reference's SDARForCausalLM in float32 from a config.json dict, holding `state`."""
     config_cls = importlib.import_module("sdar_reference.configuration_sdar").SDARConfig
     # transformers 4.52 gave every config pad_token_id None; 5 gives none (the embedding reads it)
     config = config_cls(pad_token_id=None, **{k: v for k, v in raw.items() if k != "torch_dtype"})
     config._attn_implementation = "sdpa"  # the published "flex_attention" is training's
     ref = ref_module.SDARForCausalLM(config).eval().float()
-    ref.load_state_dict(ours.state_dict(), strict=True)
-    return ours, ref
+    ref.load_state_dict(state, strict=True)
+    return ref
+
+
+def as_loaded(ref: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The reference in `dtype` as from_pretrained(torch_dtype=...) loads it: parameters only,
+    RoPE's inv_freq buffer stays float32 (ref.to(dtype) would round it, which generate.py never
+    does)."""
+    for p in ref.parameters():
+        p.data = p.data.to(dtype)
+    return ref
 
 
 def block_mask(num_blocks: int, block_length: int) -> torch.Tensor:
@@ -187,15 +213,15 @@ def canvas_logits(ours, ref, x: torch.Tensor, num_blocks: int, bl: int, per_head
     return got, want
 
 
-def indexed_cache():
-    """A DynamicCache the reference can read as transformers 4.52's: cache[layer] -> (k, v)."""
+def indexed_cache_class() -> type:
+    """DynamicCache as the reference reads transformers 4.52's: cache[layer] -> (k, v)."""
     from transformers.cache_utils import DynamicCache
 
     class IndexedCache(DynamicCache):
         def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self.layers[layer].keys, self.layers[layer].values
 
-    return IndexedCache()
+    return IndexedCache
 
 
 @torch.no_grad()
@@ -205,7 +231,7 @@ def cached_block_logits(ours, ref, x: torch.Tensor, num_blocks: int, bl: int, n_
     if done == 0:
         return None
     mask, pos = block_mask(num_blocks, bl), torch.arange(x.shape[1])[None]
-    cache = indexed_cache()
+    cache = indexed_cache_class()()
     end = done * bl
     ref(x[:, :end], attention_mask=mask[:, :end, :end], position_ids=pos[:, :end],
         past_key_values=cache, use_cache=True, store_kv=True)
@@ -226,10 +252,7 @@ def measure(ref_module, raw: dict, seed: int) -> dict:
     want32: dict = {}
     for dtype in (torch.float32, torch.bfloat16):
         ours = ours.to(dtype)
-        # parameters only, as from_pretrained(torch_dtype=...) loads them: RoPE's inv_freq buffer
-        # stays float32 (ref.to(dtype) would round it to bfloat16, which generate.py never does)
-        for p in ref.parameters():
-            p.data = p.data.to(dtype)
+        as_loaded(ref, dtype)
         for check in CHECKS:
             diffs, ref_drift, agree, scale = [], [], [], []
             for i, p in enumerate(prompts):
