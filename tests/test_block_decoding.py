@@ -133,7 +133,9 @@ def reference_loop(model, prompt: list[int], gen: int, steps_per_block: int, rul
     chosen, and only masked positions are committed. entropy_bounded: the most confident masked
     positions while their summed entropy stays below `threshold`, at least one. Returns (the
     gen tokens, the later positions EOS; NFE; token-forwards) as the reference loop with its
-    cache would spend them)."""
+    cache would spend them). This is the loop as unmask means it (docs/decoders.md,
+    "Block-diffusion decoding"); tests/block_reference.py is the loop as the references run it,
+    quirks included, and tests/test_sdar_reference.py holds ours to it where the two agree."""
     n = len(prompt)
     total = -(-(n + gen) // BS) * BS
     x = torch.full((total,), MASK)
