@@ -7,11 +7,16 @@ from torch import nn
 from unmask.config import ModelConfig
 from unmask.errors import InputError
 from unmask.models.dream import DreamModel
+from unmask.models.fast_dllm_v2 import FastDLLMV2Model
 from unmask.models.llada import LLaDAModel
+from unmask.models.llada2 import LLaDA2Model
 from unmask.models.protocol import DiffusionLM
 from unmask.models.sdar import SDARModel
 
-REGISTRY: dict[str, type[nn.Module]] = {"llada": LLaDAModel, "Dream": DreamModel, "sdar": SDARModel}
+REGISTRY: dict[str, type[nn.Module]] = {
+    "llada": LLaDAModel, "Dream": DreamModel, "sdar": SDARModel, "llada2_moe": LLaDA2Model,
+    "Fast_dLLM_Qwen": FastDLLMV2Model,
+}
 
 
 def build_model(config: ModelConfig) -> nn.Module:
@@ -20,7 +25,8 @@ def build_model(config: ModelConfig) -> nn.Module:
 
 
 def refuse_block_diffusion(model: nn.Module) -> None:
-    """An InputError for a block-diffusion model (SDAR: config.block_size set). It loads and runs
+    """An InputError for a block-diffusion model (SDAR, LLaDA2, Fast-dLLM v2: config.block_size
+    set). It loads and runs
     forwards, but the engine decodes bidirectional canvases only: decoding one block-causally
     trained would run it on attention it never saw, so generation is refused, not approximated."""
     c = getattr(model, "config", None)
@@ -31,4 +37,4 @@ def refuse_block_diffusion(model: nn.Module) -> None:
 
 
 __all__ = ["REGISTRY", "build_model", "refuse_block_diffusion", "DiffusionLM", "DreamModel",
-           "LLaDAModel", "SDARModel"]
+           "FastDLLMV2Model", "LLaDAModel", "LLaDA2Model", "SDARModel"]
