@@ -227,8 +227,8 @@ class ModelConfig:
         # drop them.
         stray = [f for f in FAMILY_FIELDS if f in keys.omitted and getattr(self, f) is not None]
         if stray:
-            raise ConfigError(f"{', '.join(stray)} {'is' if len(stray) == 1 else 'are'} not "
-                              f"{self.model_type} keys; {self.model_type} sets none of them")
+            raise ConfigError(f"{', '.join(stray)}: no key of model_type {self.model_type}'s "
+                              "config.json sets these; leave them unset")
         if self.model_type in BLOCK_TYPES and self.block_size is None:
             raise ConfigError(f"{self.model_type} is a block-diffusion model: config key "
                               f"{self._key('block_size')!r} (the block size it was trained with) "

@@ -30,6 +30,11 @@ from unmask.models.qwen import QwenLM
 from unmask.models.sdar import SDARModel, block_causal_mask
 
 
+def _accumulate(dtype: torch.dtype) -> torch.dtype:
+    """The router's and the routed sum's dtype: float32, or the model's where wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class LLaDA2MLP(nn.Module):
     """SwiGLU of width `width`: a dense layer's MLP, one expert, or the shared experts."""
 
@@ -55,9 +60,10 @@ class LLaDA2Gate(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(c.num_experts))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x (N, d) -> expert ids (N, K) and their float32 weights (N, K). Scored in float32
-        whatever the model dtype, as the reference's router is."""
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # (N, E)
+        """x (N, d) -> expert ids (N, K) and their weights (N, K), in float32 whatever the
+        model dtype, as the reference's router scores (float64 stays float64)."""
+        dtype = _accumulate(x.dtype)
+        scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))  # (N, E)
         chosen = self._select(scores + self.expert_bias)
         weights = scores.gather(1, chosen)
         if self.top_k > 1:  # the reference's epsilon, so an all-zero row stays finite
@@ -111,7 +117,8 @@ class LLaDA2MoE(nn.Module):
                 start += count
         per_pair = torch.empty_like(out)
         per_pair[order] = out  # back to (token, k) order
-        summed = (per_pair.view(-1, k, x.shape[-1]).float() * weights[..., None]).sum(dim=1)
+        pairs = per_pair.view(-1, k, x.shape[-1]).to(weights.dtype)
+        summed = (pairs * weights[..., None]).sum(dim=1)
         return summed.to(x.dtype)
 
 
