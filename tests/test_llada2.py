@@ -106,7 +106,8 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _mlp(s: dict, p: str, x: torch.Tensor) -> torch.Tensor:
-    return (F.silu(x @ s[p + "gate_proj.weight"].T) * (x @ s[p + "up_proj.weight"].T)) @ s[p + "down_proj.weight"].T
+    gate, up, down = (s[p + n + "_proj.weight"] for n in ("gate", "up", "down"))
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
 def _moe(s: dict, p: str, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
