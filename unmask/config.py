@@ -20,7 +20,7 @@ from typing import Any
 from unmask.errors import ConfigError  # noqa: F401  (re-exported)
 
 MODEL_TYPES = ("llada", "Dream", "sdar", "llada2_moe", "Fast_dLLM_Qwen")
-# The block-diffusion families: the engine refuses to decode them (models.refuse_block_diffusion).
+# The block-diffusion families: block-causal, their config names (or fixes) the trained block size.
 BLOCK_TYPES = ("sdar", "llada2_moe", "Fast_dLLM_Qwen")
 # The mixture-of-experts fields: LLaDA2's config.json keys of the same names. Every other family
 # leaves them None (its JsonKeys omits them).

@@ -105,6 +105,7 @@ class Facts:
     needs_noise: bool = False  # remasking: draws from the sampling noise
     reads_entropy: bool = False  # remasking, cache: reads the predictive entropy
     uses_store: bool = False  # cache: keeps a K/V store
+    block_causal: bool = False  # cache: for block-causal models (and only those)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,7 @@ class DecodeParams(InjectKnobs, MiddleKnobs, LocalKnobs, StoreKnobs, EntropyKnob
         """The rules across policies (each knob class checks its own)."""
         if self.gen_length % self.block_length:
             raise SpecError(f"gen_length ({self.gen_length}) must be a multiple of block_length "
-                            f"({self.block_length})")
+                            f"({self.block_length})", "block_length")
         if self.steps is not None:
             if "steps" not in entry("method", self.method).reads:
                 readers = applies_to()["steps"][1]
@@ -76,7 +76,7 @@ class DecodeParams(InjectKnobs, MiddleKnobs, LocalKnobs, StoreKnobs, EntropyKnob
                                 f"{self.method}")
             if not 1 <= self.steps <= self.gen_length or self.steps % self.num_blocks:
                 raise SpecError(f"steps ({self.steps}) must be in 1..{self.gen_length} and a "
-                                f"multiple of the number of blocks ({self.num_blocks})")
+                                f"multiple of the number of blocks ({self.num_blocks})", "steps")
         # threshold and draft_conf compare a probability; these scores are not one (remasking
         # entropy ranks by -entropy <= 0; alg_temp by log-scores plus noise), so they would
         # never pass and the decoder would quietly commit one token a step.
