@@ -145,10 +145,13 @@ def reference_logits(family: str, ref, x: torch.Tensor, num_blocks: int, bl: int
     return ref(x, position_ids=pos, block_size=bl, use_cache=False).logits.float()
 
 
-def measure(family: str, module, raw: dict, seed: int, mask_id: int, bl: int) -> dict:
+def measure(family: str, module, raw: dict, seed: int, mask_id: int, bl: int,
+            eos_id: int) -> tuple[dict, list[dict]]:
+    """Logits per dtype; and, for LLaDA2, tokens against generate() (float32)."""
     ours, ref = pair(family, module, raw, seed)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 150_000, (1, n), generator=g) for n in PROMPT_LENGTHS]
+    tokens = generation(ours, ref, prompts, mask_id, eos_id) if family == "llada2" else []
     rows, want32 = {}, {}
     for dtype in (torch.float32, torch.bfloat16):
         ours = ours.to(dtype)
@@ -171,10 +174,101 @@ def measure(family: str, module, raw: dict, seed: int, mask_id: int, bl: int) ->
         rows[str(dtype).removeprefix("torch.")] = {
             "prompts": len(diffs), "max_diff": max(diffs), "ref_vs_ref_fp32": max(drift),
             "argmax_agree": min(agree), "max_logit": max(scale)}
-    return rows
+    return rows, tokens
 
 
-def report(family: str, rows: dict, commit: str, seconds: float) -> str:
+# LLaDA2's generate() (greedy) against our engine: (its threshold, its steps per block of 32)
+# and the spec that should give the same tokens on a gen_length of 64 (two blocks). A threshold
+# of 1 is never exceeded (its test is `>`), so each step commits its schedule's count: static.
+# Below 1 with a step per token, a step commits what exceeds it, else the single best: our
+# threshold (which tests `>=`; only an exact tie with the threshold tells them apart).
+GENERATE_MODES = (("static-1", 1.0, 32), ("static,steps=16", 1.0, 8),
+                  ("threshold,threshold=0.95", 0.95, 32), ("threshold,threshold=0.5", 0.5, 32))
+GEN_TOKENS = 64
+PEAK = 8.0  # the LM head's scale for the token comparison (a power of two: exact both ways)
+
+
+def counted(ref) -> dict:
+    """Wrap ref.forward to count its calls and the tokens they process. generate() builds its
+    mask in bfloat16, the dtype the published model runs in, which SDPA refuses next to float32
+    queries: it is cast to the parameters' dtype (its values, 0 and -inf, are exact in both)."""
+    count = {"nfe": 0, "tokens": 0}
+    forward = ref.forward
+    dtype = next(ref.parameters()).dtype
+
+    def spy(input_ids, *args, attention_mask=None, **kw):
+        count["nfe"] += 1
+        count["tokens"] += input_ids.numel()
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(dtype)
+        return forward(input_ids, *args, attention_mask=attention_mask, **kw)
+
+    ref.forward = spy
+    return count
+
+
+@torch.no_grad()
+def generation(ours, ref, prompts: list[torch.Tensor], mask_id: int, eos_id: int) -> list[dict]:
+    """Per mode: prompts whose tokens equal generate()'s, and NFE / token-forwards per generated
+    token, ours against generate()'s (which forwards the whole prefix every step, no cache)."""
+    from unmask.decoding.params import DecodeParams
+    from unmask.engine import decode
+
+    count = counted(ref)
+    for m in (ours, ref):  # peaky: random weights' confidences would never reach a threshold
+        m.lm_head.weight.data.mul_(PEAK)
+    out = []
+    for spec, threshold, steps in GENERATE_MODES:
+        params = DecodeParams.parse(spec, gen_length=GEN_TOKENS, block_length=32)
+        same, tokens, ours_cost, ref_cost = 0, 0, [0, 0], [0, 0]
+        for p in prompts:
+            before = dict(count)
+            want = ref.generate(p, temperature=0.0, block_length=32, steps=steps,
+                                gen_length=GEN_TOKENS, threshold=threshold, eos_id=eos_id,
+                                mask_id=mask_id)[0].tolist()
+            (req,) = decode(ours, params, [p[0].tolist()], mask_id=mask_id, eos_id=eos_id)
+            same += req.token_ids[: len(want)] == want
+            tokens += len(want)
+            ours_cost = [ours_cost[0] + req.nfe, ours_cost[1] + req.token_forwards]
+            ref_cost = [ref_cost[0] + count["nfe"] - before["nfe"],
+                        ref_cost[1] + count["tokens"] - before["tokens"]]
+        out.append({"spec": spec, "threshold": threshold, "steps": steps, "same": same,
+                    "prompts": len(prompts), "tokens": tokens,
+                    "nfe": (ours_cost[0] / tokens, ref_cost[0] / tokens),
+                    "token_forwards": (ours_cost[1] / tokens, ref_cost[1] / tokens)})
+    for m in (ours, ref):
+        m.lm_head.weight.data.div_(PEAK)  # a power of two: the logit checks see the same weights
+    return out
+
+
+def generation_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "## Tokens against the published generate()",
+        "",
+        f"The same float32 models, their LM head scaled by {PEAK:g} so that confidences reach "
+        "the thresholds (random weights over 157,184 tokens stay below 0.5): LLaDA2's generate() "
+        f"(greedy, gen_length {GEN_TOKENS}, "
+        "block_length 32, eos_early_stop off) against `LLM.generate`'s engine with the spec "
+        "below, on the same prompts. Tokens compared up to generate()'s first EOS (it returns "
+        "no more); NFE and token-forwards per generated token, ours / generate()'s (it forwards "
+        "the whole prefix at every step, no K/V cache; ours reads finished blocks from the "
+        "store and fuses a block's store forward with the next block's first step). "
+        "generate()'s threshold below 1 with fewer steps than the block (a threshold with a "
+        "static floor of several tokens) is no spec of ours and is not compared.",
+        "",
+        "| generate() threshold, steps | our spec | prompts identical | NFE per token (ours / ref) "
+        "| token-forwards per token (ours / ref) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['threshold']}, {r['steps']} | `{r['spec']}` | {r['same']}/{r['prompts']} "
+                     f"| {r['nfe'][0]:.2f} / {r['nfe'][1]:.2f} | {r['token_forwards'][0]:.1f} / "
+                     f"{r['token_forwards'][1]:.1f} |")
+    return lines
+
+
+def report(family: str, rows: dict, tokens: list[dict], commit: str, seconds: float) -> str:
     title = {"llada2": "LLaDA2", "fast-dllm-v2": "Fast-dLLM v2"}[family]
     lines = [
         f"# {title}: our forward vs its own modeling code",
@@ -199,6 +293,8 @@ def report(family: str, rows: dict, commit: str, seconds: float) -> str:
     for dtype, r in rows.items():
         lines.append(f"| {dtype} | {r['prompts']} | {r['max_logit']:.2f} | {r['max_diff']:.3g} | "
                      f"{r['ref_vs_ref_fp32']:.3g} | {r['argmax_agree']:.4f} |")
+    if tokens:
+        lines += generation_table(tokens)
     return "\n".join(lines) + "\n"
 
 
@@ -209,9 +305,10 @@ def main() -> None:
     raw = {**json.loads(Path(FAMILIES[args.family][4]).read_text()), **TINY[args.family]}
     config = ModelConfig.from_dict(raw)
     module = load_reference(args.family, args.repo)
-    rows = measure(args.family, module, raw, 0, config.mask_token_id, config.block_size)
+    rows, tokens = measure(args.family, module, raw, 0, config.mask_token_id, config.block_size,
+                           config.eos_token_id)
     seconds = time.perf_counter() - start
-    publish(report(args.family, rows, reference_commit(args.repo), seconds), args.out)
+    publish(report(args.family, rows, tokens, reference_commit(args.repo), seconds), args.out)
 
 
 if __name__ == "__main__":

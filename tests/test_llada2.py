@@ -76,6 +76,19 @@ def test_grouped_experts_equal_a_per_token_loop(tokens: int) -> None:
     torch.testing.assert_close(moe.routed(x, *moe.gate(x)), _per_token(moe, x), atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_logits_do_not_depend_on_its_batch(dtype: torch.dtype) -> None:
+    """The same bits alone and among 7 other rows, though the other rows change how many tokens
+    each expert multiplies (other counts take other CPU kernels: unmask.models.llada2.ROW_STEP)."""
+    model = _model(dtype)
+    ids = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24)[None].expand(8, 24)
+    with torch.no_grad():
+        together = model(ids, pos)
+        alone = torch.cat([model(ids[i:i + 1], pos[i:i + 1]) for i in range(8)])
+    assert torch.equal(together, alone)
+
+
 def test_router_keeps_to_the_chosen_groups() -> None:
     """Every chosen expert lies in one of the topk_group groups with the best two-expert sums
     (bias included); the weights come from the unbiased scores, renormalised and scaled."""

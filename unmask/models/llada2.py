@@ -29,6 +29,16 @@ from unmask.models.layers import RMSNorm, attention
 from unmask.models.qwen import QwenLM
 from unmask.models.sdar import SDARModel, block_causal_mask
 
+# An expert runs on its tokens padded with zero rows to a multiple of this: on the CPU torch
+# takes other kernels for other row counts (the matmuls below 12 rows, the elementwise SiLU and
+# product at counts whose elements end off the vector width), whose results round differently,
+# so a token's output would depend on how many other tokens of the batch chose its expert. At
+# multiples of 16 every row got the same bits (measured at 1 and 2 threads, widths 12 to 512);
+# a batch must not change a row's bits (docs/design.md § Exactness and ties), as the engine's
+# padding of a call's tokens to multiples of 16 ensures for the dense layers
+# (unmask.engine.runner.TOKEN_STEP).
+ROW_STEP = 16
+
 
 def _accumulate(dtype: torch.dtype) -> torch.dtype:
     """The router's and the routed sum's dtype: float32, or the model's where wider."""
@@ -113,7 +123,8 @@ class LLaDA2MoE(nn.Module):
         start = 0
         for expert, count in zip(self.experts, counts, strict=True):
             if count:
-                out[start:start + count] = expert(tokens[start:start + count])
+                mine = F.pad(tokens[start:start + count], (0, 0, 0, -count % ROW_STEP))
+                out[start:start + count] = expert(mine)[:count]
                 start += count
         per_pair = torch.empty_like(out)
         per_pair[order] = out  # back to (token, k) order
