@@ -78,7 +78,8 @@ class CallLogits:
 def test_every_call_equals_a_plain_block_causal_forward(spec: str) -> None:
     model = sdar()
     with CallLogits() as spy:
-        run(model, spec)
+        run(model, spec)  # rows of several shapes: packed calls
+        run(model, spec, [PROMPTS[2]])  # one row: padded (unpacked) calls
     assert spy.calls
     n_fused = 0
     for plan, rows, slots, logits in spy.calls:
@@ -122,15 +123,17 @@ def test_store_holds_only_final_kv() -> None:
 # --- (b) tokens == a generate.py-style loop; NFE -----------------------------------------------
 @torch.no_grad()
 def reference_loop(model, prompt: list[int], gen: int, steps_per_block: int, rule: str,
-                   threshold: float = 0.9, eos: int = EOS,
+                   threshold: float | None = None, eos: int = EOS,
                    suppress_eos: bool = False) -> tuple[list[int], int, int]:
     """generate.py's block_diffusion_generate, greedy, without its K/V cache (every forward
     runs the whole prefix up to the block's end under the model's own mask): the prompt's whole
     blocks prefill, each block is denoised with get_num_transfer_tokens(block, steps) commits
     a step (threshold: every masked position at or above it, at least that count), then one
     forward stores it; generation stops after a block holding EOS. The mask token is never
-    chosen, and only masked positions are committed. Returns (the gen tokens, the later
-    positions EOS; NFE; token-forwards) as the reference loop with its cache would spend them."""
+    chosen, and only masked positions are committed. entropy_bounded: the most confident masked
+    positions while their summed entropy stays below `threshold`, at least one. Returns (the
+    gen tokens, the later positions EOS; NFE; token-forwards) as the reference loop with its
+    cache would spend them)."""
     n = len(prompt)
     total = -(-(n + gen) // BS) * BS
     x = torch.full((total,), MASK)
@@ -151,9 +154,14 @@ def reference_loop(model, prompt: list[int], gen: int, steps_per_block: int, rul
             tok = logits.index_fill(-1, torch.tensor([MASK]), float("-inf")).argmax(-1)
             conf = torch.where(masked, p.gather(-1, tok[:, None])[:, 0], float("-inf"))
             count = counts[step]
+            order = np.argsort(-conf.numpy(), kind="stable")
             if rule == "threshold":
                 count = max(int(((conf >= threshold) & masked).sum()), count)
-            order = np.argsort(-conf.numpy(), kind="stable")[: min(count, int(masked.sum()))]
+            if rule == "entropy_bounded":  # the EB-sampler's bound, in confidence order
+                entropy = torch.special.entr(p).sum(-1)  # 0 log 0 = 0 (a dropped EOS)
+                sums = np.cumsum(entropy.numpy()[order][: int(masked.sum())])
+                count = max(int((sums < threshold).sum()), 1)
+            order = order[: min(count, int(masked.sum()))]
             x[lo + order] = tok[order]
         if (x[n:hi] == eos).any():
             x[hi:] = eos
@@ -161,19 +169,20 @@ def reference_loop(model, prompt: list[int], gen: int, steps_per_block: int, rul
     return x[n : n + gen].tolist(), nfe, tok_fw
 
 
-@pytest.mark.parametrize("spec, spb, rule", [("static-1", BS, "static"),
-                                             ("static,steps=8", 2, "static"),
-                                             ("static,steps=4", 1, "static"),
-                                             ("threshold,threshold=0.5", BS, "threshold"),
-                                             ("freedave,draft_steps=3", BS, "static"),
-                                             ("freedave++,draft_steps=3,threshold=0.5", BS,
-                                              "threshold")])
+@pytest.mark.parametrize("spec, spb, rule, value", [
+    ("static-1", BS, "static", None), ("static,steps=8", 2, "static", None),
+    ("static,steps=4", 1, "static", None), ("threshold,threshold=0.5", BS, "threshold", 0.5),
+    ("freedave,draft_steps=3", BS, "static", None),
+    ("freedave++,draft_steps=3,threshold=0.5", BS, "threshold", 0.5),
+    ("entropy_bounded,eb_threshold=0.5", BS, "entropy_bounded", 0.5),
+    ("entropy_bounded,eb_threshold=6", BS, "entropy_bounded", 6.0),  # several a step
+])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_tokens_equal_the_reference_loop(spec: str, spb: int, rule: str, seed: int) -> None:
+def test_tokens_equal_the_reference_loop(spec: str, spb: int, rule: str, value, seed: int) -> None:
     model = sdar(seed)
     out = run(model, spec)
     for prompt, req in zip(PROMPTS, out, strict=True):
-        want, ref_nfe, ref_tok_fw = reference_loop(model, prompt, 16, spb, rule, 0.5)
+        want, ref_nfe, ref_tok_fw = reference_loop(model, prompt, 16, spb, rule, value)
         assert req.token_ids == want, prompt
         assert req.nfe <= ref_nfe  # the fused store forward
         if not spec.startswith("freedave"):  # (drafts forward more tokens, by design)
@@ -304,3 +313,18 @@ def test_cache_block_is_refused_on_a_bidirectional_model() -> None:
         Engine(m, mask_id=MASK, eos_id=EOS).add_request([5], DecodeParams.parse(
             "static-1,cache=block", gen_length=8, block_length=8))
     assert issubclass(DecoderMismatch, SpecError)
+
+
+def test_the_rounded_canvas_must_fit_the_model() -> None:
+    """The canvas reaches the end of the last block, so prompt + gen_length within
+    max_sequence_length (here 126, not whole blocks of 4) is refused when rounding takes it
+    past."""
+    from helpers import tiny_model
+
+    from unmask.errors import CanvasTooLong
+
+    eng = Engine(tiny_model("sdar", max_sequence_length=126))
+    eng.check_prompt([5] * 4, params("static-1", 120))  # 124: fits
+    with pytest.raises(CanvasTooLong, match="128 positions in the model's whole blocks exceeds "
+                                            "max_sequence_length 126"):
+        eng.check_prompt([5] * 5, params("static-1", 120))  # 125, rounded to 128

@@ -172,7 +172,9 @@ class Chat:
 
     def _decoder(self, spec: str) -> None:
         if spec:
-            self.params = DecodeParams.parse(spec, **self.typed)
+            from unmask.engine.layout import model_defaults
+
+            self.params = DecodeParams.parse(spec, **{**model_defaults(self.llm.model), **self.typed})
         self.say(f"decoder {self.params.spec}: gen_length {self.params.gen_length}, block_length "
                  f"{self.params.block_length}, seed {self.params.seed}")
 
@@ -290,15 +292,16 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from unmask.cli_args import chat_for, load_llm, parse_decoder
+    from unmask.cli_args import chat_for, check_decoder, decoder_for, load_llm
 
     if args.model_arg is not None:
         if args.model is not None and args.model != args.model_arg:
             raise InputError(f"the model is given twice: {args.model_arg!r} and --model "
                              f"{args.model!r}; give one")
         args.model = args.model_arg
-    params = parse_decoder(args.decoder, args)  # before the load: a bad spec fails at once
+    check_decoder(args.decoder, args)  # before the load: a bad spec fails at once
     llm = load_llm(args)
+    params = decoder_for(args.decoder, args, llm)
     chat_for(llm, raw=False, raw_flag=None)  # a base model: a note that there are no turns
     typed = {k: getattr(args, k) for k in ("gen_length", "block_length", "seed")
              if getattr(args, k) is not None}

@@ -22,15 +22,12 @@ from unmask.cli_args import (
     add_decode_arguments,
     add_model_arguments,
     chat_for,
+    check_decoder,
     check_prompts,
+    decoder_for,
     load_llm,
-    parse_decoder,
 )
-from unmask.errors import SpecError, UnmaskError
-
-# Spec errors that a block-causal model's own block length may resolve (gen_length or steps
-# against the default block_length): checked again once the model is known.
-BLOCK_KEYS = ("block_length", "steps")
+from unmask.errors import UnmaskError
 
 EXIT_CODES = """\
 exit codes:
@@ -49,17 +46,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    try:  # before the load: a bad spec fails at once
-        parse_decoder(args.decoder, args)
-    except SpecError as e:
-        if e.key not in BLOCK_KEYS:
-            raise
+    check_decoder(args.decoder, args)  # before the load: a bad spec fails at once
     check_prompts(args.prompts)
     llm = load_llm(args)
-    from unmask.engine.layout import model_defaults
-
-    # with the model's own defaults: a block-causal model's blocks and cache
-    params = parse_decoder(args.decoder, args, **model_defaults(llm.model))
+    params = decoder_for(args.decoder, args, llm)
     with decode_progress(len(args.prompts) * params.gen_length) as on_event:
         outs = llm.generate(args.prompts, params, chat=chat_for(llm, args.raw), on_event=on_event)
     several = len(outs) > 1

@@ -115,6 +115,29 @@ def parse_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> Decod
         raise SpecError(f"--decoder {spec!r}: {e}", e.key) from None
 
 
+# Spec errors that a block-causal model's own block length may resolve (gen_length or steps
+# against the default block_length): `check_decoder` leaves them to `decoder_for`.
+BLOCK_KEYS = ("block_length", "steps")
+
+
+def check_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> None:
+    """`parse_decoder`'s refusal of a spec before the model loads (a bad spec fails at once),
+    but for the errors the model's block size may resolve (BLOCK_KEYS)."""
+    try:
+        parse_decoder(spec, args, **defaults)
+    except SpecError as e:
+        if e.key not in BLOCK_KEYS:
+            raise
+
+
+def decoder_for(spec: str, args: argparse.Namespace, llm: LLM, **defaults: Any) -> DecodeParams:
+    """`parse_decoder` for the loaded model: with its own defaults under the spec's keys (a
+    block-causal model's blocks and cache: unmask.engine.layout.model_defaults)."""
+    from unmask.engine.layout import model_defaults
+
+    return parse_decoder(spec, args, **{**defaults, **model_defaults(llm.model)})
+
+
 def check_prompts(prompts: list[str]) -> None:
     """Every prompt is non-empty text. A command-line argument that is not valid UTF-8 reaches
     Python with its bad bytes as lone surrogates, which no tokenizer can encode."""

@@ -129,13 +129,15 @@ def record(llm: LLM, prompt: str, specs: Sequence[str | DecodeParams], gen_lengt
     import torch
 
     from unmask.engine import Engine, SchedulerConfig
+    from unmask.engine.layout import model_defaults
 
     check_lanes(specs)
     lengths = dict(gen_length=gen_length, block_length=block_length)
     if any(isinstance(s, DecodeParams) for s in specs) and any(v is not None for v in lengths.values()):
         raise InputError("gen_length / block_length apply to decoder spec strings; set them in "
                          "the DecodeParams instead")
-    params = [s if isinstance(s, DecodeParams) else DecodeParams.parse(s, explicit=lengths)
+    defaults = model_defaults(llm.model)
+    params = [s if isinstance(s, DecodeParams) else DecodeParams.parse(s, explicit=lengths, **defaults)
               for s in specs]
     ids = llm.encode_prompt(prompt, chat=chat)
     engine = Engine(llm.model, SchedulerConfig(max_running=len(params)))
@@ -369,18 +371,21 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_trace(args: argparse.Namespace) -> int:
     from unmask.bench.cli import check_outputs
-    from unmask.cli_args import chat_for, check_prompts, load_llm, parse_decoder
+    from unmask.cli_args import chat_for, check_decoder, check_prompts, decoder_for, load_llm
 
     out = Path(args.out)
     if out.suffix.lower() not in WRITERS:
         raise InputError(f"--out {out}: unknown format {out.suffix or '(none)'!r}; valid: "
                          f"{', '.join(FORMATS)}")
     check_outputs(args, ("out", "json"))
-    # Parsed before the model loads, so that a bad spec or a spec/flag conflict fails fast.
-    params = [parse_decoder(spec, args) for spec in args.decoder or ["static-1"]]
-    check_lanes(params)
+    # Checked before the model loads, so that a bad spec or a spec/flag conflict fails fast.
+    specs = args.decoder or ["static-1"]
+    for spec in specs:
+        check_decoder(spec, args)
+    check_lanes(specs)
     check_prompts([args.prompt])
     llm = load_llm(args)
+    params = [decoder_for(spec, args, llm) for spec in specs]
     trace = record(llm, args.prompt, params, chat=chat_for(llm, args.raw))
     # Written even when a lane failed: the steps up to a failure are what one debugs it with.
     WRITERS[out.suffix.lower()](trace, out)

@@ -100,9 +100,13 @@ def _print_tasks() -> int:
     return 0
 
 
-def _parse_decoders(specs: list[str], args: argparse.Namespace) -> list[DecodeParams]:
-    decoders = [parse_decoder(s, args, gen_length=DEFAULT_GEN_LENGTH,
-                              block_length=DEFAULT_BLOCK_LENGTH, seed=DEFAULT_SEED) for s in specs]
+def _parse_decoders(specs: list[str], args: argparse.Namespace,
+                    model: dict[str, Any] | None = None) -> list[DecodeParams]:
+    """The decoders of `specs`, the command's defaults under them; model: the loaded model's
+    (unmask.engine.layout.model_defaults: a block-causal model's blocks and cache)."""
+    defaults = {"gen_length": DEFAULT_GEN_LENGTH, "block_length": DEFAULT_BLOCK_LENGTH,
+                "seed": DEFAULT_SEED, **(model or {})}
+    decoders = [parse_decoder(s, args, **defaults) for s in specs]
     for i, d in enumerate(decoders):  # a repeat is a row measured twice under two names
         first = next(j for j, e in enumerate(decoders) if same_decoder(d, e))
         if first < i:
@@ -186,6 +190,9 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
                      allow_code_execution=args.allow_code_execution,
                      stratify=getattr(args, "stratify", False))
     llm = load_llm(args)
+    from unmask.engine.layout import model_defaults
+
+    decoders = _parse_decoders(specs, args, model_defaults(llm.model))
     chat = chat_for(llm, raw=False, raw_flag=None)
 
     total = len(task.examples) * len(decoders)

@@ -103,7 +103,7 @@ class Facts:
     needs_probability: bool = False  # method: compares the ranking score with a probability
     probability: bool = True  # remasking: its ranking score is a probability
     needs_noise: bool = False  # remasking: draws from the sampling noise
-    reads_entropy: bool = False  # remasking, cache: reads the predictive entropy
+    reads_entropy: bool = False  # method, remasking, cache: reads the predictive entropy
     uses_store: bool = False  # cache: keeps a K/V store
     block_causal: bool = False  # cache: for block-causal models (and only those)
 
@@ -135,6 +135,12 @@ def register(kind: str, name: str, impl: Any, knobs: tuple[type, ...] = (),
     REGISTRY[kind][name] = entry
     applies_to.cache_clear()
     return entry
+
+
+def knob_classes() -> tuple[type, ...]:
+    """Every registered policy's knob classes, each once, in registration order."""
+    return tuple(dict.fromkeys(k for kind in REGISTRY.values() for p in kind.values()
+                               for k in p.knobs))
 
 
 def names(kind: str) -> tuple[str, ...]:

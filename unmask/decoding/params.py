@@ -1,7 +1,7 @@
 """Decoding parameters and the one decoder-spec grammar: ``NAME[,key=value]*``.
 
-NAME is a method (static, static-1, threshold, freedave, freedave++) or a preset (exact,
-balanced, fast);
+NAME is a method (static, static-1, threshold, freedave, freedave++, entropy_bounded) or a
+preset (exact, balanced, fast);
 keys are DecodeParams fields. The same parser serves the CLI, the bench and the Python API, so
 a spec means the same thing everywhere.
 """
@@ -17,7 +17,18 @@ from typing import Any
 import numpy as np
 
 from unmask.caching import EntropyKnobs, StoreKnobs
-from unmask.decoding.knobs import REGISTRY, Knobs, applies_to, at_least, choice, entry, knob, knob_of, names
+from unmask.decoding.knobs import (
+    REGISTRY,
+    Knobs,
+    applies_to,
+    at_least,
+    choice,
+    entry,
+    knob,
+    knob_classes,
+    knob_of,
+    names,
+)
 from unmask.decoding.methods import FreeDaveKnobs, StaticKnobs, ThresholdKnobs
 from unmask.decoding.sampling import SamplingKnobs
 from unmask.errors import SpecError
@@ -47,12 +58,19 @@ class _Choices(Knobs):
     suffix: str = choice("full", lambda: names("suffix"))
 
 
+# The built-in knob classes in the order their keys are listed (help, errors, `to_spec`).
+_BUILT_IN = (_Choices, SamplingKnobs, StaticKnobs, ThresholdKnobs, FreeDaveKnobs, EntropyKnobs,
+             StoreKnobs, LocalKnobs, MiddleKnobs, InjectKnobs)
+# Every knob class registered by the time this module is imported joins, after the built-in
+# ones: a policy with new knobs needs its `register` call only, in a module imported above
+# (or before this one). dataclass fields run from the last base to the first.
+_KNOB_CLASSES = _BUILT_IN + tuple(k for k in knob_classes() if k not in _BUILT_IN)
+
+
 @dataclass(frozen=True)
-class DecodeParams(InjectKnobs, MiddleKnobs, LocalKnobs, StoreKnobs, EntropyKnobs, FreeDaveKnobs,
-                   ThresholdKnobs, StaticKnobs, SamplingKnobs, _Choices):
-    """Everything that decides which tokens a decoder commits: the knobs of every policy, each
-    declared beside the policy that reads it (bases listed last-first: fields run from
-    `_Choices` to `InjectKnobs`).
+class DecodeParams(*reversed(_KNOB_CLASSES)):
+    """Everything that decides which tokens a decoder commits: the knobs of every registered
+    policy (`_KNOB_CLASSES`), each declared beside the policy that reads it.
 
     Defaults of the approximate methods' knobs are the measured ones (BENCHMARKS.md).
     """
@@ -290,7 +308,7 @@ def _check_types(p: DecodeParams) -> None:
     the key's name, before any range check compares them. numpy's integers and floats (a length
     computed with numpy) become Python's, which the spec, reports and JSON expect."""
     for f in fields(p):
-        value, kind = getattr(p, f.name), str(f.type).replace(" ", "")
+        value, kind = getattr(p, f.name), _type_text(f.type).replace(" ", "")
         if value is None and "None" in kind:
             continue
         base = kind.split("|")[0]
@@ -305,8 +323,14 @@ def _check_types(p: DecodeParams) -> None:
                             f"got {value!r} ({type(value).__name__})")
 
 
+def _type_text(typ: Any) -> str:
+    """A field's annotation as written: a string under `from __future__ import annotations`,
+    else a class (`int`) or a union (`int | None`), whichever a knob module used."""
+    return typ if isinstance(typ, str) else getattr(typ, "__name__", None) or str(typ)
+
+
 def _convert(key: str, raw: str, typ: Any) -> Any:
-    typ = str(typ)
+    typ = _type_text(typ)
     try:
         if "bool" in typ:
             if raw.lower() in ("1", "true", "yes", "on"):

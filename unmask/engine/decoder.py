@@ -162,7 +162,7 @@ class Decoder:
         conf = pr.conf
         cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
         schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
-        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule, b.rows.knobs), 0)
+        n0 = np.where(hp, self.method.count(conf, cand, schedule, b.rows.knobs, pr.entropy), 0)
         rows = np.arange(len(b))
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
         # unlikely to pass verification. draft_conf 0 filters nothing, whatever the ranking
@@ -284,7 +284,8 @@ class Decoder:
         if fw is not None:
             fx = d.x[need]
             cand = self._candidates(b, fx, start[need], fw.fresh, np.ones(fx.shape[0], dtype=bool))
-            count = self.method.rule.count(fw.conf, cand, None, b.rows.knobs[d.parent[need]])
+            count = self.method.count(fw.conf, cand, None, b.rows.knobs[d.parent[need]],
+                                      fw.entropy)
             sel = select_top(fw.conf, cand, count)
             target[need] = np.where(sel, fw.token, fx)
         # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);

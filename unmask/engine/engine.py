@@ -162,8 +162,10 @@ class Engine:
         params = self.params_for(params)
         total = len(prompt_ids) + canvas_length(len(prompt_ids), params.gen_length, self.block_size)
         if total > self.max_sequence_length:
+            rounded = (f", {total} positions in the model's whole blocks"
+                       if total != len(prompt_ids) + params.gen_length else "")
             raise CanvasTooLong(f"prompt ({len(prompt_ids)} tokens) + gen_length "
-                                f"({params.gen_length}) exceeds max_sequence_length "
+                                f"({params.gen_length}){rounded} exceeds max_sequence_length "
                                 f"{self.max_sequence_length}; valid total: "
                                 f"<= {self.max_sequence_length}")
         return prompt_ids

@@ -172,8 +172,8 @@ class Runner:
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
         # Entropies are computed only for the policies that read them.
-        self.with_entropy = (entry("cache", params.cache).facts.reads_entropy
-                             or entry("remasking", params.remasking).facts.reads_entropy)
+        self.with_entropy = any(entry(kind, getattr(params, kind)).facts.reads_entropy
+                                for kind in ("cache", "remasking", "method"))
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
         # EOS leaves the distribution (LLaDA's logits_eos_inf); the mask token is only never chosen
