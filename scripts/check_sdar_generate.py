@@ -73,7 +73,7 @@ EB_FIX = "                transfer_index = torch.zeros_like(x0, dtype=torch.bool
 def load_sdar_generate(repo: Path, fix_entropy_bounded: bool) -> types.ModuleType:
     """generate.py as module `generate` of a scratch package; fix_entropy_bounded: its
     entropy_bounded branch given the all-false transfer_index the other branches create."""
-    text = sdar_ref.read_repo_file(repo, "generate.py").decode()
+    text = sdar_ref.repo_file(repo, "generate.py").decode()
     assert text.count(EB_BRANCH) == 1, "generate.py's entropy_bounded branch moved"
     if fix_entropy_bounded:
         text = text.replace(EB_BRANCH, EB_BRANCH + EB_FIX)
@@ -97,7 +97,7 @@ def load_freedave(repo: Path) -> types.ModuleType:
     deprecated = types.ModuleType("deprecated")
     deprecated.deprecated = lambda *args, **kwargs: (lambda f: f)  # a warning, nothing else
     sys.modules.setdefault("deprecated", deprecated)
-    files = {stem: sdar_ref.read_repo_file(repo, f"generation/{stem}.py") for stem in FREEDAVE_FILES}
+    files = {stem: sdar_ref.repo_file(repo, f"generation/{stem}.py") for stem in FREEDAVE_FILES}
     core = importlib.import_module(f"{sdar_ref.scratch_package('freedave_generation', files).__name__}.core")
     core.DynamicCache = sdar_ref.indexed_cache_class()
     return core

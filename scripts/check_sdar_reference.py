@@ -60,16 +60,16 @@ GEN_LENGTH = 8
 CHECKS = ("canvas", "canvas, 4-D mask", "cached")
 
 
-def read_reference(repo: Path, model: str, name: str) -> bytes:
-    """A file of training/model/<model>/ from a checkout or a bare git directory."""
-    return read_repo_file(repo, f"training/model/{model}/{name}")
-
-
-def read_repo_file(repo: Path, path: str) -> bytes:
-    """A file of a repository, from a checkout or a bare git directory."""
+def repo_file(repo: Path, path: str, commit: str = "HEAD") -> bytes:
+    """A file of a checkout (as it is) or a bare git directory (at `commit`)."""
     if (repo / path).is_file():
         return (repo / path).read_bytes()
-    return subprocess.check_output(["git", "--git-dir", str(repo), "show", f"HEAD:{path}"])
+    return subprocess.check_output(["git", "--git-dir", str(repo), "show", f"{commit}:{path}"])
+
+
+def read_reference(repo: Path, model: str, name: str) -> bytes:
+    """A file of training/model/<model>/."""
+    return repo_file(repo, f"training/model/{model}/{name}")
 
 
 def reference_commit(repo: Path) -> str:
@@ -316,13 +316,27 @@ def report(results: dict, commit: str, seconds: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("repo", type=Path, help="JetAstra/SDAR: a checkout or a bare git directory")
+def script_args(doc: str, *positional: tuple[str, dict]) -> argparse.Namespace:
+    """The reference scripts' command line: their positionals, --out and --threads (applied)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, kw in positional:
+        ap.add_argument(name, **kw)
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def publish(text: str, out: Path | None) -> None:
+    print(text)
+    if out:
+        out.write_text(text)
+
+
+def main() -> None:
+    args = script_args(__doc__, ("repo", {"type": Path, "help": "JetAstra/SDAR: a checkout or a "
+                                          "bare git directory"}))
     start = time.perf_counter()
     results = {}
     ref_module = None
@@ -332,10 +346,7 @@ def main() -> None:
             raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
         ref_module = ref_module or load_reference(args.repo, model)
         results[model] = measure(ref_module, raw, seed)
-    text = report(results, reference_commit(args.repo), time.perf_counter() - start)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish(report(results, reference_commit(args.repo), time.perf_counter() - start), args.out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""The published config.json files of LLaDA-8B-Instruct, LLaDA-1.5, Dream-v0-Instruct-7B and
-SDAR-4B/8B-Chat (tests/data; SDAR's from JetAstra/SDAR training/model/SDAR-*-Chat/): every key
-honoured or refused with one line, and tiny random models with their exact key sets and real
-vocabularies, saved sharded in bfloat16, load, round-trip bit-exact and generate with every
-decoder (SDAR: with every decoder that applies to a block-causal model)."""
+"""The published config.json files of LLaDA-8B-Instruct, LLaDA-1.5, Dream-v0-Instruct-7B,
+SDAR-4B/8B-Chat, LLaDA2.0-mini/flash and Fast-dLLM v2 7B (tests/data; SDAR's from JetAstra/SDAR
+training/model/SDAR-*-Chat/; LLaDA2's from inclusionAI/dFactory configs/model_configs/llada2_*/,
+whose model_type its conversion script renames to llada2_moe_veomni, restored here to the
+published folders' llada2_moe; Fast-dLLM v2's from the published folder as vendored in
+Satgoy152/DualDiffusion FastDLLM_inferencing/Fast_dLLM_v2_7B/): every key honoured or refused
+with one line, and tiny random models with their exact key sets and real vocabularies, saved
+sharded in bfloat16, load, round-trip bit-exact and generate with every decoder (the
+block-diffusion families: with every decoder that applies to a block-causal model)."""
 
 from __future__ import annotations
 
@@ -30,8 +34,14 @@ PUBLISHED = {  # fixture -> (parameters of the full-size model, vocabulary)
     # the published model.safetensors.index.json's total_size / 2 (bfloat16), and its tensor names
     "sdar-4b-chat": (4_411_424_256, 151_936),
     "sdar-8b-chat": (8_190_735_360, 151_936),
+    # 16B and 100B total as the model cards say (experts counted once each; expert_bias is a
+    # buffer); Fast-dLLM v2: its model.safetensors.index.json's total_size / 2
+    "llada2-mini": (16_255_638_528, 157_184),
+    "llada2-flash": (102_889_697_280, 157_184),
+    "fast-dllm-v2-7b": (7_615_616_512, 152_064),
 }
-BIDIRECTIONAL = [name for name in PUBLISHED if not name.startswith("sdar")]
+BLOCK = ("sdar", "llada2", "fast-dllm")
+BIDIRECTIONAL = [name for name in PUBLISHED if not name.startswith(BLOCK)]
 # The published architecture shrunk: same key set, head/kv-head ratio and vocabulary.
 TINY = {
     "llada": {"d_model": 32, "n_heads": 4, "n_kv_heads": 4, "n_layers": 2, "mlp_hidden_size": 64},
@@ -40,6 +50,14 @@ TINY = {
     # head_dim set apart from hidden_size / heads (8), as SDAR-4B's 128 is from 2560 / 32
     "sdar": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 1,
              "num_hidden_layers": 2, "intermediate_size": 64, "head_dim": 16},
+    # the published 2 kv heads of 4, 1 dense layer then MoE, 8 groups of which 4 are drawn, 8
+    # experts per token, on 16 experts (2 per group) of width 16
+    "llada2_moe": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 1,
+                   "num_hidden_layers": 2, "intermediate_size": 64, "head_dim": 16,
+                   "moe_intermediate_size": 16, "num_experts": 16},
+    "Fast_dLLM_Qwen": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "num_hidden_layers": 2, "intermediate_size": 64,
+                       "layer_types": ["full_attention"] * 2},
 }
 SHARD = 4 << 20  # bytes: the bf16 embedding and LM head (~8 MiB each) get a shard of their own
 
@@ -62,6 +80,19 @@ REFUSED = {
         "hidden_act": "gelu", "use_sliding_window": True, "attention_bias": True,
         "torch_dtype": "int8", "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
         "block_size": 0, "head_dim": 0, "embedding_size": 152_064, "some_new_key": 1,
+    },
+    "llada2_moe": {
+        "hidden_act": "gelu", "use_qkv_bias": True, "use_bias": True, "use_qk_norm": False,
+        "use_rmsnorm": False, "norm_head": True, "norm_softmax": True, "use_sliding_window": True,
+        "using_split_qkv_in_self_attention": True, "score_function": "softmax",
+        "norm_topk_prob": False, "moe_router_enable_expert_bias": False, "router_dtype": "bf16",
+        "torch_dtype": "int8", "rope_scaling": {"rope_type": "yarn", "factor": 4.0},
+        "mask_token_id": 5, "block_size": 32, "some_new_key": 1,
+    },
+    "Fast_dLLM_Qwen": {
+        "hidden_act": "gelu", "use_sliding_window": True, "torch_dtype": "int8",
+        "layer_types": ["full_attention", "sliding_attention"], "bd_size": 0, "mask_token_id": 5,
+        "some_new_key": 1,
     },
 }
 
@@ -89,7 +120,8 @@ def test_every_variant_key_has_a_refusal_test(model_type: str) -> None:
 
 
 def _refused_cases() -> list[tuple[str, str, object]]:
-    names = {"llada": "llada-8b-instruct", "Dream": "dream-v0-instruct-7b", "sdar": "sdar-8b-chat"}
+    names = {"llada": "llada-8b-instruct", "Dream": "dream-v0-instruct-7b", "sdar": "sdar-8b-chat",
+             "llada2_moe": "llada2-mini", "Fast_dLLM_Qwen": "fast-dllm-v2-7b"}
     return [(names[t], k, v) for t, keys in REFUSED.items() for k, v in keys.items()]
 
 
@@ -190,23 +222,29 @@ def test_generate_with_every_decoder(folder) -> None:
 
 @pytest.mark.parametrize("folder", [n for n in PUBLISHED if n not in BIDIRECTIONAL], indirect=True)
 def test_block_model_generates_with_every_decoder(folder) -> None:
-    """An SDAR folder loads (model and tokenizer), runs forwards and generates with every decoder
-    in its own blocks; a block length other than its own is one line."""
+    """A block-diffusion folder loads (model and tokenizer), runs forwards and generates with
+    every decoder in its own blocks; a block length other than its own is one line."""
     model, path = folder
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         llm = unmask.LLM(path, device="cpu")
-    assert llm.config.block_size == 4 and llm.config.head_dim == 16
+    assert (llm.config.block_size, llm.config.head_dim) == BLOCK_SHAPES[llm.config.model_type]
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     with torch.no_grad():
         assert torch.equal(llm.model(ids, torch.arange(5)[None]), model(ids, torch.arange(5)[None]))
     mask = llm.config.mask_token_id
+    gen = max(16, 2 * llm.config.block_size)  # whole blocks, two of LLaDA2's and Fast-dLLM v2's
     for spec in [*DECODERS.values(), "exact", "balanced", "fast"]:
-        (g,) = llm.generate("what is 12 + 34?", spec, gen_length=16)
-        assert len(g.token_ids) == 16 and mask not in g.token_ids, spec
+        (g,) = llm.generate("what is 12 + 34?", spec, gen_length=gen)
+        assert len(g.token_ids) == gen and mask not in g.token_ids, spec
         assert g.nfe >= 1
     with pytest.raises(InputError, match="block_length=8 cannot apply"):
         llm.generate("what is 12 + 34?", DecodeParams.parse("static", gen_length=16, block_length=8))
+
+
+# (block size, head width) of each block-diffusion family's tiny model: SDAR's config names both
+# (shrunk), LLaDA2's block is its generate()'s default, Fast-dLLM v2's its bd_size
+BLOCK_SHAPES = {"sdar": (4, 16), "llada2_moe": (32, 16), "Fast_dLLM_Qwen": (32, 8)}
 
 
 def test_float32_on_request(folder) -> None:
@@ -243,6 +281,11 @@ PUBLISHED_TOKENIZERS["sdar-8b-chat"] = (
     151_670, {151_643: "<|endoftext|>", 151_669: "<|MASK|>"},
     {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "mask_token": "<|MASK|>"})
 PUBLISHED_TOKENIZERS["sdar-4b-chat"] = PUBLISHED_TOKENIZERS["sdar-8b-chat"]
+# Fast-dLLM v2's (Qwen2.5's plus |<MASK>|, which it names no mask_token) names <|im_end|>
+# (151645) its EOS. LLaDA2's tokenizer files are not vendored anywhere fetchable: no row.
+PUBLISHED_TOKENIZERS["fast-dllm-v2-7b"] = (
+    151_666, {151_643: "<|endoftext|>", 151_645: "<|im_end|>", 151_665: "|<MASK>|"},
+    {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
 
 
 def _word_tokenizer(out: Path, size: int, specials: dict[int, str], settings: dict) -> Path:
@@ -261,7 +304,7 @@ def _word_tokenizer(out: Path, size: int, specials: dict[int, str], settings: di
     return out
 
 
-@pytest.mark.parametrize("name", PUBLISHED)
+@pytest.mark.parametrize("name", PUBLISHED_TOKENIZERS)
 def test_published_tokenizers_agree_with_their_configs(name: str, tmp_path: Path) -> None:
     """The load-time comparison of tokenizer and config passes the published pairs, and would
     refuse one whose special token differs."""

@@ -91,6 +91,26 @@ def test_show_reports_the_model(capsys, folders) -> None:
     assert "chat template present" in text and "RAM available: fits" in text and "1,377,408" in text
 
 
+def test_show_counts_active_parameters_of_a_mixture_of_experts(capsys, tmp_path: Path) -> None:
+    """LLaDA2.0-mini's config alone (no weights needed): 8 of 256 routed experts per token in
+    its 19 MoE layers, so 248 experts of 3 x 2048 x 512 weights each sit idle per layer; the
+    model card's 16B total, 1.4B active. A dense model is all active."""
+    data = Path(__file__).parent / "data"
+    shutil.copy(data / "llada2-mini.config.json", tmp_path / "config.json")
+    assert main(["show", str(tmp_path), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["parameters"] == 16_255_638_528
+    assert r["active_parameters"] == r["parameters"] - 19 * 248 * 3 * 2048 * 512 == 1_432_968_192
+    assert r["experts"] == "8 of 256 routed + 1 shared per token in 19 of 20 layers (groups: 4 of 8)"
+    assert r["weights_by_dtype"] == {"float32": 4 * r["parameters"], "bfloat16": 2 * r["parameters"],
+                                     "float16": 2 * r["parameters"]}
+    assert main(["show", str(tmp_path)]) == 0
+    assert "1.43B parameters active per token" in capsys.readouterr().out
+    assert main(["show", "--json"]) == 0  # the embedded model: dense
+    r = json.loads(capsys.readouterr().out)
+    assert r["active_parameters"] == r["parameters"] and r["experts"] is None
+
+
 @pytest.mark.parametrize(("argv", "expect"), [
     (["show", "NOWHERE"], "does not exist"),
     (["show", "--quantize", "int4"], "int4 needs the model in bfloat16"),

@@ -19,7 +19,18 @@ from typing import Any
 
 from unmask.errors import ConfigError  # noqa: F401  (re-exported)
 
-MODEL_TYPES = ("llada", "Dream", "sdar")
+MODEL_TYPES = ("llada", "Dream", "sdar", "llada2_moe", "Fast_dLLM_Qwen")
+# The block-diffusion families: block-causal, their config names (or fixes) the trained block size.
+BLOCK_TYPES = ("sdar", "llada2_moe", "Fast_dLLM_Qwen")
+# The mixture-of-experts fields: LLaDA2's config.json keys of the same names. Every other family
+# leaves them None (its JsonKeys omits them).
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "num_shared_experts", "moe_intermediate_size",
+              "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+              "partial_rotary_factor")
+# Fields only some families' config.json has a key for; the others leave them None.
+FAMILY_FIELDS = ("head_size", "block_size", *MOE_FIELDS)
+# The Qwen2-layout families, whose q/k/v projections carry biases.
+QKV_BIASED = ("Dream", "Fast_dLLM_Qwen")
 # The dtypes a checkpoint can run in; the names are config.json's torch_dtype values.
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
 # Sanity bounds, orders of magnitude above any published model (LLaDA-8B: d_model 4096, 32 layers,
@@ -35,7 +46,7 @@ MAX_POSITIONS = 1 << 28
 # Qwen2's), not ours, so an absent key would silently build a model the reference does not.
 # Absent LLaDA n_kv_heads / mlp_hidden_size are derived by the model file's `prepare`.
 REQUIRED = ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size",
-            "mask_token_id", "eos_token_id", "head_size", "block_size")
+            "mask_token_id", "eos_token_id", "head_size", "block_size", *MOE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,12 @@ class JsonKeys:
     inert: frozenset[str]
     # ModelConfig fields this format's config.json has no key for.
     omitted: frozenset[str] = frozenset()
+    # Fields this format's config.json has no key for, at the value the family's published code
+    # uses instead (LLaDA2's mask and EOS ids are its generate()'s defaults); never written.
+    fixed: dict[str, Any] = field(default_factory=dict)
+    # Variant keys a config.json may leave out: the reference's default is the value unmask
+    # builds, so an absent one is not written on save either.
+    implied: frozenset[str] = frozenset()
     # Written on save when the config did not come with them.
     written: dict[str, Any] = field(default_factory=dict)
     # Fills what the reference derives from other keys or nulls (e.g. LLaDA's mlp_ratio).
@@ -60,13 +77,15 @@ class JsonKeys:
     def json_fields(self) -> dict[str, str]:
         """config.json key -> field, for every field this format's config.json carries."""
         inverse = {v: k for k, v in self.renamed.items()}
-        names = [f.name for f in fields(ModelConfig) if f.name not in ("extra", *self.omitted)]
+        skip = ("extra", *self.omitted, *self.fixed)
+        names = [f.name for f in fields(ModelConfig) if f.name not in skip]
         return {inverse.get(n, n): n for n in names}
 
 
 @dataclass
 class ModelConfig:
-    """Architecture of a LLaDA (`llada`), Dream (`Dream`) or SDAR (`sdar`) checkpoint.
+    """Architecture of a LLaDA (`llada`), Dream (`Dream`), SDAR (`sdar`), LLaDA2 (`llada2_moe`)
+    or Fast-dLLM v2 (`Fast_dLLM_Qwen`) checkpoint.
 
     Fields left None take the model type's reference value in `__post_init__`.
     """
@@ -103,6 +122,19 @@ class ModelConfig:
     # is block-causal: a position sees its own block and every earlier one (docs/design.md § Checkpoints).
     # None: bidirectional (LLaDA, Dream).
     block_size: int | None = None
+    # LLaDA2 only (docs/design.md § Checkpoints): routed experts per MoE layer, how many a token
+    # uses, always-on shared experts, an expert's MLP width, the expert groups and how many of
+    # them a token may draw from, the factor on the routed sum, the leading dense layers, and the
+    # share of each head's width that RoPE rotates.
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    num_shared_experts: int | None = None
+    moe_intermediate_size: int | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scaling_factor: float | None = None
+    first_k_dense_replace: int | None = None
+    partial_rotary_factor: float | None = None
     torch_dtype: str = "float32"
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -114,13 +146,15 @@ class ModelConfig:
         if self.embedding_size is None:
             self.embedding_size = self.vocab_size
         if self.qkv_bias is None:
-            self.qkv_bias = self.model_type == "Dream"
+            self.qkv_bias = self.model_type in QKV_BIASED
         if self.rope_full_precision is None:
             self.rope_full_precision = self.model_type == "llada"
         self._check_extra()
         self._check_types()
         self._check_sizes()
         self._check_choices()
+        if self.model_type == "llada2_moe":
+            self._check_experts()
         if self.model_type == "sdar" and self.head_size is None:
             # written to config.json: SDAR's configuration reads head_dim, and null is no width
             self.head_size = self.head_dim
@@ -152,7 +186,8 @@ class ModelConfig:
         for name in ("rope_theta", "rms_norm_eps"):
             if getattr(self, name) <= 0:  # a non-positive base or epsilon gives NaN activations
                 raise ConfigError(f"{name} must be a positive number, got {getattr(self, name)}")
-        for name in ("head_size", "block_size"):
+        for name in ("head_size", "block_size", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "n_group", "topk_group"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= MAX_WIDTH:
                 raise ConfigError(f"{k(name)} must be an integer in 1..{MAX_WIDTH:,}, got {value:,}")
@@ -187,24 +222,27 @@ class ModelConfig:
         if self.include_bias:
             raise ConfigError("config key 'include_bias' = true (biases on every linear, the LM "
                               "head and the norms) is not supported; unmask builds false")
-        sdar = self.model_type == "sdar"
-        # Fields only one family's config.json has a key for: set on another, a save would drop them.
-        if not sdar and (self.head_size is not None or self.block_size is not None):
-            raise ConfigError(f"head_size and block_size are SDAR keys (head_dim, block_size); "
-                              f"{self.model_type} sets neither")
-        if sdar and self.block_size is None:
-            raise ConfigError("SDAR is a block-diffusion model: config key 'block_size' (the block "
-                              "size it was trained with) must be set")
+        keys = json_keys(self.model_type)
+        # Fields only some families' config.json has a key for: set on another, a save would
+        # drop them.
+        stray = [f for f in FAMILY_FIELDS if f in keys.omitted and getattr(self, f) is not None]
+        if stray:
+            raise ConfigError(f"{', '.join(stray)}: no key of model_type {self.model_type}'s "
+                              "config.json sets these; leave them unset")
+        if self.model_type in BLOCK_TYPES and self.block_size is None:
+            raise ConfigError(f"{self.model_type} is a block-diffusion model: config key "
+                              f"{self._key('block_size')!r} (the block size it was trained with) "
+                              "must be set")
         if self.model_type == "llada":
             if self.rope_scaling is not None:
                 raise ConfigError(f"config key 'rope_scaling' = {_show(self.rope_scaling)} is not "
                                   "a LLaDA key; unmask builds LLaDA without RoPE scaling")
             return
-        name = "SDAR (Qwen3)" if sdar else "Dream (Qwen2)"
-        if self.qkv_bias == sdar:
-            raise ConfigError(f"{name} {'never' if sdar else 'always'} has q/k/v biases; "
-                              f"qkv_bias={self.qkv_bias} is not a{'n' if sdar else ''} "
-                              f"{self.model_type} model")
+        name = self.model_type
+        biased = self.model_type in QKV_BIASED
+        if self.qkv_bias != biased:
+            raise ConfigError(f"{name} {'always' if biased else 'never'} has q/k/v biases; "
+                              f"qkv_bias={self.qkv_bias} is not a {name} model")
         if self.rope_full_precision:
             raise ConfigError(f"rope_full_precision is a LLaDA key; {name} rotates q/k in the "
                               "model dtype")
@@ -212,6 +250,49 @@ class ModelConfig:
             raise ConfigError(f"{name}'s embedding has vocab_size ({self.vocab_size}) rows; "
                               f"embedding_size={self.embedding_size} cannot be written in its config")
         self.rope_factor()  # validates rope_scaling
+
+    def _check_experts(self) -> None:
+        """The MoE keys against each other, as the reference's routing needs them: experts split
+        evenly into groups of at least two (a group scores by its two best experts), no more
+        groups or experts drawn than exist, dense layers within the model."""
+        missing = [f for f in MOE_FIELDS if getattr(self, f) is None]
+        if missing:
+            raise ConfigError(f"{self.model_type} is a mixture of experts: config keys "
+                              f"{', '.join(missing)} must be set")
+        k, e, g = self._key, self.num_experts, self.n_group
+        if e % g:
+            raise ConfigError(f"config key 'num_experts' ({e}) must be divisible by 'n_group' ({g})")
+        if e // g < 2:
+            raise ConfigError(f"config key 'n_group' ({g}) leaves {e // g} expert per group; a "
+                              "group is scored by its two best experts, so it needs at least 2")
+        if self.topk_group > g:
+            raise ConfigError(f"config key 'topk_group' ({self.topk_group}) is above 'n_group' ({g})")
+        if self.num_experts_per_tok > self.topk_group * (e // g):
+            raise ConfigError(f"config key 'num_experts_per_tok' ({self.num_experts_per_tok}) is "
+                              f"above the {self.topk_group * (e // g)} experts of the 'topk_group' "
+                              f"({self.topk_group}) groups a token may use (num_experts {e})")
+        if not 0 <= self.first_k_dense_replace <= self.n_layers:
+            raise ConfigError(f"config key 'first_k_dense_replace' ({self.first_k_dense_replace}) "
+                              f"must be in 0..{k('n_layers')} ({self.n_layers})")
+        if self.num_shared_experts < 0:
+            raise ConfigError(f"config key 'num_shared_experts' must be >= 0, got "
+                              f"{self.num_shared_experts}")
+        if not 0 < self.routed_scaling_factor < math.inf:
+            raise ConfigError(f"config key 'routed_scaling_factor' must be a positive number, got "
+                              f"{self.routed_scaling_factor}")
+        rotated = self.rotary_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rotated < 2 or rotated % 2:
+            raise ConfigError(f"config key 'partial_rotary_factor' ({self.partial_rotary_factor}) "
+                              f"must rotate an even width in 2..{k('head_size')} ({self.head_dim}) "
+                              f"of each head, got {rotated}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading width of each head that RoPE rotates (LLaDA2: head_dim *
+        partial_rotary_factor, truncated as its modeling code does); the whole head otherwise."""
+        if self.partial_rotary_factor is None:
+            return self.head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def _key(self, name: str) -> str:
         """The config.json key of field `name`: errors name the key as the file spells it."""
@@ -272,7 +353,7 @@ class ModelConfig:
         if absent:
             raise ConfigError(f"config.json has no {', '.join(map(repr, absent))}; model_type "
                               f"{model_type} needs each of {', '.join(required)}")
-        known = {to_field[k]: v for k, v in raw.items() if k in to_field}
+        known = {**keys.fixed, **{to_field[k]: v for k, v in raw.items() if k in to_field}}
         extra = {k: v for k, v in raw.items() if k not in to_field}
         try:
             return cls(**known, extra=extra)
@@ -285,7 +366,8 @@ class ModelConfig:
         keys = json_keys(self.model_type)
         values = asdict(self)
         out = {k: values[f] for k, f in keys.json_fields().items()}
-        out.update({k: allowed[0] for k, (allowed, _) in keys.variants.items()})
+        out.update({k: allowed[0] for k, (allowed, _) in keys.variants.items()
+                    if k not in keys.implied})
         out.update(keys.written)
         out.update(self.extra)
         return out

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from unmask.catalog import (
+    active_parameters,
     config_of,
     count_parameters,
     gib,
@@ -198,13 +199,25 @@ def describe(folder: Path, config, work: Workload) -> dict:
         "d_model": config.d_model, "heads": config.n_heads, "kv_heads": config.n_kv_heads,
         "head_dim": config.head_dim, "mlp_hidden_size": config.mlp_hidden_size,
         "vocab_size": config.vocab_size, "max_sequence_length": config.max_sequence_length,
-        "parameters": count_parameters(config), "dtype": weights_dtype(folder, config),
+        "parameters": count_parameters(config), "active_parameters": active_parameters(config),
+        "experts": experts(config), "dtype": weights_dtype(folder, config),
+        "weights_by_dtype": {d: weight_bytes(config, Workload(dtype=d)) for d in WIDTH},
         "chat_template": has_chat_template(folder), "mask_token_id": config.mask_token_id,
         "eos_token_id": config.eos_token_id, "workload": asdict(work),
         "memory": {**asdict(mem), "total": mem.total},
         "fits": {dev: {"free": free, "verdict": verdict(config, work, free)}
                  for dev, free in machine_memory().items()},
     }
+
+
+def experts(config) -> str | None:
+    """A mixture of experts in words; None for a dense model."""
+    if config.num_experts is None:
+        return None
+    shared = f" + {config.num_shared_experts} shared" if config.num_shared_experts else ""
+    return (f"{config.num_experts_per_tok} of {config.num_experts} routed{shared} per token in "
+            f"{config.n_layers - config.first_k_dense_replace} of {config.n_layers} layers "
+            f"(groups: {config.topk_group} of {config.n_group})")
 
 
 def print_report(r: dict) -> None:
@@ -217,6 +230,9 @@ def print_report(r: dict) -> None:
         f"vocabulary   {r['vocab_size']:,} tokens; mask id {r['mask_token_id']}, EOS id "
         f"{r['eos_token_id']}; context {r['max_sequence_length']:,}",
         f"parameters   {human(r['parameters'])} ({r['parameters']:,}), weights in {r['dtype']}",
+        *([f"experts      {r['experts']}; {human(r['active_parameters'])} parameters active per "
+           f"token ({r['active_parameters']:,})"] if r["experts"] else []),
+        "weights      " + ", ".join(f"{d} {gib(b)}" for d, b in r["weights_by_dtype"].items()),
         f"chat         {'chat template present' if r['chat_template'] else 'no chat template'}",
         f"memory       {w['dtype']}{scheme}, batch {w['batch']} x ({w['prompt_length']} prompt + "
         f"{w['gen_length']} generated): weights {gib(m['weights'])} + K/V {gib(m['kv'])} + "

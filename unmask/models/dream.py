@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from unmask.config import JsonKeys, ModelConfig
+from unmask.config import MOE_FIELDS, JsonKeys, ModelConfig
 from unmask.models.qwen import QwenLayer, QwenLM
 
 
@@ -76,7 +76,7 @@ DreamModel.json_keys = JsonKeys(
         "architectures", "auto_map", "transformers_version", "use_cache", "_name_or_path",
     }),
     omitted=frozenset({"embedding_size", "include_bias", "qkv_bias", "rope_full_precision",
-                       "head_size", "block_size"}),
+                       "head_size", "block_size", *MOE_FIELDS}),
     written={"architectures": ["DreamModel"]},
     prepare=_prepare,
 )

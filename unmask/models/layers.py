@@ -60,6 +60,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     float32 cos/sin with bfloat16 x is LLaDA's rope_full_precision: rotating in bfloat16 instead
     moves the embedded model's logits by up to 0.41 (docs/checkpoints.md, "Precision").
     """
+    r = cos.shape[-1]
+    if r < x.shape[-1]:  # partial rotary (LLaDA2): the leading r values of each head turn
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     h = x if x.dtype == cos.dtype else x.to(cos.dtype)
     out = h * cos + h.roll(h.shape[-1] // 2, dims=-1) * sin
     return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from unmask.config import ConfigError, JsonKeys, ModelConfig
+from unmask.config import MOE_FIELDS, ConfigError, JsonKeys, ModelConfig
 from unmask.kv import Frame
 from unmask.models.layers import RMSNorm, attention, embedding, init_weights, rope_cos_sin, swiglu
 
@@ -141,7 +141,7 @@ LLaDAModel.json_keys = JsonKeys(
         # packaging
         "architectures", "auto_map", "transformers_version", "use_cache", "_name_or_path",
     }),
-    omitted=frozenset({"rope_scaling", "head_size", "block_size"}),
+    omitted=frozenset({"rope_scaling", "head_size", "block_size", *MOE_FIELDS}),
     written={"architectures": ["LLaDAModelLM"]},
     prepare=_prepare,
 )

@@ -25,12 +25,12 @@ class QwenMLP(nn.Module):
 class QwenLayer(nn.Module):
     """Subclasses set `attention_class` ((config) -> q_proj, k_proj, v_proj, o_proj and
     `queries_keys(h)` -> the (B, T, H*D) queries and keys attention rotates), and may set
-    `norm_class`."""
+    `norm_class`. `index` is the layer's place in the stack (LLaDA2's first layers are dense)."""
 
     attention_class: type[nn.Module]
     norm_class: type[RMSNorm] = RMSNorm
 
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, index: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads = c.n_heads, c.n_kv_heads
         self.self_attn = self.attention_class(c)
@@ -49,24 +49,30 @@ class QwenLayer(nn.Module):
 
 
 class QwenLM(nn.Module):
-    """Subclasses set `layer_class` (a QwenLayer), and may set `norm_class` and `attention_mask`."""
+    """Subclasses set `layer_class` ((config, index) -> a layer module called as a QwenLayer is),
+    and may set `norm_class`, `embed_name` (the embedding's tensor name under model.),
+    `attention_mask` and `residual_outputs`."""
 
     logit_shift = 0
-    layer_class: type[QwenLayer]
+    layer_class: type[nn.Module]
     norm_class: type[RMSNorm] = RMSNorm
+    embed_name = "embed_tokens"
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = nn.Module()
-        self.model.embed_tokens = embedding(config.vocab_size, config.d_model)
-        self.model.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.n_layers))
+        setattr(self.model, self.embed_name, embedding(config.vocab_size, config.d_model))
+        self.model.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.n_layers))
         self.model.norm = self.norm_class(config.d_model, config.rms_norm_eps)
         if not config.weight_tying:
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.embedding()(input_ids)
+
+    def embedding(self) -> nn.Embedding:
+        return getattr(self.model, self.embed_name)
 
     def attention_mask(self, position_ids: Tensor) -> Tensor | None:
         """(B, 1, T, T) bool keys each query sees in a call without a frame; None: all of them."""
@@ -80,15 +86,17 @@ class QwenLM(nn.Module):
         """
         c = self.config
         x = self.embed(input_ids) if embeds is None else embeds
-        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, x.dtype, c.rope_factor())
+        cos, sin = rope_cos_sin(position_ids, c.rotary_dim, c.rope_theta, x.dtype, c.rope_factor())
         mask = self.attention_mask(position_ids) if frame is None else None
         for layer in self.model.layers:
             x = layer(x, cos, sin, frame, mask)
         x = self.model.norm(x if logits_at is None else x[logits_at])
-        head = self.model.embed_tokens.weight if c.weight_tying else self.lm_head.weight
+        head = self.embedding().weight if c.weight_tying else self.lm_head.weight
         return x @ head.T
 
+    def residual_outputs(self) -> list[nn.Linear]:
+        """The projections that write into the residual stream (scaled down by init_weights)."""
+        return [lin for ly in self.model.layers for lin in (ly.self_attn.o_proj, ly.mlp.down_proj)]
+
     def init_weights(self, std: float = 0.02) -> None:
-        layers = self.model.layers
-        init_weights(self, [lin for ly in layers for lin in (ly.self_attn.o_proj, ly.mlp.down_proj)],
-                     self.config.n_layers, std)
+        init_weights(self, self.residual_outputs(), self.config.n_layers, std)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unmask.config import JsonKeys, ModelConfig
+from unmask.config import MOE_FIELDS, JsonKeys, ModelConfig
 from unmask.models.dream import DreamModel
 from unmask.models.layers import RMSNorm
 from unmask.models.qwen import QwenLayer, QwenLM
@@ -95,7 +95,8 @@ SDARModel.json_keys = JsonKeys(
         "attn_implementation", "fuse_cross_entropy", "ep_size", "use_deepep", "debug",
         "micro_forward", "skip_checkpoint",
     },
-    omitted=frozenset({"embedding_size", "include_bias", "qkv_bias", "rope_full_precision"}),
+    omitted=frozenset({"embedding_size", "include_bias", "qkv_bias", "rope_full_precision",
+                       *MOE_FIELDS}),
     written={"architectures": ["SDARForCausalLM"]},
     prepare=_QWEN.prepare,  # Qwen's: null num_key_value_heads = num_attention_heads
 )

@@ -1,0 +1,316 @@
+"""Our LLaDA2 and Fast-dLLM v2 forwards against each family's own modeling code, same weights.
+
+    python scripts/check_block_references.py llada2 /path/to/ZHZisZZ/dllm \\
+        [--out benchmarks/llada2-reference.md]
+    python scripts/check_block_references.py fast-dllm-v2 /path/to/Satgoy152/DualDiffusion \\
+        [--out benchmarks/fast-dllm-v2-reference.md]
+
+The path is a checkout or a bare git directory (the `fetch` tool's mirror) of a repository that
+vendors the published folder's remote code: LLaDA2.0's configuration_llada2_moe.py and
+modeling_llada2_moe.py (dllm/pipelines/llada2/models/, whose only change to the published file
+is accepting a boolean 4-D mask; generate() builds a float one), and Fast-dLLM v2 7B's
+configuration.py and modeling.py (FastDLLM_inferencing/Fast_dLLM_v2_7B/ at the commit that
+added them, before that repository's own edits). The files are imported as a scratch package
+from a temporary folder, as scripts/check_sdar_reference.py does (its helpers are reused);
+nothing of them enters unmask. Stand-ins for what transformers 5 dropped: the names those files
+import for torch.fx and version checks, the "default" RoPE initialiser (transformers 4.52's, with
+the partial rotary factor it reads), and einops (imported by Fast-dLLM's file, never called at
+inference).
+
+For tiny random configs with the published key set (each published config.json with small
+dimensions and the real vocabulary), both models get the same weights and read the canvas
+forward: prompt + masks up to whole blocks. LLaDA2: its generate()'s additive block mask
+(tril over blocks, repeat_interleave, log), in the model dtype; Fast-dLLM v2: its own
+eval_block_diff_mask, built by its forward from block_size = bd_size. Written: max |diff| of
+logits in float32 and bfloat16, argmax agreement, and the reference's own bfloat16 drift from its
+float32 logits (the yardstick for bfloat16).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+from check_sdar_reference import (
+    PROMPT_LENGTHS,
+    block_mask,
+    canvas,
+    default_rope,
+    publish,
+    randomize,
+    reference_commit,
+    repo_file,
+    scratch_package,
+    script_args,
+)
+
+from unmask.config import ModelConfig
+from unmask.models import build_model
+
+FAMILIES = {
+    # repository, folder, files, commit (None: the snapshot's), config, modeling module, LM class
+    "llada2": ("ZHZisZZ/dllm", "dllm/pipelines/llada2/models", ("configuration_llada2_moe.py",
+               "modeling_llada2_moe.py"), None, "tests/data/llada2-mini.config.json",
+               "modeling_llada2_moe", "LLaDA2MoeModelLM"),
+    "fast-dllm-v2": ("Satgoy152/DualDiffusion", "FastDLLM_inferencing/Fast_dLLM_v2_7B",
+                     ("configuration.py", "modeling.py"), "d3a3470",
+                     "tests/data/fast-dllm-v2-7b.config.json", "modeling", "Fast_dLLM_QwenForCausalLM"),
+}
+# Small dimensions, the published head/kv-head ratios (LLaDA2 16:4, Fast-dLLM v2 7B 28:4),
+# LLaDA2's 8 groups of which 4 are drawn and 8 experts per token on 32 experts.
+TINY = {
+    "llada2": {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2,
+               "num_hidden_layers": 3, "intermediate_size": 128, "head_dim": 16,
+               "moe_intermediate_size": 16, "num_experts": 32},
+    "fast-dllm-v2": {"hidden_size": 112, "num_attention_heads": 7, "num_key_value_heads": 1,
+                     "num_hidden_layers": 2, "intermediate_size": 128, "bd_size": 8,
+                     "layer_types": ["full_attention"] * 2},
+}
+
+
+READING = {
+    "llada2": "Reading: in float32 the two agree to a few 1e-6 (below 1e-6 of the largest logit; "
+              "matmuls of another shape: ours runs each expert on its tokens gathered, the reference "
+              "its moe_infer's). In bfloat16 they are equal bit for bit: every rounding is the same "
+              "(the router and the routed sum in float32, rounded once; norms in float32, cast, then "
+              "scaled; cos/sin rounded to bfloat16). The reference's own bfloat16 logits are far "
+              "from its float32 ones because rounding flips some tokens' expert choices.",
+    "fast-dllm-v2": "Reading: equal bit for bit in float32 and bfloat16: the same Qwen2 operations "
+                    "in the same order and the same SDPA kernel under the same boolean block mask "
+                    "(the script also checks the mask matters: the reference with one block of the "
+                    "whole canvas moves the logits by up to 13).",
+}
+
+
+def stand_ins() -> None:
+    """What the reference files import and transformers 5 no longer has."""
+    import transformers.modeling_rope_utils as rope_utils
+    import transformers.pytorch_utils as pytorch_utils
+    import transformers.utils.import_utils as import_utils
+
+    import_utils.is_torch_fx_available = getattr(import_utils, "is_torch_fx_available", lambda: False)
+    pytorch_utils.is_torch_greater_or_equal_than_1_13 = True
+    pytorch_utils.ALL_LAYERNORM_LAYERS = getattr(pytorch_utils, "ALL_LAYERNORM_LAYERS", [])
+
+    def partial_default_rope(config, device=None):
+        factor = getattr(config, "partial_rotary_factor", 1.0)
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head * factor)
+        return default_rope(types.SimpleNamespace(head_dim=dim, rope_theta=config.rope_theta), device)
+
+    rope_utils.ROPE_INIT_FUNCTIONS["default"] = partial_default_rope
+    sys.modules.setdefault("einops", types.ModuleType("einops"))
+    sys.modules["einops"].rearrange = sys.modules["einops"].repeat = None  # training only
+
+
+def load_reference(family: str, repo: Path) -> types.ModuleType:
+    _, folder, names, commit, *_ = FAMILIES[family]
+    stand_ins()
+    files = {Path(n).stem: repo_file(repo, f"{folder}/{n}", commit or "HEAD") for n in names}
+    package = scratch_package(f"{family.replace('-', '_')}_reference", files)
+    return importlib.import_module(f"{package.__name__}.{FAMILIES[family][5]}")
+
+
+def pair(family: str, module: types.ModuleType, raw: dict, seed: int):
+    """(ours, reference) in float32 with identical weights (and LLaDA2's expert_bias)."""
+    ours = build_model(ModelConfig.from_dict(raw)).eval()
+    randomize(ours, seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, b in ours.named_buffers():
+            if name.endswith("expert_bias"):  # large enough to change which experts win
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    config_module = importlib.import_module(module.__name__.rsplit(".", 1)[0] + "." + (
+        "configuration_llada2_moe" if family == "llada2" else "configuration"))
+    config_cls = next(v for k, v in vars(config_module).items() if k.endswith("Config")
+                      and k != "PretrainedConfig" and isinstance(v, type))
+    config = config_cls(**{k: v for k, v in raw.items() if k not in ("torch_dtype", "model_type")})
+    config._attn_implementation = "sdpa"
+    ref = getattr(module, FAMILIES[family][6])(config).eval().float()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    return ours, ref
+
+
+@torch.no_grad()
+def reference_logits(family: str, ref, x: torch.Tensor, num_blocks: int, bl: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    pos = torch.arange(x.shape[1])[None]
+    if family == "llada2":  # generate()'s mask: log of the 0/1 block mask, an additive one
+        mask = block_mask(num_blocks, bl)[:, None].log().to(dtype)
+        return ref(x, attention_mask=mask, position_ids=pos).logits.float()
+    return ref(x, position_ids=pos, block_size=bl, use_cache=False).logits.float()
+
+
+def measure(family: str, module, raw: dict, seed: int, mask_id: int, bl: int,
+            eos_id: int) -> tuple[dict, list[dict]]:
+    """Logits per dtype; and, for LLaDA2, tokens against generate() (float32)."""
+    ours, ref = pair(family, module, raw, seed)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 150_000, (1, n), generator=g) for n in PROMPT_LENGTHS]
+    tokens = generation(ours, ref, prompts, mask_id, eos_id) if family == "llada2" else []
+    rows, want32 = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = ours.to(dtype)
+        for p in ref.parameters():  # parameters only: RoPE's inv_freq stays float32
+            p.data = p.data.to(dtype)
+        for name, b in ref.named_buffers():
+            if name.endswith("expert_bias"):
+                b.data = b.data.to(dtype)
+        diffs, drift, agree, scale = [], [], [], []
+        for i, p in enumerate(prompts):
+            x, num_blocks = canvas(p, mask_id, bl)
+            with torch.no_grad():
+                got = ours(x, torch.arange(x.shape[1])[None]).float()
+            want = reference_logits(family, ref, x, num_blocks, bl, dtype)
+            want32.setdefault(i, want)
+            diffs.append((got - want).abs().max().item())
+            drift.append((want - want32[i]).abs().max().item())
+            agree.append((got.argmax(-1) == want.argmax(-1)).float().mean().item())
+            scale.append(want.abs().max().item())
+        rows[str(dtype).removeprefix("torch.")] = {
+            "prompts": len(diffs), "max_diff": max(diffs), "ref_vs_ref_fp32": max(drift),
+            "argmax_agree": min(agree), "max_logit": max(scale)}
+    return rows, tokens
+
+
+# LLaDA2's generate() (greedy) against our engine: (its threshold, its steps per block of 32)
+# and the spec that should give the same tokens on a gen_length of 64 (two blocks). A threshold
+# of 1 is never exceeded (its test is `>`), so each step commits its schedule's count: static.
+# Below 1 with a step per token, a step commits what exceeds it, else the single best: our
+# threshold (which tests `>=`; only an exact tie with the threshold tells them apart).
+GENERATE_MODES = (("static-1", 1.0, 32), ("static,steps=16", 1.0, 8),
+                  ("threshold,threshold=0.95", 0.95, 32), ("threshold,threshold=0.5", 0.5, 32))
+GEN_TOKENS = 64
+PEAK = 8.0  # the LM head's scale for the token comparison (a power of two: exact both ways)
+
+
+def counted(ref) -> dict:
+    """Wrap ref.forward to count its calls and the tokens they process. generate() builds its
+    mask in bfloat16, the dtype the published model runs in, which SDPA refuses next to float32
+    queries: it is cast to the parameters' dtype (its values, 0 and -inf, are exact in both)."""
+    count = {"nfe": 0, "tokens": 0}
+    forward = ref.forward
+    dtype = next(ref.parameters()).dtype
+
+    def spy(input_ids, *args, attention_mask=None, **kw):
+        count["nfe"] += 1
+        count["tokens"] += input_ids.numel()
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(dtype)
+        return forward(input_ids, *args, attention_mask=attention_mask, **kw)
+
+    ref.forward = spy
+    return count
+
+
+@torch.no_grad()
+def generation(ours, ref, prompts: list[torch.Tensor], mask_id: int, eos_id: int) -> list[dict]:
+    """Per mode: prompts whose tokens equal generate()'s, and NFE / token-forwards per generated
+    token, ours against generate()'s (which forwards the whole prefix every step, no cache)."""
+    from unmask.decoding.params import DecodeParams
+    from unmask.engine import decode
+
+    count = counted(ref)
+    for m in (ours, ref):  # peaky: random weights' confidences would never reach a threshold
+        m.lm_head.weight.data.mul_(PEAK)
+    out = []
+    for spec, threshold, steps in GENERATE_MODES:
+        params = DecodeParams.parse(spec, gen_length=GEN_TOKENS, block_length=32)
+        same, tokens, ours_cost, ref_cost = 0, 0, [0, 0], [0, 0]
+        for p in prompts:
+            before = dict(count)
+            want = ref.generate(p, temperature=0.0, block_length=32, steps=steps,
+                                gen_length=GEN_TOKENS, threshold=threshold, eos_id=eos_id,
+                                mask_id=mask_id)[0].tolist()
+            (req,) = decode(ours, params, [p[0].tolist()], mask_id=mask_id, eos_id=eos_id)
+            same += req.token_ids[: len(want)] == want
+            tokens += len(want)
+            ours_cost = [ours_cost[0] + req.nfe, ours_cost[1] + req.token_forwards]
+            ref_cost = [ref_cost[0] + count["nfe"] - before["nfe"],
+                        ref_cost[1] + count["tokens"] - before["tokens"]]
+        out.append({"spec": spec, "threshold": threshold, "steps": steps, "same": same,
+                    "prompts": len(prompts), "tokens": tokens,
+                    "nfe": (ours_cost[0] / tokens, ref_cost[0] / tokens),
+                    "token_forwards": (ours_cost[1] / tokens, ref_cost[1] / tokens)})
+    for m in (ours, ref):
+        m.lm_head.weight.data.div_(PEAK)  # a power of two: the logit checks see the same weights
+    return out
+
+
+def generation_table(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "## Tokens against the published generate()",
+        "",
+        f"The same float32 models, their LM head scaled by {PEAK:g} so that confidences reach "
+        "the thresholds (random weights over 157,184 tokens stay below 0.5): LLaDA2's generate() "
+        f"(greedy, gen_length {GEN_TOKENS}, "
+        "block_length 32, eos_early_stop off) against `LLM.generate`'s engine with the spec "
+        "below, on the same prompts. Tokens compared up to generate()'s first EOS (it returns "
+        "no more); NFE and token-forwards per generated token, ours / generate()'s (it forwards "
+        "the whole prefix at every step, no K/V cache; ours reads finished blocks from the "
+        "store and fuses a block's store forward with the next block's first step). "
+        "generate()'s threshold below 1 with fewer steps than the block (a threshold with a "
+        "static floor of several tokens) is no spec of ours and is not compared.",
+        "",
+        "| generate() threshold, steps | our spec | prompts identical | NFE per token (ours / ref) "
+        "| token-forwards per token (ours / ref) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['threshold']}, {r['steps']} | `{r['spec']}` | {r['same']}/{r['prompts']} "
+                     f"| {r['nfe'][0]:.2f} / {r['nfe'][1]:.2f} | {r['token_forwards'][0]:.1f} / "
+                     f"{r['token_forwards'][1]:.1f} |")
+    return lines
+
+
+def report(family: str, rows: dict, tokens: list[dict], commit: str, seconds: float) -> str:
+    title = {"llada2": "LLaDA2", "fast-dllm-v2": "Fast-dLLM v2"}[family]
+    lines = [
+        f"# {title}: our forward vs its own modeling code",
+        "",
+        f"`python scripts/check_block_references.py {family} <{FAMILIES[family][0]}>` (snapshot "
+        f"{commit[:12]}, files {FAMILIES[family][1]}/ at {FAMILIES[family][3] or 'that commit'}; "
+        f"torch {torch.__version__}, transformers "
+        f"{importlib.import_module('transformers').__version__}, CPU, {seconds:.0f} s). A tiny "
+        f"random model with the published config.json's keys ({json.dumps(TINY[family])}, the "
+        "real vocabulary, weights std 0.2, norms around 1"
+        + (", expert_bias std 0.3" if family == "llada2" else "") + f"), {len(PROMPT_LENGTHS)} "
+        f"random prompts of {', '.join(map(str, PROMPT_LENGTHS))} tokens, 8 masks after each up "
+        "to whole blocks, one forward of the canvas under the reference's own block mask. Stand-ins: "
+        "see the script's docstring.",
+        "",
+        READING[family],
+        "",
+        "| dtype | prompts | max \\|logit\\| | max \\|diff\\| | ref drift from its fp32 | argmax agree "
+        "(worst prompt) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for dtype, r in rows.items():
+        lines.append(f"| {dtype} | {r['prompts']} | {r['max_logit']:.2f} | {r['max_diff']:.3g} | "
+                     f"{r['ref_vs_ref_fp32']:.3g} | {r['argmax_agree']:.4f} |")
+    if tokens:
+        lines += generation_table(tokens)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = script_args(__doc__, ("family", {"choices": FAMILIES}),
+                       ("repo", {"type": Path, "help": "a checkout or a bare git directory"}))
+    start = time.perf_counter()
+    raw = {**json.loads(Path(FAMILIES[args.family][4]).read_text()), **TINY[args.family]}
+    config = ModelConfig.from_dict(raw)
+    module = load_reference(args.family, args.repo)
+    rows, tokens = measure(args.family, module, raw, 0, config.mask_token_id, config.block_size,
+                           config.eos_token_id)
+    seconds = time.perf_counter() - start
+    publish(report(args.family, rows, tokens, reference_commit(args.repo), seconds), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""LLaDA2 (`model_type: llada2_moe`) and Fast-dLLM v2 (`Fast_dLLM_Qwen`).
+
+LLaDA2: the routed experts (tokens grouped by expert) equal a per-token loop over each token's
+chosen experts; the whole forward equals a plain-torch transcription of the published modeling
+code's inference path (fused q/k/v, per-head q/k RMSNorm, RoPE on the leading half of each head
+with rotate_half, eager attention under generate()'s additive block mask, the sigmoid router with
+group-limited top-k, moe_infer's float32 weighted sum, shared experts); inconsistent MoE keys
+are one line naming the key (exit 2 on the CLI). The published code itself runs in
+scripts/check_block_references.py (benchmarks/llada2-reference.md).
+
+Fast-dLLM v2: its layers are transformers' Qwen2 under its eval_block_diff_mask, and it reads
+position i's prediction at i - 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_models import _randomize  # weights far from init: every term matters
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from unmask.cli import main
+from unmask.config import ConfigError, ModelConfig
+from unmask.models import build_model
+from unmask.models.llada2 import LLaDA2MoE
+
+DATA = Path(__file__).parent / "data"
+VOCAB = 97
+MOE = {"num_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+       "num_shared_experts": 1, "moe_intermediate_size": 12, "routed_scaling_factor": 2.5,
+       "first_k_dense_replace": 1, "partial_rotary_factor": 0.5}
+
+
+def _config(**kw) -> ModelConfig:
+    base = dict(model_type="llada2_moe", d_model=32, n_heads=4, n_kv_heads=2, head_size=16,
+                n_layers=3, mlp_hidden_size=40, vocab_size=VOCAB, rope_theta=600000.0,
+                rms_norm_eps=1e-6, max_sequence_length=512, block_size=4, mask_token_id=VOCAB - 1,
+                eos_token_id=VOCAB - 2)
+    return ModelConfig(**{**base, **MOE, **kw})
+
+
+def _model(dtype: torch.dtype = torch.float64, **kw) -> torch.nn.Module:
+    model = build_model(_config(**kw)).eval()
+    _randomize(model, 0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a selection bias large enough to change which experts win
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    return model.to(dtype)
+
+
+# --- the routed experts ------------------------------------------------------------------------
+def _per_token(moe: LLaDA2MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token alone: its chosen experts, one at a time."""
+    chosen, weights = moe.gate(x)
+    rows = []
+    for t in range(x.shape[0]):
+        rows.append(sum(weights[t, j] * moe.experts[int(e)](x[t]) for j, e in enumerate(chosen[t])))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_grouped_experts_equal_a_per_token_loop(tokens: int) -> None:
+    moe = _model().model.layers[1].mlp
+    assert isinstance(moe, LLaDA2MoE)
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens), dtype=torch.float64)
+    chosen, _ = moe.gate(x)
+    if tokens == 64:  # experts shared between tokens, so the grouping is exercised
+        assert torch.bincount(chosen.flatten()).max() > 1
+    torch.testing.assert_close(moe.routed(x, *moe.gate(x)), _per_token(moe, x), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_logits_do_not_depend_on_its_batch(dtype: torch.dtype) -> None:
+    """The same bits alone and among 7 other rows, though the other rows change how many tokens
+    each expert multiplies (other counts take other CPU kernels: unmask.models.llada2.ROW_STEP)."""
+    model = _model(dtype)
+    ids = torch.randint(0, VOCAB, (8, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24)[None].expand(8, 24)
+    with torch.no_grad():
+        together = model(ids, pos)
+        alone = torch.cat([model(ids[i:i + 1], pos[i:i + 1]) for i in range(8)])
+    assert torch.equal(together, alone)
+
+
+def test_router_keeps_to_the_chosen_groups() -> None:
+    """Every chosen expert lies in one of the topk_group groups with the best two-expert sums
+    (bias included); the weights come from the unbiased scores, renormalised and scaled."""
+    gate = _model().model.layers[1].mlp.gate
+    x = torch.randn(50, 32, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    chosen, weights = gate(x)
+    scores = torch.sigmoid(x @ gate.weight.T)
+    biased = (scores + gate.expert_bias).view(50, 4, 2)
+    best_groups = biased.sum(-1).topk(2, dim=-1).indices  # 2 experts per group: the pair sum
+    for t in range(50):
+        assert set((chosen[t] // 2).tolist()) <= set(best_groups[t].tolist())
+    picked = scores.gather(1, chosen)
+    torch.testing.assert_close(weights, 2.5 * picked / picked.sum(-1, keepdim=True))
+
+
+# --- the whole forward against a transcription of the published modeling code --------------------
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.shape[-1]
+    rot, rest = x[..., :r], x[..., r:]
+    half = torch.cat([-rot[..., r // 2:], rot[..., : r // 2]], dim=-1)
+    return torch.cat([rot * cos + half * sin, rest], dim=-1)
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """LLaDA2MoeRMSNorm: normalised in float32, cast back, then scaled."""
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _mlp(s: dict, p: str, x: torch.Tensor) -> torch.Tensor:
+    gate, up, down = (s[p + n + "_proj.weight"] for n in ("gate", "up", "down"))
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
+def _moe(s: dict, p: str, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+    """LLaDA2MoeGate + moe_infer + shared experts, one token at a time."""
+    scores = torch.sigmoid(x @ s[p + "gate.weight"].T)  # (N, E)
+    n = x.shape[0]
+    biased = scores + s[p + "gate.expert_bias"]
+    group = biased.view(n, c.n_group, -1).topk(2, dim=-1)[0].sum(-1)
+    keep = torch.zeros_like(group).scatter_(1, group.topk(c.topk_group, dim=-1)[1], 1)
+    keep = keep[..., None].expand(n, c.n_group, c.num_experts // c.n_group).reshape(n, -1)
+    idx = biased.masked_fill(~keep.bool(), float("-inf")).topk(c.num_experts_per_tok, dim=-1)[1]
+    w = scores.gather(1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * c.routed_scaling_factor
+    out = torch.stack([sum(w[t, j] * _mlp(s, f"{p}experts.{int(e)}.", x[t]) for j, e in enumerate(idx[t]))
+                       for t in range(n)])
+    return out + _mlp(s, p + "shared_experts.", x)
+
+
+def _reference(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    c, s = model.config, model.state_dict()
+    t, hd, r = ids.shape[1], c.head_dim, c.rotary_dim
+    # the rotary embedding's float32 angles, cast to the model dtype (as the reference does)
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32) / r))
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * inv
+    cos, sin = (f(torch.cat([ang, ang], -1)).double() for f in (torch.cos, torch.sin))
+    n_blocks = math.ceil(t / c.block_size)
+    blocks = torch.tril(torch.ones(n_blocks, n_blocks)).repeat_interleave(c.block_size, 0)
+    additive = blocks.repeat_interleave(c.block_size, 1)[:t, :t].log().double()  # generate()'s
+    x = s["model.word_embeddings.weight"][ids[0]]
+    for i in range(c.n_layers):
+        p = f"model.layers.{i}."
+        h = _norm(x, s[p + "input_layernorm.weight"])
+        qkv = (h @ s[p + "attention.query_key_value.weight"].T).view(t, -1, hd).transpose(0, 1)
+        q, k, v = qkv.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=0)
+        q = _rotate(_norm(q, s[p + "attention.query_layernorm.weight"]), cos, sin)
+        k = _rotate(_norm(k, s[p + "attention.key_layernorm.weight"]), cos, sin)
+        rep = c.n_heads // c.n_kv_heads
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        att = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd) + additive, dim=-1) @ v
+        x = x + att.transpose(0, 1).reshape(t, -1) @ s[p + "attention.dense.weight"].T
+        h = _norm(x, s[p + "post_attention_layernorm.weight"])
+        x = x + (_mlp(s, p + "mlp.", h) if i < c.first_k_dense_replace else _moe(s, p + "mlp.", h, c))
+    return _norm(x, s["model.norm.weight"]) @ s["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("length", [7, 12])
+def test_forward_matches_the_published_modeling_code(length: int) -> None:
+    model = _model()
+    ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        got = model(ids, torch.arange(length)[None])[0]
+    want = _reference(model, ids)
+    assert want.abs().max() > 1.0
+    torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+
+
+# --- bad input ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key, value, named", [
+    ("n_group", 3, "num_experts"),  # 256 experts in 3 groups
+    ("n_group", 256, "n_group"),  # one expert per group: no two-best score
+    ("topk_group", 9, "topk_group"),
+    ("num_experts_per_tok", 257, "num_experts_per_tok"),
+    ("num_experts_per_tok", 160, "num_experts_per_tok"),  # above 4 groups x 32 experts
+    ("first_k_dense_replace", 21, "first_k_dense_replace"),
+    ("partial_rotary_factor", 0.01, "partial_rotary_factor"),
+    ("routed_scaling_factor", 0, "routed_scaling_factor"),
+    ("num_experts", 0, "num_experts"),
+])
+def test_inconsistent_moe_keys_name_the_key(key: str, value: object, named: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    raw = {**json.loads((DATA / "llada2-mini.config.json").read_text()), key: value}
+    with pytest.raises(ConfigError, match=named) as e:
+        ModelConfig.from_dict(raw)
+    assert "\n" not in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert main(["generate", "--model", str(tmp_path), "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and named in err, err
+
+
+def test_missing_moe_key_is_named() -> None:
+    raw = json.loads((DATA / "llada2-mini.config.json").read_text())
+    del raw["n_group"]
+    with pytest.raises(ConfigError, match="'n_group'"):
+        ModelConfig.from_dict(raw)
+    with pytest.raises(ConfigError, match="topk_group"):
+        _config(topk_group=None)
+
+
+def test_moe_keys_are_refused_on_other_families() -> None:
+    raw = {**json.loads((DATA / "dream-v0-instruct-7b.config.json").read_text()), "num_experts": 8}
+    with pytest.raises(ConfigError, match="'num_experts'"):
+        ModelConfig.from_dict(raw)
+    with pytest.raises(ConfigError, match="num_experts: no key of model_type llada"):
+        ModelConfig(num_experts=8)
+
+
+# --- Fast-dLLM v2 -----------------------------------------------------------------------------
+def test_fast_dllm_v2_is_qwen2_under_its_block_mask() -> None:
+    """Its layers are Qwen2's (q/k/v biases) and, without a frame, it attends as its
+    eval_block_diff_mask says: query block >= key block, blocks of bd_size by index."""
+    raw = json.loads((DATA / "fast-dllm-v2-7b.config.json").read_text())
+    tiny = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "intermediate_size": 64, "vocab_size": 160, "bd_size": 4,
+            "eos_token_id": 150, "layer_types": ["full_attention"] * 2}
+    config = ModelConfig.from_dict({**raw, **tiny} | {"vocab_size": 152_064})
+    ours = build_model(config).eval()
+    _randomize(ours, 0)
+    ref = Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        intermediate_size=64, vocab_size=152_064, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        attn_implementation="sdpa")).eval()
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    ids = torch.randint(0, 1000, (1, 14), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(14)[None]
+    block = pos[0] // 4
+    mask = (block[:, None] >= block[None, :])[None, None]
+    with torch.no_grad():
+        want = ref(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=False).logits
+        got = ours(ids, pos)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert ours.logit_shift == 1 and config.mask_token_id == 151_665 and config.block_size == 4

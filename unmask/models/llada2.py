@@ -1,0 +1,228 @@
+"""LLaDA2 (`model_type: llada2_moe`): LLaDA2.0/2.1's mixture-of-experts layers, block-causal.
+
+The layout is the published folders' (inclusionAI's modeling_llada2_moe.py, docs/design.md §
+Checkpoints): one fused q/k/v projection (`attention.query_key_value`, heads in the order q, k,
+v), q and k RMS-normalised per head (`query_layernorm`, `key_layernorm`), RoPE on the leading
+`partial_rotary_factor` share of each head only, grouped K/V heads, `attention.dense` out. The
+first `first_k_dense_replace` layers have a plain SwiGLU MLP; every later one a mixture of
+experts (`LLaDA2MoE`): a sigmoid router with a per-expert bias used for selection only,
+group-limited top-k (the `topk_group` best of `n_group` groups, a group scored by its two best
+experts, then the `num_experts_per_tok` best experts inside them), weights renormalised and
+scaled by `routed_scaling_factor`, plus always-on shared experts. Module names are the tensor
+names, so state_dict() keys are the safetensors keys.
+
+Block-causal as SDAR: without a frame a position attends to its own block (position //
+block_size) and earlier ones. The folders carry no block size, mask or EOS id; the published
+generate() defaults (block_length 32, mask 156895, EOS 156892) stand for them (`JsonKeys.fixed`).
+Predictions are unshifted. `LLaDA2Model.json_keys` says what each key of config.json does here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from unmask.config import JsonKeys, ModelConfig
+from unmask.kv import Frame
+from unmask.models.layers import RMSNorm, attention
+from unmask.models.qwen import QwenLM
+from unmask.models.sdar import SDARModel, block_causal_mask
+
+# An expert runs on its tokens padded with zero rows to a multiple of this: on the CPU torch
+# takes other kernels for other row counts (the matmuls below 12 rows, the elementwise SiLU and
+# product at counts whose elements end off the vector width), whose results round differently,
+# so a token's output would depend on how many other tokens of the batch chose its expert. At
+# multiples of 16 every row got the same bits (measured at 1 and 2 threads, widths 12 to 512);
+# a batch must not change a row's bits (docs/design.md § Exactness and ties), as the engine's
+# padding of a call's tokens to multiples of 16 ensures for the dense layers
+# (unmask.engine.runner.TOKEN_STEP).
+ROW_STEP = 16
+
+
+def _accumulate(dtype: torch.dtype) -> torch.dtype:
+    """The router's and the routed sum's dtype: float32, or the model's where wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class LLaDA2MLP(nn.Module):
+    """SwiGLU of width `width`: a dense layer's MLP, one expert, or the shared experts."""
+
+    def __init__(self, c: ModelConfig, width: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.d_model, width, bias=False)
+        self.up_proj = nn.Linear(c.d_model, width, bias=False)
+        self.down_proj = nn.Linear(width, c.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LLaDA2Gate(nn.Module):
+    """The router: which experts each token uses and with what weight."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.n_group, self.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
+        self.scale = c.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(c.num_experts, c.d_model))
+        # the load-balancing bias: it shifts which experts are chosen, never their weights
+        self.register_buffer("expert_bias", torch.zeros(c.num_experts))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x (N, d) -> expert ids (N, K) and their weights (N, K), in float32 whatever the
+        model dtype, as the reference's router scores (float64 stays float64)."""
+        dtype = _accumulate(x.dtype)
+        scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))  # (N, E)
+        chosen = self._select(scores + self.expert_bias)
+        weights = scores.gather(1, chosen)
+        if self.top_k > 1:  # the reference's epsilon, so an all-zero row stays finite
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return chosen, weights * self.scale
+
+    def _select(self, biased: Tensor) -> Tensor:
+        """(N, E) -> (N, K): the K best experts among those of the `topk_group` best groups."""
+        n = biased.shape[0]
+        grouped = biased.view(n, self.n_group, -1)  # (N, G, E/G)
+        group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (N, G)
+        groups = group_score.topk(self.topk_group, dim=-1, sorted=False).indices
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, groups, True)
+        masked = grouped.masked_fill(~allowed[..., None], float("-inf")).view(n, -1)
+        return masked.topk(self.top_k, dim=-1).indices
+
+
+class LLaDA2MoE(nn.Module):
+    """Routed experts plus the shared ones. Tokens are grouped by expert (one sort), so the
+    Python loop runs over the experts some token chose, never over tokens."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(LLaDA2MLP(c, c.moe_intermediate_size)
+                                     for _ in range(c.num_experts))
+        self.gate = LLaDA2Gate(c)
+        if c.num_shared_experts:
+            self.shared_experts = LLaDA2MLP(c, c.moe_intermediate_size * c.num_shared_experts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # (N, d)
+        chosen, weights = self.gate(flat)  # (N, K) each
+        y = self.routed(flat, chosen, weights)
+        if hasattr(self, "shared_experts"):
+            y = y + self.shared_experts(flat)
+        return y.view(shape)
+
+    def routed(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        """x (N, d), chosen / weights (N, K) -> (N, d): sum_k weights[:, k] * expert_k(x),
+        summed in float32 and rounded once, as the reference's moe_infer does."""
+        k = chosen.shape[1]
+        order = chosen.flatten().argsort(stable=True)  # (N*K,) pairs grouped by expert
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
+        tokens = x[order // k]  # (N*K, d) each pair's token, in expert order
+        out = torch.empty_like(tokens)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                mine = F.pad(tokens[start:start + count], (0, 0, 0, -count % ROW_STEP))
+                out[start:start + count] = expert(mine)[:count]
+                start += count
+        per_pair = torch.empty_like(out)
+        per_pair[order] = out  # back to (token, k) order
+        pairs = per_pair.view(-1, k, x.shape[-1]).to(weights.dtype)
+        summed = (pairs * weights[..., None]).sum(dim=1)
+        return summed.to(x.dtype)
+
+
+class LLaDA2Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.split = (c.n_heads, c.n_kv_heads, c.n_kv_heads)
+        self.head_dim = c.head_dim
+        self.query_key_value = nn.Linear(c.d_model, sum(self.split) * c.head_dim, bias=False)
+        self.query_layernorm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.key_layernorm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.dense = nn.Linear(c.n_heads * c.head_dim, c.d_model, bias=False)
+
+    def qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, d) -> queries (B, T, H*D), keys and values (B, T, H_kv*D); q and k normalised
+        per head."""
+        heads = self.query_key_value(h).unflatten(-1, (-1, self.head_dim))  # (B, T, H+2H_kv, D)
+        q, k, v = heads.split(self.split, dim=-2)
+        return (self.query_layernorm(q).flatten(-2), self.key_layernorm(k).flatten(-2),
+                v.flatten(-2))
+
+
+class LLaDA2Layer(nn.Module):
+    def __init__(self, c: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads = c.n_heads, c.n_kv_heads
+        self.attention = LLaDA2Attention(c)
+        dense = index < c.first_k_dense_replace
+        self.mlp = LLaDA2MLP(c, c.mlp_hidden_size) if dense else LLaDA2MoE(c)
+        self.input_layernorm = RMSNorm(c.d_model, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.d_model, c.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, frame: Frame | None,
+                mask: Tensor | None) -> Tensor:
+        q, k, v = self.attention.qkv(self.input_layernorm(x))
+        x = x + self.attention.dense(attention(q, k, v, cos, sin, self.n_heads, self.n_kv_heads,
+                                               frame, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LLaDA2Model(QwenLM):
+    """Block-causal: without a frame a position attends to its own block and earlier ones."""
+
+    layer_class = LLaDA2Layer
+    embed_name = "word_embeddings"
+    json_keys: JsonKeys  # set below the class
+
+    def attention_mask(self, position_ids: Tensor) -> Tensor:
+        return block_causal_mask(position_ids, self.config.block_size)
+
+    def residual_outputs(self) -> list[nn.Linear]:
+        mlps = [m for m in self.modules() if isinstance(m, LLaDA2MLP)]
+        return [ly.attention.dense for ly in self.model.layers] + [m.down_proj for m in mlps]
+
+
+# Key names and meanings are those of the published configuration_llada2_moe.py. The variant
+# keys below are ones the published modeling code does not read: it always computes the value
+# listed, so a config asking for another is refused rather than run as that.
+LLaDA2Model.json_keys = JsonKeys(
+    renamed=SDARModel.json_keys.renamed,  # Qwen3's names, head_dim included
+    variants={
+        "hidden_act": (("silu",), "the MLP activation"),
+        "use_qkv_bias": ((False,), "biases on the q/k/v projection"),
+        "use_bias": ((False,), "biases on the attention output projection"),
+        "use_qk_norm": ((True,), "RMSNorm of each q and k head"),
+        "use_rmsnorm": ((True,), "RMSNorm layer norms"),
+        "norm_head": ((False,), "a normalised LM head"),
+        "norm_softmax": ((False,), "a normalised softmax"),
+        "use_sliding_window": ((False,), "sliding-window attention"),
+        "using_split_qkv_in_self_attention": ((False,), "separate q/k/v projections"),
+        "score_function": (("sigmoid",), "the router's expert scores"),
+        "norm_topk_prob": ((True,), "the chosen experts' weights renormalised to sum 1"),
+        "moe_router_enable_expert_bias": ((True,), "the router's selection bias"),
+        "router_dtype": (("fp32",), "the router's dtype"),
+    },
+    inert=frozenset({
+        # read only with use_sliding_window, refused above
+        "sliding_window", "max_window_layers",
+        # the rotated width is head_dim * partial_rotary_factor; the modeling code never reads this
+        "rotary_dim",
+        # dropout is off at inference in the reference too
+        "attention_dropout", "embedding_dropout", "output_dropout",
+        # training: initialisation, the router's auxiliary outputs
+        "initializer_range", "output_router_logits",
+        # the tokenizer's and the engine's business; no weight depends on them
+        "bos_token_id", "pad_token_id",
+        # packaging
+        "architectures", "auto_map", "transformers_version", "use_cache", "_name_or_path",
+    }),
+    omitted=frozenset({"embedding_size", "include_bias", "qkv_bias", "rope_full_precision"}),
+    fixed={"mask_token_id": 156895, "eos_token_id": 156892, "block_size": 32},
+    # the first published configuration file applies q/k norm without a key; the later one
+    # reads use_qk_norm, default true
+    implied=frozenset({"use_qk_norm"}),
+    written={"architectures": ["LLaDA2MoeModelLM"]},
+)
