@@ -22,7 +22,7 @@ from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
-from unmask.hub import resolve_model
+from unmask.hub import DEFAULT_NAME, SHIPPED, resolve_model
 from unmask.quantize import (
     check_quantize,
     mib,
@@ -32,7 +32,7 @@ from unmask.quantize import (
     weight_bytes,
 )
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
+DEFAULT_MODEL = SHIPPED[DEFAULT_NAME]
 log = logging.getLogger("unmask")
 
 
