@@ -1,4 +1,7 @@
-"""Train a small LLaDA-format model with the masked-diffusion SFT objective.
+"""Train a small LLaDA-format (masked diffusion) or SDAR-format (block diffusion) model.
+
+``--model-type`` picks the objective (`objective_for`): LLaDA's below, or SDAR's in
+``unmask.training.block_diffusion``; the data, loss weights and schedule below are shared.
 
 Objective (LLaDA SFT): the prompt is never masked; every response position — including the EOS
 padding that fills the canvas — is masked independently with probability p = (1 - eps) t + eps,
