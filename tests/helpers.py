@@ -116,7 +116,7 @@ def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: 
     config = ModelConfig(model_type=kind, d_model=32, n_heads=2, n_kv_heads=1 if kind == "Dream" else 2,
                          n_layers=2, mlp_hidden_size=64, vocab_size=vocab, embedding_size=vocab,
                          mask_token_id=mask, eos_token_id=eos, qkv_bias=kind == "Dream",
-                         max_sequence_length=128)
+                         max_sequence_length=128, block_size=4 if kind == "sdar" else None)
     torch.manual_seed(seed)
     model = build_model(config)
     with torch.no_grad():
@@ -124,6 +124,22 @@ def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: 
             if p.dim() >= 2:
                 p.mul_(scale)
     return model.eval()
+
+
+def join_and_abort(eng, running: list, target: list[int], params, join_at: int, abort_at: int):
+    """Step `eng` join_at times, add `target` with `params`, then run to the end, aborting
+    running[0] (a request already in the engine) after abort_at steps; returns target's
+    request (batch invariance: it must equal the request decoded alone)."""
+    for _ in range(join_at):
+        eng.step()
+    req = eng.add_request(target, params)
+    steps = 0
+    while eng.has_unfinished:
+        eng.step()
+        steps += 1
+        if steps == abort_at and not running[0].finished:
+            assert eng.abort(running[0].request_id)
+    return req
 
 
 def assert_lm_eval_equals_unmask_eval(out: Path, tmp_path: Path, n: int, eval_args: list[str]) -> float:

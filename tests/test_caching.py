@@ -26,7 +26,8 @@ from helpers import (  # noqa: E402
     peaky_model,
 )
 
-from unmask.caching import POLICIES, StepView
+from unmask.caching import BIDIRECTIONAL as POLICIES
+from unmask.caching import StepView
 from unmask.decoding.params import DecodeParams, SpecError
 from unmask.engine import Request as DecodeResult
 from unmask.engine import batch as batch_mod

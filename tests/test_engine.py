@@ -11,7 +11,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, MASK, VOCAB, peaky_model, tiny_model
+from helpers import EOS, MASK, VOCAB, join_and_abort, peaky_model, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -79,16 +79,7 @@ def test_batch_invariance(kind, method, cache, suffix, early_exit, temperature, 
     eng = engine(m)
     running = [eng.add_request(q, params(spec, gen, seed=i)) for i, (q, gen) in enumerate(others)]
     eng.add_request(target[::-1], params("threshold,threshold=0.7,cache=dual", 16))
-    for _ in range(join_at):
-        eng.step()
-    req = eng.add_request(target, p)
-    steps = 0
-    while eng.has_unfinished:
-        eng.step()
-        steps += 1
-        if steps == abort_at and not running[0].finished:
-            assert eng.abort(running[0].request_id)
-    assert outcome(req) == want
+    assert outcome(join_and_abort(eng, running, target, p, join_at, abort_at)) == want
 
 
 @st.composite

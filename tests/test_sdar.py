@@ -1,6 +1,7 @@
 """SDAR (`model_type: sdar`): the layer math equals transformers' Qwen3 on the same random weights
 (grouped-query heads, q/k RMSNorm, a head width set apart from hidden_size / heads), the forward
-without a frame is block-causal by position id, and the engine refuses to decode it in one line.
+without a frame is block-causal by position id, and a folder generates through LLM and the CLI
+(block-diffusion decoding itself: tests/test_block_decoding.py).
 
 SDAR's own modeling code (JetAstra/SDAR) needs flash-attn and a fetched snapshot; it is checked
 by scripts/check_sdar_reference.py (benchmarks/sdar-reference.md), not here.
@@ -226,17 +227,23 @@ def test_sdar_fields_refused_elsewhere() -> None:
         ModelConfig(model_type="sdar", block_size=4, qkv_bias=True)
 
 
-def test_engine_refuses_to_decode(tmp_path) -> None:
-    """The folder loads (model and tokenizer); generating is one clear line, exit 2 on the CLI."""
+def test_folder_generates(tmp_path) -> None:
+    """The folder loads (model and tokenizer) and generates in the model's blocks, whatever the
+    default decoder's block length; a block length other than the model's is one line."""
     folder = tiny_model_dir(tmp_path, "sdar")
     llm = unmask.LLM(folder, device="cpu")
     assert llm.config.block_size == 4 and llm.tokenizer.mask_token_id == llm.config.mask_token_id
-    with pytest.raises(InputError, match="block-diffusion decoding is not implemented yet"):
-        llm.generate("what is 12 + 34?", gen_length=8, block_length=4)
+    (g,) = llm.generate("what is 12 + 34?", gen_length=8)
+    assert len(g.token_ids) == 8 and llm.config.mask_token_id not in g.token_ids and g.nfe >= 1
+    with pytest.raises(InputError, match="block_length=8 cannot apply: this model was trained "
+                                         "with blocks of 4"):
+        llm.generate("what is 12 + 34?", gen_length=8, block_length=8)
 
 
-def test_cli_refuses_to_decode(tmp_path, capsys: pytest.CaptureFixture) -> None:
+def test_cli_generates_and_refuses_in_one_line(tmp_path, capsys: pytest.CaptureFixture) -> None:
     folder = tiny_model_dir(tmp_path, "sdar")
-    assert main(["generate", "--model", str(folder), "hi"]) == 2
+    assert main(["generate", "--model", str(folder), "--gen-length", "8", "hi"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(folder), "--decoder", "threshold,cache=dual", "hi"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "block-diffusion decoding is not implemented" in err, err
+    assert len(err.splitlines()) == 1 and "cache=dual cannot apply" in err, err

@@ -20,7 +20,7 @@ from helpers import (  # noqa: E402
     peaky_model,
 )
 
-from unmask.caching import POLICIES
+from unmask.caching import BIDIRECTIONAL as POLICIES
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Request as DecodeResult
 from unmask.engine import decode as engine_decode

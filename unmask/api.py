@@ -20,6 +20,7 @@ from unmask.checkpoint import CheckpointError, load_model
 from unmask.compiling import check_compile, compile_model
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
+from unmask.engine.layout import model_defaults
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.hub import DEFAULT_NAME, SHIPPED, resolve_model
@@ -342,7 +343,7 @@ class LLM:
             if not prompt.strip():
                 raise InputError(f"empty prompt (prompt {i}): give the model something to answer")
             check_text(prompt, f"prompt {i}")
-        params = resolve_params(params, overrides)
+        params = resolve_params(params, overrides, model_defaults(self.model))
         ids = [self._encode(p, chat) for p in prompts]
         return self.generate_ids(ids, params, batch_size=batch_size, on_event=on_event)
 
@@ -366,12 +367,15 @@ class LLM:
                           seconds=r.seconds, finish_reason=r.finish_reason or "length")
 
 
-def resolve_params(params: DecodeParams | str | None, overrides: dict) -> DecodeParams:
+def resolve_params(params: DecodeParams | str | None, overrides: dict,
+                   defaults: dict | None = None) -> DecodeParams:
     """A DecodeParams from a spec string (default DEFAULT_DECODER) or a DecodeParams, with keyword
-    overrides on top; unknown keys and bad types are SpecErrors naming the key."""
+    overrides on top; unknown keys and bad types are SpecErrors naming the key. defaults: the
+    model's (`layout.model_defaults`), under the spec's keys and the overrides."""
     if params is None or isinstance(params, str):
         # "" is an empty spec (an error, as --decoder ''), not a request for the default
-        return DecodeParams.parse(DEFAULT_DECODER if params is None else params, **overrides)
+        return DecodeParams.parse(DEFAULT_DECODER if params is None else params,
+                                  **{**(defaults or {}), **overrides})
     if not isinstance(params, DecodeParams):
         raise SpecError(f"params must be a decoder spec string or a DecodeParams, got "
                         f"{type(params).__name__}")

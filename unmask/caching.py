@@ -9,6 +9,10 @@ K/V store (unmask.kv). The model and the decoding rules know nothing of this.
   reusing the prefix's K/V.
 - dual (Fast-dLLM): full forward at each block start; then only the block, reusing prefix and
   suffix K/V.
+- block (block-causal models only, unmask.engine.layout): the exact cache. The K/V of a slot is
+  final once its block and every earlier one are committed in the forwarded canvas, so a step
+  forwards the current block plus every visible slot without final K/V (the prompt at a row's
+  first step, the block just finished after it), and only final K/V is stored.
 - entropy (EntropyCache): forward the block plus the `recent_k` most recently committed positions;
   when the maximum entropy of the tokens committed by the last step exceeds `entropy_tau`, the
   step is a full refresh (and, optionally, at each block start). The decision is O(V) per step:
@@ -93,6 +97,11 @@ class CachePolicy:
         """Whether `block` reads `StepView.stale`: the decoder only computes it then."""
         return self.uses_store and self.params.block_recompute == "masked"
 
+    def storable(self, idx: np.ndarray, block_start: np.ndarray) -> np.ndarray | None:
+        """(R, T) which forwarded slots idx (R, T) the store keeps, for forwarded canvases whose
+        current block starts at block_start (R,); None: all of them."""
+        return None
+
     def block(self, v: StepView) -> np.ndarray:
         """(R, S) the part of the current block a non-refresh step recomputes."""
         if not self.reads_stale:
@@ -113,6 +122,19 @@ class PrefixCache(CachePolicy):
 class DualCache(CachePolicy):
     def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         return v.block_changed, self.block(v)
+
+
+class BlockCache(CachePolicy):
+    """Exact for block-causal attention: slots before the current block are stored once their
+    K/V is final and read from then on; the slots of no final K/V (and the current block) are
+    forwarded (unmask.kv.KVStore: a slot never stored holds none)."""
+
+    def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(v.block_start.shape, dtype=bool), v.in_block
+
+    def storable(self, idx: np.ndarray, block_start: np.ndarray) -> np.ndarray | None:
+        # every block before the forwarded canvas's current one is complete in it
+        return idx < block_start[:, None]
 
 
 class EntropyCache(CachePolicy):
@@ -138,9 +160,13 @@ register("cache", "prefix", PrefixCache, (StoreKnobs,), Facts(uses_store=True))
 register("cache", "dual", DualCache, (StoreKnobs,), Facts(uses_store=True))
 register("cache", "entropy", EntropyCache, (EntropyKnobs, StoreKnobs),
          Facts(uses_store=True, reads_entropy=True))
+register("cache", "block", BlockCache, (), Facts(uses_store=True, block_causal=True))
 
 # name -> policy class, the registry's view
 POLICIES = {name: e.impl for name, e in REGISTRY["cache"].items()}
+# those for bidirectional models (LLaDA, Dream); the others are for block-causal ones
+BIDIRECTIONAL = {name: impl for name, impl in POLICIES.items()
+                 if not REGISTRY["cache"][name].facts.block_causal}
 
 
 def make_cache_policy(params: DecodeParams) -> CachePolicy:

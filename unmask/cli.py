@@ -26,7 +26,11 @@ from unmask.cli_args import (
     load_llm,
     parse_decoder,
 )
-from unmask.errors import UnmaskError
+from unmask.errors import SpecError, UnmaskError
+
+# Spec errors that a block-causal model's own block length may resolve (gen_length or steps
+# against the default block_length): checked again once the model is known.
+BLOCK_KEYS = ("block_length", "steps")
 
 EXIT_CODES = """\
 exit codes:
@@ -45,9 +49,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    params = parse_decoder(args.decoder, args)
+    try:  # before the load: a bad spec fails at once
+        parse_decoder(args.decoder, args)
+    except SpecError as e:
+        if e.key not in BLOCK_KEYS:
+            raise
     check_prompts(args.prompts)
     llm = load_llm(args)
+    from unmask.engine.layout import model_defaults
+
+    # with the model's own defaults: a block-causal model's blocks and cache
+    params = parse_decoder(args.decoder, args, **model_defaults(llm.model))
     with decode_progress(len(args.prompts) * params.gen_length) as on_event:
         outs = llm.generate(args.prompts, params, chat=chat_for(llm, args.raw), on_event=on_event)
     several = len(outs) > 1

@@ -112,7 +112,7 @@ def parse_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> Decod
     try:
         return DecodeParams.parse(spec, explicit=typed, **defaults)
     except SpecError as e:  # with several --decoder, say which one
-        raise SpecError(f"--decoder {spec!r}: {e}") from None
+        raise SpecError(f"--decoder {spec!r}: {e}", e.key) from None
 
 
 def check_prompts(prompts: list[str]) -> None:

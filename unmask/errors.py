@@ -50,3 +50,9 @@ class InputError(UnmaskError):
 class CanvasTooLong(InputError):
     """A prompt and gen_length that together exceed the model's max_sequence_length (a server
     names the field that set the length)."""
+
+
+class DecoderMismatch(SpecError, InputError):
+    """A decoder key that cannot apply to the model it is sent to (a bidirectional-canvas key on
+    a block-causal model, say): a spec error that only the model reveals, so the engine's checks
+    (and a server's 400) see it as bad input too."""

@@ -190,6 +190,11 @@ class Frame:
     past / past_mask: optional stored keys and values (B rows, K positions each; `KVStore.gather`) and its
         (B, K) bool mask of positions to attend to in addition (unpacked frames; a packed
         frame's groups have their own).
+    blocks / past_blocks: for a block-causal model, the block (position // block size) of each
+        forwarded token (B, T) and stored key (B, K): a token then sees only keys of its own
+        block or earlier ones (unmask.models.sdar.block_causal_mask), among the forwarded tokens
+        (a call that forwards a finished block with the next one) and the stored keys alike.
+        None: bidirectional.
     attn_mask: optional (B, 1, T, K) bool overriding everything (tests use it for causal masks).
     After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens as attention
     got them: (B, H_kv, T, D), or packed (1, H_kv, N, D).
@@ -198,6 +203,8 @@ class Frame:
     key_mask: Tensor | None = None
     past: PastKV | None = None
     past_mask: Tensor | None = None
+    blocks: Tensor | None = None
+    past_blocks: Tensor | None = None
     attn_mask: Tensor | None = None
     packed: bool = False
     groups: list[RowGroup] | None = None
@@ -269,5 +276,14 @@ class Frame:
                     device=k.device)
                 mask = torch.cat([self.past_mask, new], dim=1)
             self._mask = None if mask is None else mask[:, None, None, :]  # (B, 1, 1, K)
+            if self.blocks is not None:
+                self._mask = self._block_causal(self._mask)
             self._mask_built = True
         return k, v, self._mask
+
+    def _block_causal(self, keys: Tensor | None) -> Tensor:
+        """(B, 1, T, K) the keys each forwarded token sees: `keys` (B, 1, 1, K) (None: all)
+        within its own block and earlier ones."""
+        kb = self.blocks if self.past is None else torch.cat([self.past_blocks, self.blocks], 1)
+        mask = self.blocks[:, None, :, None] >= kb[:, None, None, :]
+        return mask if keys is None else mask & keys

@@ -103,8 +103,9 @@ class Facts:
     needs_probability: bool = False  # method: compares the ranking score with a probability
     probability: bool = True  # remasking: its ranking score is a probability
     needs_noise: bool = False  # remasking: draws from the sampling noise
-    reads_entropy: bool = False  # remasking, cache: reads the predictive entropy
+    reads_entropy: bool = False  # method, remasking, cache: reads the predictive entropy
     uses_store: bool = False  # cache: keeps a K/V store
+    block_causal: bool = False  # cache: for block-causal models (and only those)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from unmask.decoding.knobs import REGISTRY, Facts, Knobs, at_least, entry, knob, register, within
-from unmask.decoding.rules import static_count, threshold_count
+from unmask.decoding.rules import candidate_ranks, static_count, threshold_count
 
 if TYPE_CHECKING:
     from unmask.decoding.params import DecodeParams
@@ -35,6 +35,12 @@ class ThresholdKnobs(Knobs):
     # float32: compared with the float32 confidences
     threshold: float = knob(0.9, "in (0, 1]", within(0, 1, open_low=True), per_row=True,
                             dtype="float32")
+
+
+@dataclass(frozen=True)
+class EntropyBoundKnobs(Knobs):
+    # SDAR generate.py's default; float32: compared with float32 entropy sums (nats)
+    eb_threshold: float = knob(0.35, ">= 0", at_least(0), per_row=True, dtype="float32")
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,11 @@ class BlockSchedule:
 
 class Rule:
     """How many candidates (R, S) one reference step commits per row (host arrays); knobs: (R,)
-    the rows' per-row knobs (unmask.engine.batch)."""
+    the rows' per-row knobs (unmask.engine.batch); entropy: (R, S) the predictive entropies
+    (computed for rules whose Facts say reads_entropy; else zeros or None)."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
-              knobs: np.ndarray) -> np.ndarray:
+              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -72,7 +79,7 @@ class OneToken(Rule):
     """static-1: one token per step."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
-              knobs: np.ndarray) -> np.ndarray:
+              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
         return cand.any(-1).astype(np.int64)
 
 
@@ -80,7 +87,7 @@ class Threshold(Rule):
     """Fast-dLLM: every candidate with confidence >= the row's threshold, at least one."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
-              knobs: np.ndarray) -> np.ndarray:
+              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
         return threshold_count(conf, cand, knobs["threshold"])
 
 
@@ -88,10 +95,28 @@ class Static(Rule):
     """LLaDA's reference schedule: a block's M masked positions over s steps."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
-              knobs: np.ndarray) -> np.ndarray:
+              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
         assert schedule is not None, "the static rule needs its block schedule"
         n = static_count(schedule.masked_at_start, schedule.steps_per_block, schedule.step)
         return np.maximum(n, 1)
+
+
+class EntropyBounded(Rule):
+    """The EB-sampler's bound: the best-ranked candidates, as many as keep their summed entropy
+    below the row's eb_threshold, at least one. Ranked by `remasking` (the EB-sampler's error
+    proxy; remasking=entropy ranks by entropy itself). SDAR's generate.py names this rule
+    `entropy_bounded` but cannot run it, and patched it computes another quantity
+    (docs/decoders.md, "Block-diffusion decoding")."""
+
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
+              knobs: np.ndarray, entropy: np.ndarray | None = None) -> np.ndarray:
+        assert entropy is not None, "entropy_bounded needs the predictive entropies"
+        # candidates first, in commit order; entropies are >= 0, so the sums only grow
+        order = np.argsort(candidate_ranks(conf, cand), axis=-1, kind="stable")
+        ent = np.take_along_axis(np.where(cand, entropy, np.float32(0)), order, -1)
+        within = np.cumsum(ent, -1) < knobs["eb_threshold"][:, None]
+        n = (within & np.take_along_axis(cand, order, -1)).sum(-1)
+        return np.maximum(n, cand.any(-1))
 
 
 register("method", "static", Static, (StaticKnobs,), Facts(uses_schedule=True))
@@ -110,6 +135,8 @@ def register_freedave(name: str, rule: str) -> None:
 
 register_freedave("freedave", "static-1")
 register_freedave("freedave++", "threshold")
+register("method", "entropy_bounded", EntropyBounded, (EntropyBoundKnobs,),
+         Facts(reads_entropy=True))
 
 METHODS = REGISTRY["method"]
 

@@ -1,7 +1,7 @@
 """Decoding parameters and the one decoder-spec grammar: ``NAME[,key=value]*``.
 
-NAME is a method (static, static-1, threshold, freedave, freedave++) or a preset (exact,
-balanced, fast);
+NAME is a method (static, static-1, threshold, freedave, freedave++, entropy_bounded) or a
+preset (exact, balanced, fast);
 keys are DecodeParams fields. The same parser serves the CLI, the bench and the Python API, so
 a spec means the same thing everywhere.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from unmask.caching import EntropyKnobs, StoreKnobs
 from unmask.decoding.knobs import REGISTRY, Knobs, applies_to, at_least, choice, entry, knob, knob_of, names
-from unmask.decoding.methods import FreeDaveKnobs, StaticKnobs, ThresholdKnobs
+from unmask.decoding.methods import EntropyBoundKnobs, FreeDaveKnobs, StaticKnobs, ThresholdKnobs
 from unmask.decoding.sampling import SamplingKnobs
 from unmask.errors import SpecError
 from unmask.suffix import MIDDLE_RULES as _MIDDLE
@@ -49,7 +49,7 @@ class _Choices(Knobs):
 
 @dataclass(frozen=True)
 class DecodeParams(InjectKnobs, MiddleKnobs, LocalKnobs, StoreKnobs, EntropyKnobs, FreeDaveKnobs,
-                   ThresholdKnobs, StaticKnobs, SamplingKnobs, _Choices):
+                   EntropyBoundKnobs, ThresholdKnobs, StaticKnobs, SamplingKnobs, _Choices):
     """Everything that decides which tokens a decoder commits: the knobs of every policy, each
     declared beside the policy that reads it (bases listed last-first: fields run from
     `_Choices` to `InjectKnobs`).
@@ -68,7 +68,7 @@ class DecodeParams(InjectKnobs, MiddleKnobs, LocalKnobs, StoreKnobs, EntropyKnob
         """The rules across policies (each knob class checks its own)."""
         if self.gen_length % self.block_length:
             raise SpecError(f"gen_length ({self.gen_length}) must be a multiple of block_length "
-                            f"({self.block_length})")
+                            f"({self.block_length})", "block_length")
         if self.steps is not None:
             if "steps" not in entry("method", self.method).reads:
                 readers = applies_to()["steps"][1]
@@ -76,7 +76,7 @@ class DecodeParams(InjectKnobs, MiddleKnobs, LocalKnobs, StoreKnobs, EntropyKnob
                                 f"{self.method}")
             if not 1 <= self.steps <= self.gen_length or self.steps % self.num_blocks:
                 raise SpecError(f"steps ({self.steps}) must be in 1..{self.gen_length} and a "
-                                f"multiple of the number of blocks ({self.num_blocks})")
+                                f"multiple of the number of blocks ({self.num_blocks})", "steps")
         # threshold and draft_conf compare a probability; these scores are not one (remasking
         # entropy ranks by -entropy <= 0; alg_temp by log-scores plus noise), so they would
         # never pass and the decoder would quietly commit one token a step.

@@ -6,6 +6,9 @@ positions, then right padding up to the batch's width S (rows may generate diffe
     slot:  0 .. pad-1 | pad .. P-1 | P .. end-1 | end .. S-1
            padding    | prompt     | generated  | padding
 
+The generated region is the request's `canvas` (gen_length; for a block-causal model, rounded
+up to the end of the model's block: unmask.engine.layout).
+
 Every generated region starts at slot P, so blocks line up across rows. A row's positions
 (RoPE ids) are slot - pad, so neither padding changes what a row computes. Joining rows with a
 longer prompt or generation widen every array (a copy when membership changes, never per
@@ -74,7 +77,7 @@ class Rows:
             return np.array(values, dtype=np.int64).reshape(n)
 
         return cls(pad=each([P - r.prompt_len for r in reqs]),
-                   end=each([P + r.gen_length for r in reqs]), step=full(0), store_block=full(-1),
+                   end=each([P + r.canvas for r in reqs]), step=full(0), store_block=full(-1),
                    block_seen=full(-1), block_m=full(0), block_step=full(0),
                    steps_per_block=each([r.params.steps_per_block for r in reqs]), nfe=full(0),
                    tok_fw=full(0), decided=full(0), has_preds=full(False), done=full(False),
@@ -134,13 +137,13 @@ class DecodeBatch:
         if not reqs:
             return
         P = max([self.P] + [r.prompt_len for r in reqs])
-        gen = max([self.S - self.P] + [r.gen_length for r in reqs])
+        gen = max([self.S - self.P] + [r.canvas for r in reqs])
         self._resize(P - self.P, (P + gen) - (self.S + (P - self.P)))
         b = len(reqs)
         x = np.full((b, self.S), self.eos_id, dtype=np.int64)
         for i, r in enumerate(reqs):
             x[i, P - r.prompt_len : P] = r.prompt_ids
-            x[i, P : P + r.gen_length] = self.mask_id
+            x[i, P : P + r.canvas] = self.mask_id
         self.rows = self.rows.cat(Rows.joining(reqs, P))
         self.x = np.concatenate([self.x, x])
         self.commit_step = np.concatenate([self.commit_step, np.full_like(x, -1)])
@@ -153,7 +156,7 @@ class DecodeBatch:
         if self.store is not None:
             n = self.store.shape[0]
             self.store = self.store.grown(n + max(b - len(self._free), 0),
-                                          max(r.prompt_len + r.gen_length for r in reqs))
+                                          max(r.slots for r in reqs))
             self._free += range(n, self.store.shape[0])
             taken, self._free = self._free[:b], self._free[b:]
             self.store_row = np.concatenate([self.store_row, np.array(taken, dtype=np.int64)])
@@ -179,14 +182,14 @@ class DecodeBatch:
             self._resize(-self.P, -(self.S - self.P))
             return
         P = max(r.prompt_len for r in self.requests)
-        gen = max(r.gen_length for r in self.requests)
+        gen = max(r.canvas for r in self.requests)
         self._resize(P - self.P, (P + gen) - (self.S + P - self.P))
 
     def _compact_store(self) -> None:
         """Give the pool's memory back once it holds more than twice what the rows use (one copy;
         so the store never holds more than twice the canvas area the scheduler budgets)."""
         n, width = self.store.shape
-        used = max((r.prompt_len + r.gen_length for r in self.requests), default=0)
+        used = max((r.slots for r in self.requests), default=0)
         if n * width <= 2 * len(self.requests) * used:
             return
         self.store = self.store.compacted(self.store_row, used)

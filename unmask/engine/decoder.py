@@ -23,6 +23,7 @@ from unmask.decoding.methods import BlockSchedule, make_method
 from unmask.decoding.params import DecodeParams, batch_params
 from unmask.decoding.rules import candidate_ranks, select_top
 from unmask.engine.batch import DecodeBatch
+from unmask.engine.layout import make_layout
 from unmask.engine.runner import Forwarded, ForwardPlan, Runner, StoreRead
 from unmask.suffix import make_suffix_policy
 
@@ -76,6 +77,7 @@ class Decoder:
         self.n_drafts = min(self.method.n_drafts,
                             1 + max(DRAFT_LOGITS // (params.block_length * vocab), 1))
         self.cache = make_cache_policy(params)
+        self.layout = make_layout(model, params)  # where blocks lie (block-causal or not)
         self.always_draws = entry("remasking", params.remasking).facts.needs_noise
         self.suffix = make_suffix_policy(params)
         self.runner = Runner(model, params, mask_id, eos_id, self.suffix)
@@ -95,17 +97,18 @@ class Decoder:
         gen_masked = self._gen_masked(b, b.x)  # (R, G)
         masked_before = gen_masked.sum(-1)
         had_preds = b.rows.has_preds.copy()
-        start = self._block_start(b, gen_masked)
+        start = self._block_start(b, gen_masked, b.rows.pad)
         drafts = self._draft(b, start)
         draft_masked = self._gen_masked(b, drafts.x)  # (D, G)
-        draft_start = self._block_start(b, draft_masked)
+        draft_pad = b.rows.pad[drafts.parent]
+        draft_start = self._block_start(b, draft_masked, draft_pad)
         # Complete drafts need no call, nor (with early exit) drafts committed up to an EOS:
         # the row stops there whatever the forward would predict.
         need = draft_masked.any(-1)
         exit_ready = None
-        early = b.rows.knobs["early_exit"]
+        early = b.rows.knobs["early_exit"] | self.layout.stops_at_eos
         if early.any():
-            exit_ready = self._exit_ready(b, drafts.x, draft_masked) & early[drafts.parent]
+            exit_ready = self._exit_ready(b, drafts.x, draft_masked, draft_pad) & early[drafts.parent]
             need &= ~exit_ready
         fw = self._forward(b, drafts, need, draft_start)
         self._count(b, drafts, fw, need)
@@ -139,12 +142,11 @@ class Decoder:
         """(R, G) bool: the generated slots of canvases x still [MASK]."""
         return x[:, b.P :] == self.mask_id
 
-    def _block_start(self, b: DecodeBatch, gen_masked: np.ndarray) -> np.ndarray:
-        """(R,) first slot of each row's current block: the first block with a mask (blocks
-        line up across rows: every generated region starts at slot P)."""
+    def _block_start(self, b: DecodeBatch, gen_masked: np.ndarray, pad: np.ndarray) -> np.ndarray:
+        """(R,) first slot of each row's current block: the first block with a mask, where the
+        layout puts blocks (pad: (R,) the rows' left padding)."""
         first = np.where(gen_masked.any(-1), gen_masked.argmax(-1), gen_masked.shape[1] - 1)
-        bl = self.params.block_length
-        return b.P + (first // bl) * bl
+        return self.layout.block_start(b.P + first, pad, b.P)
 
     def _candidates(self, b: DecodeBatch, x: np.ndarray, start: np.ndarray, fresh: np.ndarray,
                     scored: np.ndarray) -> np.ndarray:
@@ -160,7 +162,7 @@ class Decoder:
         conf = pr.conf
         cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
         schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
-        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule, b.rows.knobs), 0)
+        n0 = np.where(hp, self.method.rule.count(conf, cand, schedule, b.rows.knobs, pr.entropy), 0)
         rows = np.arange(len(b))
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
         # unlikely to pass verification. draft_conf 0 filters nothing, whatever the ranking
@@ -194,7 +196,7 @@ class Decoder:
         new = (start != b.rows.block_seen) & hp
         b.rows.block_seen = np.where(hp, start, b.rows.block_seen)
         b.rows.block_step = np.where(new, 0, b.rows.block_step)
-        b.rows.block_m = np.where(new, cand.sum(-1), b.rows.block_m)
+        b.rows.block_m = np.where(new, self.layout.schedule_size(cand), b.rows.block_m)
         schedule = BlockSchedule(b.rows.block_m, b.rows.block_step.copy(), b.rows.steps_per_block)
         b.rows.block_step = b.rows.block_step + hp
         return schedule
@@ -221,7 +223,8 @@ class Decoder:
         view = StepView(slots, start, end, d.new_entropy, commit_step, b.rows.store_block[parent],
                         masked, stale, knobs)
         pad = b.rows.pad[parent]
-        visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, b.rows.end[parent])
+        horizon = self.layout.horizon(end, b.rows.end[parent])
+        visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, horizon)
         refresh, recompute = self.cache.plan(view)
         read = None
         if stored is None:
@@ -281,7 +284,8 @@ class Decoder:
         if fw is not None:
             fx = d.x[need]
             cand = self._candidates(b, fx, start[need], fw.fresh, np.ones(fx.shape[0], dtype=bool))
-            count = self.method.rule.count(fw.conf, cand, None, b.rows.knobs[d.parent[need]])
+            count = self.method.rule.count(fw.conf, cand, None, b.rows.knobs[d.parent[need]],
+                                           fw.entropy)
             sel = select_top(fw.conf, cand, count)
             target[need] = np.where(sel, fw.token, fx)
         # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);
@@ -335,8 +339,13 @@ class Decoder:
             refreshed = fw.refresh[fi]
             store_rows = b.store_row[rows]
             b.store.invalidate(store_rows[refreshed])
-            b.store.write(store_rows, b.rows.pad[rows], fi, fw.idx, fw.kv, fw.kv_at, fw.ok, fw.ids)
             start = draft_start[chosen[has]]  # the accepted canvases' block starts
+            ok = fw.ok
+            storable = self.cache.storable(fw.idx[fi], start)
+            if storable is not None:
+                ok = ok.copy()
+                ok[fi] &= storable
+            b.store.write(store_rows, b.rows.pad[rows], fi, fw.idx, fw.kv, fw.kv_at, ok, fw.ids)
             b.rows.store_block[rows] = np.where(refreshed, start, b.rows.store_block[rows])
 
     def _finish(self, b: DecodeBatch, masked: np.ndarray,
@@ -355,11 +364,14 @@ class Decoder:
         b.rows.done |= newly
         return newly, masked
 
-    def _exit_ready(self, b: DecodeBatch, x: np.ndarray, masked: np.ndarray) -> np.ndarray:
+    def _exit_ready(self, b: DecodeBatch, x: np.ndarray, masked: np.ndarray,
+                    pad: np.ndarray) -> np.ndarray:
         """(D,) rows with masks left whose canvas is committed up to an EOS (masked: (D, G)
-        the canvases' generated slots still [MASK])."""
+        the canvases' generated slots still [MASK]; pad: (D,) their rows' left padding): up to
+        the first mask, or with a block-causal model up to the block holding it."""
         gen = x[:, b.P :]
         any_masked = masked.any(-1)
         first_mask = np.where(any_masked, masked.argmax(-1), gen.shape[1])
-        before = np.arange(gen.shape[1])[None] < first_mask[:, None]
+        settled = self.layout.settled(b.P + first_mask, pad, b.P) - b.P
+        before = np.arange(gen.shape[1])[None] < settled[:, None]
         return ((gen == self.eos_id) & before).any(-1) & any_masked

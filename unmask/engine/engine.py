@@ -31,10 +31,10 @@ from unmask.decoding.params import DecodeParams, batch_params
 from unmask.engine.allocator import tune_for
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.decoder import Decoder, StepResult
+from unmask.engine.layout import block_size_of, canvas_length, for_model
 from unmask.engine.request import Request, StepEvent, useful_length
 from unmask.engine.scheduler import Scheduler, SchedulerConfig
 from unmask.errors import CanvasTooLong, InputError
-from unmask.models import refuse_block_diffusion
 
 log = logging.getLogger("unmask.engine")
 
@@ -67,8 +67,9 @@ class Engine:
     def __init__(self, model: nn.Module, config: SchedulerConfig | None = None,
                  mask_id: int | None = None, eos_id: int | None = None) -> None:
         """mask_id / eos_id default to the model config's (tests override them)."""
-        refuse_block_diffusion(model)
         self.model = model
+        # set for a block-causal model: its blocks, canvas and cache (unmask.engine.layout)
+        self.block_size = block_size_of(model)
         c = model.config
         self.mask_id = c.mask_token_id if mask_id is None else mask_id
         self.eos_id = c.eos_token_id if eos_id is None else eos_id
@@ -103,7 +104,7 @@ class Engine:
         if request_id is not None and not isinstance(request_id, str):
             raise InputError(f"request_id must be a string, got {type(request_id).__name__}")
         kw = {} if request_id is None else {"request_id": request_id}
-        req = Request(ids, params, trace=trace, **kw)
+        req = Request(ids, self.params_for(params), trace=trace, block_size=self.block_size, **kw)
         if req.request_id in self.requests:
             raise InputError(f"request id {req.request_id!r} is already in use")
         self.scheduler.add(req)
@@ -113,6 +114,11 @@ class Engine:
     def check(self, prompt_ids: list[int], params: DecodeParams) -> CheckedPrompt:
         """check_prompt's result, which add_request then takes without checking it again."""
         return CheckedPrompt(tuple(self.check_prompt(prompt_ids, params)), params, self)
+
+    def params_for(self, params: DecodeParams) -> DecodeParams:
+        """`params` as this engine's model decodes them (a block-causal model's own block length
+        and cache), or the DecoderMismatch of a key that cannot apply to it."""
+        return for_model(params, self.block_size)
 
     def check_prompt(self, prompt_ids: list[int], params: DecodeParams) -> list[int]:
         """The prompt's token ids as Python ints, or the InputError add_request would raise for
@@ -153,7 +159,8 @@ class Engine:
             raise InputError(f"the prompt holds the mask token (id {self.mask_id}) at position "
                              f"{prompt_ids.index(self.mask_id)}: only the generated canvas is "
                              f"filled; infilling inside the prompt is not supported")
-        total = len(prompt_ids) + params.gen_length
+        params = self.params_for(params)
+        total = len(prompt_ids) + canvas_length(len(prompt_ids), params.gen_length, self.block_size)
         if total > self.max_sequence_length:
             raise CanvasTooLong(f"prompt ({len(prompt_ids)} tokens) + gen_length "
                                 f"({params.gen_length}) exceeds max_sequence_length "
@@ -248,12 +255,20 @@ class Engine:
     def _events(self, dec: Decoder, b: DecodeBatch, res: StepResult) -> list[StepEvent]:
         gen = slice(b.P, b.S)
         x = b.x[:, gen]
+        # Events report the gen_length positions a request asked for: a block-causal model's
+        # canvas may reach further (to its last block's end), and its first block starts in the
+        # prompt (unmask.engine.layout).
+        budget = np.array([r.gen_length for r in b.requests], dtype=np.int64)
+        inside = np.arange(x.shape[1])[None, :] < budget[:, None]
         # All rows' commits at once, (row, position) pairs in row order, split into rows.
-        rows, cols = np.nonzero(x != res.before[:, gen])
-        d_rows, d_cols = np.nonzero(res.drafted[:, gen])
+        rows, cols = np.nonzero((x != res.before[:, gen]) & inside)
+        d_rows, d_cols = np.nonzero(res.drafted[:, gen] & inside)
         masked = res.masked
-        prefix = np.where(masked.any(-1), masked.argmax(-1), b.rows.end - b.P).tolist()
-        start = (res.block_start - b.P).tolist()
+        prefix = np.minimum(np.where(masked.any(-1), masked.argmax(-1), b.rows.end - b.P),
+                            budget).tolist()
+        start = res.block_start - b.P
+        block_end = np.minimum(start + dec.params.block_length, budget).tolist()
+        start = np.minimum(np.maximum(start, 0), budget).tolist()
         per_row = _split_rows(rows, cols.tolist(), len(b))
         tok_row = _split_rows(rows, x[rows, cols].tolist(), len(b))
         drafted_rows = _split_rows(d_rows, d_cols.tolist(), len(b))
@@ -265,13 +280,12 @@ class Engine:
         events = []
         for i, req in enumerate(b.requests):
             req.nfe, req.token_forwards, req.decided, req.steps = nfe[i], tok_fw[i], decided[i], steps[i]
-            block_len = req.params.block_length
             ev = StepEvent(req.request_id, req.steps, per_row[i], tok_row[i], drafted_rows[i],
-                           forwarded[i], refreshed[i], (start[i], start[i] + block_len), prefix[i],
+                           forwarded[i], refreshed[i], (start[i], block_end[i]), prefix[i],
                            req.nfe, req.token_forwards, req.decided)
             if req.trace and res.kept is not None:
-                ev.suffix_kept = (np.nonzero(res.kept[i, b.P + start[i] + block_len : b.S])[0]
-                                  + start[i] + block_len).tolist()
+                ev.suffix_kept = (np.nonzero(res.kept[i, b.P + block_end[i] : b.P + budget[i]])[0]
+                                  + block_end[i]).tolist()
             if finished[i] or stalled[i]:
                 req.token_ids = x[i, : req.gen_length].tolist()
                 req.finished_at = now

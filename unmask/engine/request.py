@@ -13,6 +13,7 @@ import zlib
 from dataclasses import dataclass, field
 
 from unmask.decoding.params import DecodeParams
+from unmask.engine.layout import canvas_length
 
 # Why a request finished. `eos`/`length` are the decode's own ends (OpenAI's "stop" and
 # "length"); `stop`: a caller saw a stop string; `abort`: cancelled; `error`: failed alone.
@@ -39,6 +40,7 @@ class Request:
     params: DecodeParams
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     trace: bool = False  # events carry per-step detail (suffix positions) for visual clients
+    block_size: int | None = None  # the model's, when it is block-causal (sets the canvas)
     arrival: float = field(default_factory=time.perf_counter)
     status: str = "waiting"  # waiting | running | finished
     # --- filled by the engine
@@ -65,9 +67,15 @@ class Request:
         return self.params.gen_length
 
     @property
+    def canvas(self) -> int:
+        """Generated positions on its canvas: gen_length, or for a block-causal model up to the
+        end of the block holding the last of them (unmask.engine.layout.canvas_length)."""
+        return canvas_length(self.prompt_len, self.gen_length, self.block_size)
+
+    @property
     def slots(self) -> int:
         """Canvas positions the request holds: prompt + generated."""
-        return self.prompt_len + self.gen_length
+        return self.prompt_len + self.canvas
 
     @property
     def seconds(self) -> float:

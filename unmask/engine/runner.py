@@ -102,21 +102,25 @@ class Past:
     mask: np.ndarray
     n: np.ndarray
     shape: np.ndarray
+    blocks: np.ndarray | None  # (R, K) each position's block (block-causal models; else None)
 
     def take(self, index: np.ndarray) -> Past:
         """The rows `index`, all of one canonical count, their slots cut to it."""
         k = int(self.shape[index[0]])
         return Past(self.store, self.rows[index], self.pos[index, :k], self.mask[index, :k],
-                    self.n[index], self.shape[index])
+                    self.n[index], self.shape[index],
+                    None if self.blocks is None else self.blocks[index, :k])
 
-    def frame(self, key_mask: Tensor) -> Frame:
-        """An unpacked frame of these rows (key_mask: their (R, T) forwarded tokens), or of no
-        stored keys when none of them reads any."""
+    def frame(self, key_mask: Tensor, blocks: Tensor | None) -> Frame:
+        """An unpacked frame of these rows (key_mask: their (R, T) forwarded tokens; blocks:
+        their blocks, block-causal models only), or of no stored keys when none reads any."""
         if self.pos.shape[1] == 0:
-            return Frame(key_mask=key_mask)
-        past_mask = torch.from_numpy(self.mask).to(key_mask.device)
+            return Frame(key_mask=key_mask, blocks=blocks)
+        dev = key_mask.device
+        past_mask = torch.from_numpy(self.mask).to(dev)
         return Frame(key_mask=key_mask, past=self.store.gather(self.rows, self.pos),
-                     past_mask=past_mask)
+                     past_mask=past_mask, blocks=blocks,
+                     past_blocks=None if blocks is None else torch.from_numpy(self.blocks).to(dev))
 
 
 @dataclass
@@ -168,8 +172,8 @@ class Runner:
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
         # Entropies are computed only for the policies that read them.
-        self.with_entropy = (entry("cache", params.cache).facts.reads_entropy
-                             or entry("remasking", params.remasking).facts.reads_entropy)
+        self.with_entropy = any(entry(kind, getattr(params, kind)).facts.reads_entropy
+                                for kind in ("cache", "remasking", "method"))
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
         # EOS leaves the distribution (LLaDA's logits_eos_inf); the mask token is only never chosen
@@ -178,6 +182,9 @@ class Runner:
         self.suppress = torch.cat([torch.tensor([mask_id] if mask_id < vocab else [],
                                                 dtype=torch.long, device=self.device), self.drop])
         self.shift = int(getattr(model, "logit_shift", 0))
+        # A block-causal model's forwarded tokens see their own block and earlier ones only
+        # (the frame decides what a call attends to: unmask.kv.Frame.blocks).
+        self.block_size: int | None = getattr(model.config, "block_size", None)
 
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device)
@@ -201,7 +208,10 @@ class Runner:
         idx, ok, n_tokens, t_hat = _compact(active, canonical_tokens)
         rows_of = np.arange(r)[:, None]
         ids = x[rows_of, idx]
-        past = self._past(visible & ~active, plan.store)
+        past = self._past(visible & ~active, plan.store, self.block_size)
+        blocks = None
+        if self.block_size is not None:  # padding tokens sit in no block: they see every key
+            blocks = np.where(ok, (idx - pad[:, None]) // self.block_size, np.iinfo(np.int64).max)
         target = idx + self.shift  # slot each output predicts
         want = ok & (target < s) & predict[rows_of, np.minimum(target, s - 1)]
         rows, cols = np.nonzero(want)
@@ -210,7 +220,7 @@ class Runner:
         embeds = self.suffix.embeds(self.model, ids, idx, ok, plan.prev_token,
                                     block_start + self.params.block_length, ids_t)
         logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok, n_tokens,
-                                       t_hat, embeds, past, rows, cols)
+                                       t_hat, embeds, past, blocks, rows, cols)
         u = None
         if noise is not None:
             offset = np.minimum(np.maximum(tslots - block_start[rows], 0), noise.shape[1] - 1)
@@ -230,7 +240,7 @@ class Runner:
                          n_tokens)
 
     @staticmethod
-    def _past(cached: np.ndarray, read: StoreRead | None) -> Past | None:
+    def _past(cached: np.ndarray, read: StoreRead | None, block_size: int | None) -> Past | None:
         """The stored positions each row attends to besides its forwarded tokens: its visible
         slots not recomputed that hold K/V, in slot order, padded to the largest canonical count
         K (`canonical_keys`). Attention then costs what a row sees, not the canvas width."""
@@ -241,17 +251,20 @@ class Runner:
             return None
         # Padding entries (mask False) may point anywhere: clip them into the store.
         pos = np.minimum(np.maximum(slots - read.pad[:, None], 0), read.store.shape[1] - 1)
-        return Past(read.store, read.rows, pos, mask, n, k_hat)
+        return Past(read.store, read.rows, pos, mask, n, k_hat,
+                    None if block_size is None else pos // block_size)
 
     def _call(self, ids: Tensor, pos: Tensor, ok: np.ndarray, n_tokens: np.ndarray,
-              t_hat: np.ndarray, embeds: Tensor | None, past: Past | None, rows: np.ndarray,
-              cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray | None]:
+              t_hat: np.ndarray, embeds: Tensor | None, past: Past | None,
+              blocks: np.ndarray | None, rows: np.ndarray, cols: np.ndarray,
+              ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray | None]:
         """The model call: logits (N, V) at (rows, cols), each layer's fresh (k, v) (`Frame.fresh`)
         and, packed, each token's index among the packed ones ((R, T); None: unpacked). Only the
         scored positions get the LM head (~10% of a forward on the embedded model).
 
         ids, pos, ok: (R, T) the forwarded tokens, T the widest canonical count; n_tokens and
-        t_hat (R,) each row's count and canonical count. Each row attends at its canonical shape
+        t_hat (R,) each row's count and canonical count; blocks (R, T) each token's block
+        (block-causal models; None: bidirectional). Each row attends at its canonical shape
         among the rows of that shape (`shape_groups`). One group with little padding runs as
         padded rows; otherwise the call goes packed: projections and MLPs skip the padding, and
         attention runs per group, gathered into its rows."""
@@ -260,8 +273,9 @@ class Runner:
         groups = shape_groups(t_hat, k_hat)
         n = int(n_tokens.sum())
         ok_t = self._to_device(ok)
+        blocks_t = None if blocks is None else self._to_device(blocks)
         if self.unpacked(len(groups), r, t, n):
-            frame = Frame(key_mask=ok_t) if past is None else past.frame(ok_t)
+            frame = Frame(key_mask=ok_t, blocks=blocks_t) if past is None else past.frame(ok_t, blocks_t)
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=self._at_least(rows, cols))
             return logits[: rows.size], frame.fresh, None
@@ -269,7 +283,8 @@ class Runner:
         extra = max(MIN_ROWS - n, 0)  # tokens that no row attends with, for the products' sake
         whole = len(groups) == 1 and not extra
         frame = Frame(key_mask=ok_t, packed=True, extra=extra,
-                      groups=[self._group(g, whole, at, ok, t_hat, ok_t, past) for g in groups])
+                      groups=[self._group(g, whole, at, ok, t_hat, ok_t, past, blocks_t)
+                              for g in groups])
         logits = self.model(self._packed(ids[ok_t], extra), self._packed(pos[ok_t], extra),
                             frame=frame,
                             embeds=None if embeds is None else self._packed(embeds[ok_t], extra),
@@ -299,18 +314,21 @@ class Runner:
         return t[None]
 
     def _group(self, g: np.ndarray, whole: bool, at: np.ndarray, ok: np.ndarray,
-               t_hat: np.ndarray, ok_t: Tensor, past: Past | None) -> RowGroup:
+               t_hat: np.ndarray, ok_t: Tensor, past: Past | None,
+               blocks_t: Tensor | None) -> RowGroup:
         """Rows g (one canonical shape) of a packed call as one attention batch (whole: g is every
         row, in order, and the call has no extra tokens)."""
         t_g = int(t_hat[g[0]])
         ok_g = ok[g, :t_g]  # real tokens come first in each row (`_compact`)
         grid = np.where(ok_g, at[g, :t_g], 0).reshape(-1)
         real = ok_g.reshape(-1)
-        key_mask = ok_t[:, :t_g] if whole else ok_t[self._to_device(g), :t_g]
+        rows = slice(None) if whole else self._to_device(g)
+        key_mask = ok_t[rows, :t_g]
+        blocks = None if blocks_t is None else blocks_t[rows, :t_g]
         # a single group's stored keys are already at its canonical count
         sub = past if past is None or whole else past.take(g)
         return RowGroup(
             grid=self._to_device(grid), shape=(g.size, t_g),
             real=None if real.all() else self._to_device(np.flatnonzero(real)),
             out_at=None if whole else self._to_device(grid[real]),
-            frame=Frame(key_mask=key_mask) if sub is None else sub.frame(key_mask))
+            frame=Frame(key_mask=key_mask, blocks=blocks) if sub is None else sub.frame(key_mask, blocks))

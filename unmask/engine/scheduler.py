@@ -112,7 +112,7 @@ class Scheduler:
             g = groups.setdefault(self.group_of(r), [0, 0, 0])
             g[0] += 1
             g[1] = max(g[1], r.prompt_len)
-            g[2] = max(g[2], r.gen_length)
+            g[2] = max(g[2], r.canvas)
         return sum(rows * (p + n) for rows, p, n in groups.values())
 
     def _fits_with(self, req: Request) -> bool:

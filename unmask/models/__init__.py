@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch import nn
 
 from unmask.config import ModelConfig
-from unmask.errors import InputError
 from unmask.models.dream import DreamModel
 from unmask.models.llada import LLaDAModel
 from unmask.models.protocol import DiffusionLM
@@ -19,16 +18,5 @@ def build_model(config: ModelConfig) -> nn.Module:
     return REGISTRY[config.model_type](config)
 
 
-def refuse_block_diffusion(model: nn.Module) -> None:
-    """An InputError for a block-diffusion model (SDAR: config.block_size set). It loads and runs
-    forwards, but the engine decodes bidirectional canvases only: decoding one block-causally
-    trained would run it on attention it never saw, so generation is refused, not approximated."""
-    c = getattr(model, "config", None)
-    if getattr(c, "block_size", None) is not None:
-        raise InputError(f"model_type {c.model_type} is a block-diffusion model (block_size "
-                         f"{c.block_size}): block-diffusion decoding is not implemented yet, so "
-                         "unmask cannot generate with it (it loads and runs forwards only)")
-
-
-__all__ = ["REGISTRY", "build_model", "refuse_block_diffusion", "DiffusionLM", "DreamModel",
+__all__ = ["REGISTRY", "build_model", "DiffusionLM", "DreamModel",
            "LLaDAModel", "SDARModel"]

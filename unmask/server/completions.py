@@ -62,7 +62,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
 
 async def _respond(state: ServerState, body: _Common, ids: list[list[int]], request: Request,
                    chat: bool) -> Response:
-    params = request_params(state.config, body)
+    params = request_params(state.config, body, state.model_defaults)
     fields = ([body.prompt_field(i) for i in range(len(ids))] if isinstance(body, CompletionRequest)
               else ["messages"])
     seeded = [params] + [params.replace(seed=(params.seed + j) % (1 << 63), name=params.spec)

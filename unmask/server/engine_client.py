@@ -32,7 +32,7 @@ from typing import Any
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, QueueFull, Request, StepEvent
 from unmask.engine.engine import CheckedPrompt
-from unmask.errors import CanvasTooLong, InputError
+from unmask.errors import CanvasTooLong, DecoderMismatch, InputError
 from unmask.server.metrics import ServerMetrics
 from unmask.server.protocol import FieldError
 
@@ -128,13 +128,16 @@ class EngineClient:
                 checked.append(self.engine.check(item.prompt_ids, item.params))
             except CanvasTooLong as e:
                 raise FieldError(item.length_field or item.field, str(e)) from None
+            except DecoderMismatch as e:  # a key of the decoder that this model cannot take
+                raise FieldError("decoder", str(e)) from None
             except InputError as e:
                 raise FieldError(item.field, f"{item.field}: {e}") from None
         scheduler = self.engine.scheduler
         c = scheduler.config
         if c.max_slots is None and (c.max_queue is None or len(items) <= c.max_running + c.max_queue):
             return checked  # no budget but rows: every item fits alone, and the count fits
-        reqs = [Request(list(p.ids), i.params) for i, p in zip(items, checked, strict=True)]
+        reqs = [Request(list(p.ids), i.params, block_size=self.engine.block_size)
+                for i, p in zip(items, checked, strict=True)]
         for item, r in zip(items, reqs, strict=True):
             try:
                 scheduler.check_fits(r)

@@ -89,14 +89,16 @@ def encode_chat(llm: LLM, messages: list[dict]) -> list[int]:
         raise APIError(400, str(e), param="messages") from None
 
 
-def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
+def request_params(config: ServerConfig, body: _Common, defaults: dict | None = None) -> DecodeParams:
     """The request's decoder: its `decoder` spec (or the server's), with max_tokens (rounded up
     to block_length), temperature, seed and top_p from the request. Against the server's default spec
-    the request's fields win; in a spec the request wrote itself, a conflict is an error."""
+    the request's fields win; in a spec the request wrote itself, a conflict is an error.
+    defaults: the model's (unmask.engine.layout.model_defaults), under the spec's keys."""
+    defaults = defaults or {}
     # "" is an empty spec (a 400, as --decoder ''), not a request for the server's
     spec = config.decoder if body.decoder is None else body.decoder
     try:
-        base = DecodeParams.parse(spec)
+        base = DecodeParams.parse(spec, **defaults)
         fields: dict[str, Any] = {}
         if body.max_tokens is not None:
             fields["gen_length"] = base.canvas_for(body.max_tokens)
@@ -108,7 +110,7 @@ def request_params(config: ServerConfig, body: _Common) -> DecodeParams:
             fields["top_p"] = body.top_p
         if body.decoder is None:
             return base.replace(**fields, name=base.spec) if fields else base
-        return DecodeParams.parse(spec, explicit=fields)
+        return DecodeParams.parse(spec, explicit=fields, **defaults)
     except SpecError as e:  # named by the request's field where the error is about one it set
         field = {"gen_length": "max_tokens"}.get(e.key, e.key)
         raise APIError(400, str(e), param=field if field in body.model_fields_set else "decoder"

@@ -99,7 +99,8 @@ def _lane_params(state: ServerState, body: TraceRequest, i: int, spec: str | Non
                  n: int) -> DecodeParams:
     """Lane i's decoder; an error names the lane (decoders[i])."""
     try:
-        return request_params(state.config, body.model_copy(update={"decoder": spec}))
+        return request_params(state.config, body.model_copy(update={"decoder": spec}),
+                              state.model_defaults)
     except APIError as e:
         shown = state.config.decoder if spec is None else spec
         which = f"decoder {i + 1} ({shown!r})" if n > 1 else f"decoder {shown!r}"

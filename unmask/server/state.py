@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 
 from unmask.api import LLM
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
+from unmask.engine.layout import model_defaults
 from unmask.errors import InputError
 from unmask.server.engine_client import EngineClient
 from unmask.server.metrics import ServerMetrics
@@ -88,6 +89,12 @@ class ServerState:
     @property
     def metrics(self) -> ServerMetrics:
         return self.engine.metrics
+
+    @property
+    def model_defaults(self) -> dict:
+        """Decoder keys a request's spec defaults to for this model (a block-causal model's
+        blocks and cache: unmask.engine.layout.model_defaults)."""
+        return model_defaults(self.llm.model)
 
 
 def server_state(request: Request) -> ServerState:

@@ -1,0 +1,144 @@
+"""Where a row's blocks lie on its canvas: the one place that knows what a block-causal model
+changes in decoding (docs/decoders.md, "Block-diffusion decoding").
+
+- Bidirectional models (LLaDA, Dream): blocks cut the generated region, starting at slot P (the
+  batch's first generated slot) for every row; the canvas is the prompt plus gen_length; every
+  visible slot may be forwarded; a row stops when nothing is masked (or at early exit).
+- Block-causal models (SDAR: the config sets `block_size`): the blocks are the model's own, cut
+  at the row's absolute positions (block k holds positions [k * bs, (k + 1) * bs), and slot
+  pad + p holds position p), so the first decode block holds the prompt's tail; the canvas is the
+  prompt plus gen_length rounded up to whole blocks (generate.py's `total_length`); nothing past
+  the current block's end is visible; a block's static schedule counts the whole block, as
+  generate.py's `get_num_transfer_tokens(block_length, steps)` does; and a row stops once a
+  completed block holds EOS (generate.py's stopping criterion), its later masks becoming EOS.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from torch import nn
+
+from unmask.decoding.knobs import entry
+from unmask.decoding.params import DecodeParams
+from unmask.errors import DecoderMismatch, SpecError
+
+
+class BlockLayout:
+    """Bidirectional: blocks start at slot P for every row."""
+
+    stops_at_eos = False  # a completed block holding EOS ends the row whatever early_exit says
+
+    def __init__(self, block_length: int) -> None:
+        self.block_length = block_length
+
+    def origin(self, pad: np.ndarray, P: int) -> np.ndarray:
+        """(R,) the slot block 0 starts at, per row (pad: (R,) the rows' left padding)."""
+        return np.full_like(pad, P)
+
+    def block_start(self, slot: np.ndarray, pad: np.ndarray, P: int) -> np.ndarray:
+        """(R,) first slot of the block holding `slot` (R,)."""
+        origin = self.origin(pad, P)
+        return origin + ((slot - origin) // self.block_length) * self.block_length
+
+    def horizon(self, block_end: np.ndarray, row_end: np.ndarray) -> np.ndarray:
+        """(R,) one past the last slot a step may see."""
+        return row_end
+
+    def schedule_size(self, cand: np.ndarray) -> np.ndarray:
+        """(R,) the M of LLaDA's static schedule for a block starting with candidates cand (R, S)."""
+        return cand.sum(-1)
+
+    def settled(self, first_mask: np.ndarray, pad: np.ndarray, P: int) -> np.ndarray:
+        """(R,) one past the last slot whose token is final, for a stop at EOS (first_mask: (R,)
+        the first masked slot): a bidirectional canvas is final up to its first mask."""
+        return first_mask
+
+
+class CausalBlockLayout(BlockLayout):
+    """Block-causal: the model's blocks, aligned at each row's position 0."""
+
+    stops_at_eos = True
+
+    def origin(self, pad: np.ndarray, P: int) -> np.ndarray:
+        return pad
+
+    def horizon(self, block_end: np.ndarray, row_end: np.ndarray) -> np.ndarray:
+        return block_end
+
+    def schedule_size(self, cand: np.ndarray) -> np.ndarray:
+        return np.full(cand.shape[0], self.block_length, dtype=np.int64)
+
+    def settled(self, first_mask: np.ndarray, pad: np.ndarray, P: int) -> np.ndarray:
+        # generate.py checks for EOS once a block is complete, never inside the current one
+        return self.block_start(first_mask, pad, P)
+
+
+def block_size_of(model: nn.Module) -> int | None:
+    """The block size a block-causal model attends in (None: a bidirectional model)."""
+    return getattr(getattr(model, "config", None), "block_size", None)
+
+
+def model_defaults(model: nn.Module) -> dict[str, int | str]:
+    """Decoder keys a spec parsed for this model defaults to: under the spec's own keys, over a
+    preset's. For a block-causal model its block length (so gen_length need only be a multiple
+    of it), the exact block cache and the full suffix: a preset keeps its method and rule knobs
+    and takes the model's blocks and cache (docs/decoders.md, "Block-diffusion decoding")."""
+    block_size = block_size_of(model)
+    if block_size is None:
+        return {}
+    return {"block_length": block_size, "cache": "block", "suffix": "full"}
+
+
+def make_layout(model: nn.Module, params: DecodeParams) -> BlockLayout:
+    causal = block_size_of(model) is not None
+    return (CausalBlockLayout if causal else BlockLayout)(params.block_length)
+
+
+def canvas_length(prompt_len: int, gen_length: int, block_size: int | None) -> int:
+    """Generated slots on a row's canvas: gen_length, or for a block-causal model up to the end of
+    the block holding the last of them (generate.py's total_length, less the prompt)."""
+    if block_size is None:
+        return gen_length
+    return -(-(prompt_len + gen_length) // block_size) * block_size - prompt_len
+
+
+_DEFAULT = DecodeParams()
+
+
+def for_model(params: DecodeParams, block_size: int | None) -> DecodeParams:
+    """`params` as the model decodes them, or a DecoderMismatch naming the key that cannot apply.
+
+    A block-causal model decodes in its own blocks with the exact block cache: block_length left
+    at its default becomes the model's block size, and cache none (the default) the block cache,
+    which changes no logit (docs/decoders.md); keys that act on a bidirectional canvas beyond the
+    current block are refused."""
+    for_blocks = entry("cache", params.cache).facts.block_causal
+    if block_size is None:
+        if for_blocks:
+            raise DecoderMismatch(f"cache={params.cache} applies to block-causal models (config "
+                                  f"block_size) only; this model is bidirectional: drop cache",
+                                  "cache")
+        return params
+    why = "a block-causal model never sees past its current block"
+    if params.suffix != "full":
+        raise DecoderMismatch(f"suffix={params.suffix} cannot apply: {why}; drop suffix", "suffix")
+    if not for_blocks and params.cache != "none":
+        raise DecoderMismatch(f"cache={params.cache} cannot apply: {why}, and the K/V of its "
+                              "finished blocks is exact already; drop cache (the exact block cache "
+                              "is its default)", "cache")
+    changes: dict = {}
+    if params.block_length != block_size:
+        if params.block_length != _DEFAULT.block_length:
+            raise DecoderMismatch(f"block_length={params.block_length} cannot apply: this model "
+                                  f"was trained with blocks of {block_size}; drop block_length "
+                                  f"or set block_length={block_size}", "block_length")
+        changes["block_length"] = block_size
+    if params.cache == "none":
+        changes["cache"] = "block"
+    if not changes:
+        return params
+    try:
+        return params.replace(**changes, name=params.name)
+    except SpecError as e:  # e.g. gen_length or steps against the model's block size
+        raise DecoderMismatch(f"{e} (block_length is this model's block size, {block_size})",
+                              e.key) from None
