@@ -152,7 +152,7 @@ def test_models_lists_the_embedded_model_folders_and_the_hub_cache(tmp_path, mon
     # --dir replaces UNMASK_MODELS; a model folder itself may be named; the table form
     assert main(["models", "--dir", str(mine / "tied")]) == 0
     out = capsys.readouterr().out
-    assert "shipped with unmask (the default)" in out and "unmask-sdar" in out
+    assert "shipped (default)" in out and "unmask-sdar" in out
     assert "org/tiny-dream" in out and "hub cache" in out
     assert "mine/tied" in out and "\u2026" not in out  # folded over lines in 80 columns, not cut
     assert "bert" not in out

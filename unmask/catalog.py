@@ -192,7 +192,7 @@ def _where(m: ModelSummary) -> str:
 
     if m.source != "embedded":
         return m.source
-    return "shipped with unmask" + (" (the default)" if m.name == DEFAULT_NAME else "")
+    return "shipped (default)" if m.name == DEFAULT_NAME else "shipped"
 
 
 def human(n: int) -> str:

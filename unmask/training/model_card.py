@@ -92,10 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {Path(a.model_dir) / 'MODEL_CARD.md'}", file=sys.stderr)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _shown(value: object) -> object:
     """A summary number as the card writes it: n/a where the run measured none (null)."""
     return "n/a" if value is None else value
+
+
+if __name__ == "__main__":
+    main()
+
