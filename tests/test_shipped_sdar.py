@@ -46,3 +46,14 @@ def test_generate_by_name(capsys) -> None:
     assert main(["generate", "--model", "unmask-sdar", "--json", PROBLEM]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert "#### 69" in out["text"], out["text"]
+
+
+def test_package_data_ships_every_shipped_folder() -> None:
+    """A wheel or sdist carries the shipped folders only if package-data names them (built and
+    listed once by hand: both folders' five files are in the wheel and the sdist)."""
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    data = next(line for line in pyproject.splitlines() if line.startswith("unmask = ["))
+    for folder in SHIPPED.values():
+        assert f'"assets/{folder.name}/*"' in data, folder
