@@ -184,3 +184,26 @@ def test_show_of_a_hub_id_downloads_no_weights(hub, tmp_path) -> None:
     assert report["chat_template"] is True
     assert not any("model.safetensors" in r for r in FakeHub.requested)
     assert f"GET /{REPO}/resolve/{COMMIT}/config.json" in FakeHub.requested
+
+
+def test_shipped_names_resolve_and_a_folder_of_that_name_wins(tmp_path, monkeypatch) -> None:
+    from unmask.hub import DEFAULT_NAME, SHIPPED, resolve_model
+
+    assert set(SHIPPED) == {"unmask-llada", "unmask-sdar"} and SHIPPED[DEFAULT_NAME] == DEFAULT_MODEL
+    for name, folder in SHIPPED.items():
+        assert resolve_model(name) == folder and (folder / "model.safetensors").is_file()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "unmask-sdar").mkdir()
+    assert resolve_model("unmask-sdar") == Path("unmask-sdar")
+
+
+def test_generate_with_a_shipped_name_and_an_unknown_one(capsys) -> None:
+    from unmask.cli import main
+
+    assert main(["generate", "--model", "unmask-llada", "--gen-length", "32", "--json",
+                 "What is 2 + 3?"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["text"]
+    assert main(["generate", "--model", "unmask-sdra", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "unmask-sdra does not exist" in err and "unmask-llada, unmask-sdar" in err

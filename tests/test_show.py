@@ -160,18 +160,20 @@ def test_models_lists_the_embedded_model_folders_and_the_hub_cache(tmp_path, mon
     out, err = capsys.readouterr()
     rows = [json.loads(line) for line in out.splitlines()]
     assert [(r["name"], r["source"], r["family"]) for r in rows] == [
-        ("(embedded)", "embedded", "llada"), ("org/tiny-dream", "hub cache", "Dream"),
-        (str(mine / "tied"), "folder", "llada")]
-    assert rows[1]["path"] == str(snapshot)
+        ("unmask-llada", "embedded", "llada"), ("unmask-sdar", "embedded", "sdar"),
+        ("org/tiny-dream", "hub cache", "Dream"), (str(mine / "tied"), "folder", "llada")]
+    assert rows[2]["path"] == str(snapshot)
     assert rows[0]["parameters"] == 1_377_408 and rows[0]["dtype"] == "float32"
-    assert rows[2]["disk_bytes"] == sum(p.stat().st_size for p in (mine / "tied").iterdir())
+    assert rows[1]["parameters"] == 1_377_408 + 4 * 2 * 32  # + the q/k norms LLaDA lacks
+    assert rows[3]["disk_bytes"] == sum(p.stat().st_size for p in (mine / "tied").iterdir())
     assert err.count("\n") == 1 and "left out 1 folder" in err and "bert" in err
     assert "notes" not in err
 
     # --dir replaces UNMASK_MODELS; a model folder itself may be named; the table form
     assert main(["models", "--dir", str(mine / "tied")]) == 0
     out = capsys.readouterr().out
-    assert "shipped with unmask" in out and "org/tiny-dream" in out and "hub cache" in out
+    assert "shipped (default)" in out and "unmask-sdar" in out
+    assert "org/tiny-dream" in out and "hub cache" in out
     assert "mine/tied" in out and "\u2026" not in out  # folded over lines in 80 columns, not cut
     assert "bert" not in out
 

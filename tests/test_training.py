@@ -316,7 +316,8 @@ def _tiny_model(enc: TextEncoder):
     from unmask.models import build_model
 
     torch.manual_seed(0)
-    ns = argparse.Namespace(d_model=64, n_heads=4, n_layers=2, mlp_hidden=128, max_seq_len=2048)
+    ns = argparse.Namespace(model_type="llada", d_model=64, n_heads=4, n_layers=2, mlp_hidden=128,
+                            max_seq_len=2048)
     model = build_model(_model_config(ns, enc))
     model.init_weights()
     return model

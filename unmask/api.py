@@ -23,7 +23,7 @@ from unmask.engine import Request, StepEvent, decode
 from unmask.engine.layout import model_defaults
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
-from unmask.hub import resolve_model
+from unmask.hub import DEFAULT_NAME, SHIPPED, resolve_model
 from unmask.quantize import (
     check_quantize,
     mib,
@@ -33,7 +33,7 @@ from unmask.quantize import (
     weight_bytes,
 )
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "default_model"
+DEFAULT_MODEL = SHIPPED[DEFAULT_NAME]
 log = logging.getLogger("unmask")
 
 

@@ -1,5 +1,5 @@
 """What a model folder holds, read without loading its weights, and `unmask models`: the models
-this machine has (the embedded one, dLLM folders in the Hugging Face cache, folders under
+this machine has (the shipped ones, dLLM folders in the Hugging Face cache, folders under
 UNMASK_MODELS or --dir).
 
 Torch-free at import (the CLI's parser imports the argument function); the parameter count
@@ -113,11 +113,11 @@ def has_chat_template(folder: Path) -> bool:
 
 # --- where models are -------------------------------------------------------------------------
 def candidates(dirs: list[Path]) -> list[tuple[Path, str, str]]:
-    """(folder, name, source) of every place a model may be: the embedded model, the hub
+    """(folder, name, source) of every place a model may be: the shipped models, the hub
     cache's model snapshots (the newest revision of each), each dir and its subfolders."""
-    from unmask.api import DEFAULT_MODEL
+    from unmask.hub import SHIPPED
 
-    found = [(DEFAULT_MODEL, "(embedded)", "embedded"), *hub_snapshots()]
+    found = [*((folder, name, "embedded") for name, folder in SHIPPED.items()), *hub_snapshots()]
     for d in dirs:
         found += [(sub, str(sub), "folder") for sub in [d, *sorted(d.iterdir())]
                   if sub.is_dir() and (sub != d or (d / "config.json").is_file())]
@@ -198,8 +198,16 @@ def print_table(models: list[ModelSummary]) -> None:
         table.add_column(title, no_wrap=True)
     for m in models:
         table.add_row(m.name, m.family, human(m.parameters), m.dtype, gib(m.disk_bytes),
-                      "shipped with unmask" if m.source == "embedded" else m.source)
+                      _where(m))
     Console().print(table)
+
+
+def _where(m: ModelSummary) -> str:
+    from unmask.hub import DEFAULT_NAME
+
+    if m.source != "embedded":
+        return m.source
+    return "shipped (default)" if m.name == DEFAULT_NAME else "shipped"
 
 
 def human(n: int) -> str:

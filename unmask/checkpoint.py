@@ -115,8 +115,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     """
     folder = Path(path)
     if not folder.is_dir():
+        from unmask.hub import SHIPPED
+
         what = "is not a folder" if folder.exists() else "does not exist"
-        raise CheckpointError(f"model folder {folder} {what}")
+        raise CheckpointError(f"model folder {folder} {what} (a model name is a folder, a hub id "
+                              f"org/name, or a shipped model: {', '.join(SHIPPED)})")
     try:
         config = ModelConfig.load(folder)
     except ConfigError as e:  # its message names the folder already

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
          "unmask.bench.cli", "run_eval", True),
         ("bench", "decoders side by side: accuracy, speed, cost, plot", add_bench_arguments,
          "unmask.bench.cli", "run_bench", True),
-        ("train", "train a small LLaDA-format model (the embedded model)", add_train_arguments,
+        ("train", "train a small LLaDA- or SDAR-format model (the shipped ones)", add_train_arguments,
          "unmask.training.train", "run_train", False),
         ("serve", "OpenAI-compatible HTTP server (needs unmask[serve])", add_serve_arguments,
          "unmask.server.run", "run_serve", True),

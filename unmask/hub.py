@@ -1,4 +1,5 @@
-"""Model names: a local folder, or a Hugging Face hub id (``org/name``) downloaded on first use.
+"""Model names: a local folder, a model shipped in the package (SHIPPED: ``unmask-llada``, the
+default, and ``unmask-sdar``), or a Hugging Face hub id (``org/name``) downloaded on first use.
 
 A name that is not a local folder and looks like ``org/name`` is fetched with huggingface_hub's
 ``snapshot_download`` into that library's own cache (``HF_HOME``, ``HF_HUB_CACHE``), with its
@@ -21,6 +22,12 @@ from unmask.errors import CheckpointError
 DESCRIPTION_PATTERNS = ["config.json", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json", "chat_template.jinja"]
 ALLOW_PATTERNS = [*DESCRIPTION_PATTERNS, "*.safetensors", "model.safetensors.index.json"]
+ASSETS = Path(__file__).parent / "assets"
+# The models the package ships (unmask/assets/*/MODEL_CARD.md), by the name --model takes; a local
+# folder of the same name wins, as any existing folder does.
+SHIPPED = {"unmask-llada": ASSETS / "default_model", "unmask-sdar": ASSETS / "sdar_model"}
+DEFAULT_NAME = "unmask-llada"  # what runs when no model is named
+
 # The hub's own rule for repository names: letters, digits, '-', '_', '.'; no '--' or '..'.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 
@@ -30,10 +37,13 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def resolve_model(name: str, patterns: list[str] = ALLOW_PATTERNS) -> Path:
-    """The folder `name` names: itself when it exists or is not a hub id, else the hub
-    snapshot of that id with the files `patterns` match (downloaded if the cache lacks them;
-    DESCRIPTION_PATTERNS: what `unmask show` reads, no weights)."""
+    """The folder `name` names: itself when it exists, a shipped model's (SHIPPED), itself when
+    it is not a hub id, else the hub snapshot of that id with the files `patterns` match
+    (downloaded if the cache lacks them; DESCRIPTION_PATTERNS: what `unmask show` reads, no
+    weights)."""
     path = Path(os.path.expanduser(name))  # "~nobody/x" stays as written
+    if not path.exists() and name in SHIPPED:
+        return SHIPPED[name]
     if path.exists() or not looks_like_hub_id(name):
         return path
     return download(name, patterns)

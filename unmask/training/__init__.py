@@ -1,1 +1,1 @@
-"""Training of the embedded default model: tokenizer, data stream, LLaDA SFT objective."""
+"""Training of the shipped models: tokenizer, data stream, LLaDA SFT and SDAR block diffusion."""

@@ -84,6 +84,7 @@ _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "pad_weight": (lambda v: v >= 0, "a number >= 0"),
     "digit_weight": (lambda v: v >= 0, "a number >= 0"),
     "semi_ar": (lambda v: 0 <= v <= 1, "a share of rows in [0, 1]"),
+    "block_size": (lambda v: v >= 1, "an integer >= 1"),
     "time_budget_min": (lambda v: v > 0, "a number of minutes > 0"),
     "eval_every": (lambda v: v >= 1, "an integer >= 1"),
     "eval_batches": (lambda v: v >= 1, "an integer >= 1"),
@@ -98,6 +99,7 @@ _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
 def check_train_args(args: argparse.Namespace) -> None:
     """Refuse flag values that would crash, hang or silently train nonsense, naming the flag and
     what is valid; the model's sizes are ModelConfig's to check."""
+    _family_defaults(args)
     for name, (ok, valid) in _RANGES.items():
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and ok(value)):
@@ -118,6 +120,27 @@ def check_train_args(args: argparse.Namespace) -> None:
     if args.batch_tokens > most:
         raise InputError(f"--batch-tokens must be at most {most} with these --buckets ({MAX_ROWS} "
                          f"rows of up to {MAX_PROMPT} + {canvas} tokens), got {args.batch_tokens}")
+
+
+BLOCK_SIZE = 4  # SDAR's: the block_size of JetAstra/SDAR's published SDAR-*-Chat configs
+FAMILY_DEFAULTS = {"llada": {"semi_ar": 0.5, "block_size": None},
+                   "sdar": {"semi_ar": 0.0, "block_size": BLOCK_SIZE}}
+
+
+def _family_defaults(args: argparse.Namespace) -> None:
+    """Flags whose default depends on --model-type get it; args.json records the value used."""
+    if args.model_type not in FAMILY_DEFAULTS:
+        raise InputError(f"--model-type must be one of {', '.join(FAMILY_DEFAULTS)}, "
+                         f"got {args.model_type!r}")
+    if args.model_type != "sdar" and args.block_size is not None:
+        raise InputError(f"--block-size is for block-diffusion models (--model-type sdar); "
+                         f"{args.model_type} is bidirectional")
+    if args.model_type == "sdar" and args.semi_ar:
+        raise InputError(f"--semi-ar {args.semi_ar} is for llada: block diffusion already trains "
+                         "every block behind its clean prefix; leave --semi-ar out")
+    for name, value in FAMILY_DEFAULTS[args.model_type].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def _buckets_arg(spec: str) -> tuple[CanvasBucket, ...]:
@@ -161,6 +184,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"vocabulary of the tokenizer trained here (default: {DEFAULT_VOCAB}); "
                         "with an existing tokenizer it must be that tokenizer's size")
     g = p.add_argument_group("model")
+    g.add_argument("--model-type", default="llada", choices=sorted(FAMILY_DEFAULTS),
+                   help="llada: masked diffusion on a bidirectional canvas; sdar: block diffusion "
+                        "(block-causal attention, a noisy block beside the clean earlier ones)")
+    g.add_argument("--block-size", type=int, default=None,
+                   help=f"sdar only: positions per block (default: {BLOCK_SIZE}, SDAR-Chat's)")
     g.add_argument("--d-model", type=int, default=256,
                    help="model width")
     g.add_argument("--n-layers", type=int, default=4,
@@ -197,9 +225,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="loss weight of EOS padding after the answer's own EOS (1 = LLaDA's)")
     g.add_argument("--digit-weight", type=float, default=5.0,
                    help="loss weight of digit tokens in responses (1 = LLaDA's)")
-    g.add_argument("--semi-ar", type=float, default=0.5,
-                   help="share of rows masked as semi-AR decoding sees them: clean prefix, "
-                        "masked block, masked rest (0 = LLaDA's uniform masking only)")
+    g.add_argument("--semi-ar", type=float, default=None,
+                   help="llada only: share of rows masked as semi-AR decoding sees them: clean "
+                        "prefix, masked block, masked rest (0 = LLaDA's uniform masking only; "
+                        "default: 0.5, and 0 for sdar)")
     g = p.add_argument_group("evaluation and checkpoints")
     g.add_argument("--eval-every", type=int, default=200, help="steps between held-out losses")
     g.add_argument("--eval-batches", type=int, default=8,

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATE = Path(__file__).with_name("MODEL_CARD.md.template")
+# One card per model family (the run's config.json model_type)
+TEMPLATES = {"llada": TEMPLATE, "sdar": Path(__file__).with_name("SDAR_MODEL_CARD.md.template")}
 
 
 def _buckets_text(buckets: list[dict[str, Any]] | None) -> str:
@@ -31,8 +33,9 @@ def render_model_card(summary: dict[str, Any], scores: str = "To be added by the
     if args.get("init") and not lineage:
         lineage = f"- Started from the weights of `{args['init']}` (`--init`), not from scratch."
     code_frac = float(args.get("code_frac", 0.25))
-    return TEMPLATE.read_text().format(
+    return TEMPLATES[cfg.get("model_type", "llada")].read_text().format(
         params=summary["params"], params_m=summary["params"] / 1e6,
+        block_size=cfg.get("block_size"), head_dim=cfg.get("head_size") or cfg["d_model"] // cfg["n_heads"],
         d_model=cfg["d_model"], n_layers=cfg["n_layers"], n_heads=cfg["n_heads"],
         mlp_hidden_size=cfg["mlp_hidden_size"], vocab_size=cfg["vocab_size"],
         max_sequence_length=cfg["max_sequence_length"],
@@ -89,10 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {Path(a.model_dir) / 'MODEL_CARD.md'}", file=sys.stderr)
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _shown(value: object) -> object:
     """A summary number as the card writes it: n/a where the run measured none (null)."""
     return "n/a" if value is None else value
+
+
+if __name__ == "__main__":
+    main()
+

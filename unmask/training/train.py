@@ -1,4 +1,7 @@
-"""Train a small LLaDA-format model with the masked-diffusion SFT objective.
+"""Train a small LLaDA-format (masked diffusion) or SDAR-format (block diffusion) model.
+
+``--model-type`` picks the objective (`objective_for`): LLaDA's below, or SDAR's in
+``unmask.training.block_diffusion``; the data, loss weights and schedule below are shared.
 
 Objective (LLaDA SFT): the prompt is never masked; every response position — including the EOS
 padding that fills the canvas — is masked independently with probability p = (1 - eps) t + eps,
@@ -284,7 +287,15 @@ def sft_loss(model: nn.Module, batch: Batch, mask_id: int, gen: torch.Generator 
     b, t_len = noisy.shape
     pos = torch.arange(t_len, device=noisy.device).expand(b, t_len)
     logits = model(noisy, pos)  # (B, T, V)
-    ce = F.cross_entropy(logits[masked].float(), batch.input_ids[masked], reduction="none")
+    return weighted_ce(logits[masked], batch, masked, p_mask, weights)
+
+
+def weighted_ce(logits: Tensor, batch: Batch, masked: Tensor, p_mask: Tensor,
+                weights: LossWeights = LossWeights()) -> Tensor:
+    """logits (N, V) of the N masked positions (``masked`` (B, T), row-major order) -> per row,
+    the sum of w * CE / p_mask divided by the row's total weight; mean over the batch."""
+    b, t_len = masked.shape
+    ce = F.cross_entropy(logits.float(), batch.input_ids[masked], reduction="none")  # (N,)
     w = position_weights(batch, weights)  # (B, T)
     row_total = w.sum(dim=1, keepdim=True).expand(b, t_len)  # (B, T)
     return (ce * w[masked] / (p_mask[masked] * row_total[masked])).sum() / b
@@ -379,11 +390,12 @@ def _model_config(args: argparse.Namespace, enc: TextEncoder):  # -> ModelConfig
     from unmask.config import ModelConfig
 
     return ModelConfig(
-        model_type="llada", d_model=args.d_model, n_heads=args.n_heads, n_kv_heads=args.n_heads,
+        model_type=args.model_type, d_model=args.d_model, n_heads=args.n_heads, n_kv_heads=args.n_heads,
         n_layers=args.n_layers, mlp_hidden_size=args.mlp_hidden, vocab_size=enc.vocab_size,
         embedding_size=enc.vocab_size, rope_theta=10000.0, rms_norm_eps=1e-5,
         max_sequence_length=args.max_seq_len, weight_tying=False, mask_token_id=enc.mask_id,
         eos_token_id=enc.eos_id, include_bias=False,
+        **objective_for(args.model_type).config_fields(args),
     )
 
 
@@ -391,7 +403,8 @@ def _optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimi
     # No decay on norms (1-D) and embeddings: decaying them only hurts tiny models.
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 and "wte" not in name else no_decay).append(p)
+        embedding = "wte" in name or "embed_tokens" in name
+        (decay if p.dim() >= 2 and not embedding else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
@@ -411,10 +424,11 @@ def _evaluating(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()  # evaluation only: no autograd graph
 def heldout_loss(model: nn.Module, batches: list[Batch], mask_id: int, device: torch.device,
-                 weights: LossWeights = LossWeights()) -> float:
+                 weights: LossWeights = LossWeights(), loss: Callable[..., Tensor] = sft_loss) -> float:
+    """loss: (model, batch, mask_id, generator, weights) -> the objective's loss."""
     gen = torch.Generator(device=device).manual_seed(1234)  # same masks every evaluation
     with _evaluating(model):
-        total = sum(float(sft_loss(model, batch_to(b, device), mask_id, gen, weights)) for b in batches)
+        total = sum(float(loss(model, batch_to(b, device), mask_id, gen, weights)) for b in batches)
     return total / len(batches)
 
 
@@ -447,37 +461,93 @@ def digit_recall(model: nn.Module, batches: list[Batch], mask_id: int, digit_ids
     return hit / total if total else float("nan")
 
 
+# A training-time decoder: (prompts, gen_length, on_event) -> each prompt's response tokens.
+Decode = Callable[[list[list[int]], int, Callable[[Any], None] | None], list[list[int]]]
+
+
+def engine_decoder(model: nn.Module, enc: TextEncoder, block_length: int = 32) -> Decode:
+    """static-1 with early exit, temperature 0, through the engine (a bidirectional canvas)."""
+    from unmask.decoding.params import DecodeParams
+    from unmask.engine import decode as engine_decode
+
+    def decode(prompts: list[list[int]], gen_length: int,
+               on_event: Callable[[Any], None] | None) -> list[list[int]]:
+        params = DecodeParams.parse("static-1,early_exit=true", gen_length=gen_length,
+                                    block_length=block_length)
+        results = engine_decode(model, params, prompts, mask_id=enc.mask_id, eos_id=enc.eos_id,
+                                on_event=on_event)
+        return [list(r.token_ids) for r in results]
+    return decode
+
+
 @torch.no_grad()
 def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: int = 192,
                block_length: int = 32, check: Callable[[str, Any], bool] | None = None,
-               on_event: Callable[[Any], None] | None = None) -> float:
-    """Share of held-out ``problems`` whose static-1 decode (early exit, temperature 0)
-    ``check(text, problem)`` accepts (default: the math checker on the problem's answer): the
-    quality bars of issue 3, on a shorter canvas so they are cheap enough to log. ``on_event``
-    receives the decode's step events (a progress bar counts the finished ones).
+               on_event: Callable[[Any], None] | None = None, decode: Decode | None = None) -> float:
+    """Share of held-out ``problems`` whose greedy decode (``decode``; default the engine's
+    static-1 with early exit, temperature 0) ``check(text, problem)`` accepts (default: the math
+    checker on the problem's answer): the quality bars of issue 3, on a shorter canvas so they
+    are cheap enough to log. ``on_event`` receives the decode's step events (a progress bar
+    counts the finished ones).
 
     Why: digit recall scores one digit with the rest of the answer visible, where most digits have
     a copy elsewhere (``write 5`` ... ``= 85`` ... ``#### 85``); decoding from a blank canvas is what
     the model is for, and this number stays at 0 long after recall looks good.
     """
-    from unmask.decoding.params import DecodeParams
-    from unmask.engine import decode
     from unmask.engine.request import useful_length
     from unmask.tasks import math as math_task
 
     check = check or (lambda text, p: math_task.check(text, p.answer))
     if not problems:
         return float("nan")
-    params = DecodeParams.parse("static-1,early_exit=true", gen_length=gen_length,
-                                block_length=block_length)
+    decode = decode or engine_decoder(model, enc, block_length)
     with _evaluating(model):
-        results = decode(model, params, [enc.prompt(p.prompt) for p in problems],
-                         mask_id=enc.mask_id, eos_id=enc.eos_id, on_event=on_event)
+        outputs = decode([enc.prompt(p.prompt) for p in problems], gen_length, on_event)
     solved = 0
-    for p, r in zip(problems, results, strict=True):
-        text = enc.tok.decode(r.token_ids[: useful_length(r.token_ids, enc.eos_id)])
+    for p, ids in zip(problems, outputs, strict=True):
+        text = enc.tok.decode(ids[: useful_length(ids, enc.eos_id)])
         solved += bool(check(text, p))
     return solved / len(problems)
+
+
+@dataclass(frozen=True)
+class MaskedDiffusion:
+    """The LLaDA family's objective for `Trainer`: `sft_loss` on a bidirectional canvas."""
+
+    model_type: str = "llada"
+
+    def config_fields(self, args: argparse.Namespace) -> dict[str, Any]:
+        return {}
+
+    def loss(self, model: nn.Module, batch: Batch, mask_id: int, gen: torch.Generator | None,
+             weights: LossWeights, semi_ar: float = 0.0) -> Tensor:
+        return sft_loss(model, batch, mask_id, gen, weights, semi_ar)
+
+    def decoder(self, model: nn.Module, enc: TextEncoder) -> Decode:
+        return engine_decoder(model, enc)
+
+    def init_state(self, src: nn.Module, model: nn.Module) -> dict[str, Tensor]:
+        same_config(src.config, model.config, exclude=("extra",))
+        return src.state_dict()
+
+
+def same_config(theirs_cfg: Any, ours_cfg: Any, exclude: tuple[str, ...]) -> None:
+    """InputError unless --init's config equals this run's outside ``exclude``."""
+    theirs, ours = ({k: v for k, v in asdict(c).items() if k not in exclude}
+                    for c in (theirs_cfg, ours_cfg))
+    if theirs != ours:
+        diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
+        raise InputError(f"--init: its config differs from this run's (theirs, ours): {diff}")
+
+
+def objective_for(model_type: str) -> Any:  # MaskedDiffusion | BlockDiffusion
+    """The training objective of a model family (`--model-type`)."""
+    from unmask.training.block_diffusion import BlockDiffusion
+
+    objectives = {o.model_type: o for o in (MaskedDiffusion(), BlockDiffusion())}
+    if model_type not in objectives:
+        raise InputError(f"--model-type {model_type!r}: unmask train knows {sorted(objectives)}")
+    return objectives[model_type]
 
 
 def _args_dict(args: argparse.Namespace) -> dict[str, Any]:
@@ -553,6 +623,7 @@ class Trainer:
         self.weights = LossWeights(pad=args.pad_weight, digit=args.digit_weight,
                                    digit_ids=self.enc.digit_ids())
         torch.manual_seed(args.seed)
+        self.objective = objective_for(args.model_type)
         self.config = _model_config(args, self.enc)
         _check_fits(self.config, longest_canvas(args.buckets) + MAX_PROMPT, self.device)
         self.model = self._model()
@@ -606,14 +677,11 @@ class Trainer:
             from unmask.checkpoint import load_model
 
             src = load_model(args.init)
-            # `extra` only carries the source file's informational keys (architectures, ...).
-            theirs, ours = ({k: v for k, v in asdict(c).items() if k != "extra"}
-                            for c in (src.config, config))
-            if theirs != ours:
-                diff = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
-                raise InputError(f"--init {args.init}: its config differs from this run's "
-                                 f"(theirs, ours): {diff}")
-            model.load_state_dict(src.state_dict())
+            try:
+                model.load_state_dict(self.objective.init_state(src, model))
+            except (InputError, RuntimeError) as e:  # RuntimeError: a tensor that does not fit
+                why = " ".join(str(e).removeprefix("--init: ").split())
+                raise InputError(f"--init {args.init}: {why[:300]}") from None
             self.console.print(f"initialised from the weights in {args.init}")
         return model.to(self.device)
 
@@ -667,7 +735,7 @@ class Trainer:
         """Held-out loss and digit recall on the fixed held-out batches."""
         mask_id = self.config.mask_token_id
         self.last_eval_loss = heldout_loss(self.model, self.eval_batches, mask_id, self.device,
-                                           self.weights)
+                                           self.weights, self.objective.loss)
         self.last_recall = digit_recall(self.model, self.eval_batches, mask_id,
                                         self.weights.digit_ids, self.device)
 
@@ -675,10 +743,12 @@ class Trainer:
         """Math solve rate and code parse rate of the fixed held-out problems."""
         from unmask.tasks import code as code_task
 
+        decode = self.objective.decoder(self.model, self.enc)
         self.last_parse = solve_rate(self.model, self.enc, self.code_problems,
                                      check=lambda text, ex: code_task.check(ex.prompt, text),
-                                     on_event=on_event)
-        self.last_solve = solve_rate(self.model, self.enc, self.solve_problems, on_event=on_event)
+                                     on_event=on_event, decode=decode)
+        self.last_solve = solve_rate(self.model, self.enc, self.solve_problems, on_event=on_event,
+                                     decode=decode)
 
     def final_evaluation(self) -> None:
         """The held-out loss, then the decode rates, with a progress bar of their own: decoding
@@ -715,8 +785,8 @@ class Trainer:
             torch.set_num_threads(n)
             t0 = time.time()
             for _ in range(2):
-                sft_loss(self.model, probe, self.config.mask_token_id, self.gen,
-                         self.weights).backward()
+                self.objective.loss(self.model, probe, self.config.mask_token_id, self.gen,
+                                    self.weights).backward()
             if time.time() - t0 < best_t:
                 best, best_t = n, time.time() - t0
         self.opt.zero_grad(set_to_none=True)
@@ -730,8 +800,8 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         batch = batch_to(self.data.next_batch(), self.device)
-        loss = sft_loss(self.model, batch, self.config.mask_token_id, self.gen, self.weights,
-                        self.args.semi_ar)
+        loss = self.objective.loss(self.model, batch, self.config.mask_token_id, self.gen,
+                                   self.weights, self.args.semi_ar)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip))
