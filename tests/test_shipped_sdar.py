@@ -57,3 +57,16 @@ def test_package_data_ships_every_shipped_folder() -> None:
     data = next(line for line in pyproject.splitlines() if line.startswith("unmask = ["))
     for folder in SHIPPED.values():
         assert f'"assets/{folder.name}/*"' in data, folder
+
+
+def test_bench_records_the_block_length_the_model_decodes_in(tmp_path) -> None:
+    """The model's block size, not the command's default 32, heads the table, and the recorded
+    command reruns as it is (a --block-length 32 there is refused for a block model)."""
+    md, js = tmp_path / "b.md", tmp_path / "b.json"
+    argv = ["bench", "--model", "unmask-sdar", "--task", "math", "--n", "1", "--gen-length", "16",
+            "--decoder", "threshold", "--warmup", "0", "--threads", "1"]
+    assert main([*argv, "--markdown", str(md), "--json", str(js)]) == 0
+    doc = json.loads(js.read_text())
+    assert "block_length 4," in md.read_text().splitlines()[0]
+    assert doc["block_length"] == 4 and "--block-length" not in doc["command"], doc["command"]
+    assert main([*doc["command"].split()[1:], "--json", str(js)]) == 0

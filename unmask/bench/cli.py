@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unmask.cli_args import (
+    BLOCK_KEYS,
     add_length_arguments,
     add_model_arguments,
     chat_for,
@@ -24,7 +25,7 @@ from unmask.cli_args import (
     positive,
 )
 from unmask.decoding.params import DecodeParams, same_decoder
-from unmask.errors import InputError
+from unmask.errors import InputError, SpecError
 
 if TYPE_CHECKING:
     from unmask.bench.runner import Sample
@@ -132,8 +133,10 @@ def shared(decoders: list[DecodeParams], key: str) -> Any:
     return values.pop() if len(values) == 1 else None
 
 
-def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> str:
-    """The canonical command that reproduces these measurements (output files left out)."""
+def command_line(args: argparse.Namespace, command: str, specs: list[str],
+                 model_keys: dict[str, Any] | None = None) -> str:
+    """The canonical command that reproduces these measurements (output files left out);
+    model_keys: the decoder keys the model set (`measure`'s doc["model_keys"])."""
     argv = ["unmask", command]
     if args.model:
         argv += ["--model", str(args.model)]
@@ -148,9 +151,10 @@ def command_line(args: argparse.Namespace, command: str, specs: list[str]) -> st
     # A flag's value goes in only when every decoder used it: then it agrees with any spec that
     # sets the key too. When they differ, no flag was typed (it would have been explicit for all),
     # so leaving it out reproduces the run: each spec's own value, else the command's default.
-    decoders = _parse_decoders(specs, args)
+    decoders = _parse_decoders(specs, args, model_keys)
     argv += ["--n", str(args.n), "--gen-length", str(decoders[0].gen_length)]
-    if shared(decoders, "block_length") is not None:
+    # a block-causal model's own block length needs no flag (any other is refused)
+    if shared(decoders, "block_length") is not None and "block_length" not in (model_keys or {}):
         argv += ["--block-length", str(shared(decoders, "block_length"))]
     argv += ["--batch-size", str(args.batch_size)]
     if shared(decoders, "seed") == prompt_seed(args):  # --seed sets the prompts' seed as well
@@ -185,14 +189,19 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
 
     if not args.task:
         raise InputError("--task is required (see --list-tasks)")
-    decoders = _parse_decoders(specs, args)  # before loading anything: a bad spec fails fast
+    try:  # before loading anything: a bad spec fails fast
+        _parse_decoders(specs, args)
+    except SpecError as e:  # but for what a block model's own block size may resolve
+        if e.key not in BLOCK_KEYS:
+            raise
     task = load_task(args.task, args.n, seed=prompt_seed(args),
                      allow_code_execution=args.allow_code_execution,
                      stratify=getattr(args, "stratify", False))
     llm = load_llm(args)
     from unmask.engine.layout import model_defaults
 
-    decoders = _parse_decoders(specs, args, model_defaults(llm.model))
+    model_keys = model_defaults(llm.model)
+    decoders = _parse_decoders(specs, args, model_keys)
     chat = chat_for(llm, raw=False, raw_flag=None)
 
     total = len(task.examples) * len(decoders)
@@ -230,6 +239,7 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
         "task": args.task,
         "gen_length": decoders[0].gen_length,
         "block_length": shared(decoders, "block_length"),  # None: per decoder, in its result
+        "model_keys": model_keys,  # decoder keys the model sets (a block model's blocks, cache)
         "batch_size": args.batch_size,
         "seed": prompt_seed(args),  # the prompts'; each result has its decoder's sampling seed
         "metric": task.metric,
@@ -317,7 +327,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise InputError("give at least one --decoder SPEC (the first is the baseline)")
     check_outputs(args, ("json", "samples", "markdown", "plot"))
     doc, metric = measure(args, args.decoder, warmup=args.warmup)
-    cmd = command_line(args, "bench", args.decoder)
+    cmd = command_line(args, "bench", args.decoder, doc["model_keys"])
     doc["command"] = cmd
     print(markdown_table(doc["results"], metric))
     if doc["results"][0].get("strata"):
@@ -347,7 +357,7 @@ def run_eval(args: argparse.Namespace) -> int:
         return _print_tasks()
     check_outputs(args, ("json", "samples"))
     doc, metric = measure(args, [args.decoder], warmup=0)
-    doc["command"] = command_line(args, "eval", [args.decoder])
+    doc["command"] = command_line(args, "eval", [args.decoder], doc["model_keys"])
     r = doc["results"][0]
     correct = round(r["accuracy"] * r["n"])
     print(f"{doc['task']} {METRIC_LABELS.get(metric, metric)}: {100 * r['accuracy']:.1f}% "
