@@ -28,7 +28,7 @@ import torch
 from unmask import LLM
 from unmask.api import useful_length
 from unmask.decoding.params import DecodeParams
-from unmask.engine import Engine, SchedulerConfig
+from unmask.engine import decode
 from unmask.engine.runner import Runner, shape_groups
 from unmask.tasks import TASKS
 
@@ -66,12 +66,9 @@ def decode_all(llm: LLM, prompts: list[list[int]], spec: str, concurrency: int, 
     """(useful tokens/s, the requests) of the prompts decoded at this concurrency and shape."""
     Runner.attention_shapes = shapes
     params = DecodeParams.parse(spec, gen_length=gen)
-    engine = Engine(llm.model, SchedulerConfig(max_running=concurrency))
-    reqs = [engine.add_request(q, params) for q in prompts]
     start = time.perf_counter()
     with torch.no_grad():
-        while engine.has_unfinished:
-            engine.step()
+        reqs = decode(llm.model, params, prompts, max_running=concurrency)
     wall = time.perf_counter() - start
     eos = llm.config.eos_token_id
     return sum(useful_length(r.token_ids, eos) for r in reqs) / wall, reqs
