@@ -587,6 +587,24 @@ def test_matrix_products_of_min_rows_round_each_row_alike(dtype) -> None:
                                    ref[at : at + size]), (k, n, size, at)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_one_shape_rounds_each_row_alike(dtype) -> None:
+    """The machine's attention gives a row the same bits in any batch of rows of its exact
+    shape, and with an all-True mask the bits of no mask (the plain forward's): the runner's
+    exact shapes rely on both (if this fails on a machine, attention must run row by row)."""
+    g = torch.Generator().manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for t, k in ((1, 0), (13, 0), (100, 0), (283, 0), (5, 40), (29, 150)):
+        q = torch.randn(16, 4, t, 32, generator=g).to(dtype)
+        kv = [torch.randn(16, 2, t + k, 32, generator=g).to(dtype) for _ in range(2)]
+        every = sdpa(q, *kv, enable_gqa=True)
+        keys = torch.ones(16, 1, 1, t + k, dtype=torch.bool)
+        assert torch.equal(sdpa(q, *kv, attn_mask=keys, enable_gqa=True), every), (t, k)
+        for size, at in ((1, 0), (1, 9), (3, 2), (16, 0)):
+            part = sdpa(q[at : at + size], *(x[at : at + size] for x in kv), enable_gqa=True)
+            assert torch.equal(part, every[at : at + size]), (t, k, size, at)
+
+
 def test_canonical_shapes() -> None:
     from unmask.engine.runner import canonical_keys, canonical_tokens, shape_groups
 

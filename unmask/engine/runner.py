@@ -29,8 +29,8 @@ from unmask.suffix import SuffixPolicy
 # that shape only (`shape_groups`), and every matrix product gets at least MIN_ROWS rows. The
 # shape is the row's exact one by default (`Runner.attention_shapes`, `ATTENTION_SHAPES`): no
 # padding key, so a row's attention is the plain forward's, bit for bit; "canonical" pads it
-# to `canonical_tokens` and `canonical_keys`, fewer shapes a call (docs/engine.md, "Batch
-# invariance", measures both).
+# to `canonical_tokens` and `canonical_keys`, fewer shapes a call (both measured in
+# docs/engine.md, "Batch invariance").
 MIN_ROWS = 16  # fp32 products of 1-3 rows rounded differently on an AVX2 EPYC, of < 8 on a Xeon
 TOKEN_STEP = 16  # canonical: forwarded tokens are padded to a multiple of this
 KEY_STEP = 16  # canonical: stored keys up to KEY_STEP * 4 to a multiple of this, then to 2^j
