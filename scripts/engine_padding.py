@@ -39,7 +39,7 @@ COUNTS = {"pairs": 0, "needed": 0, "groups": 0, "calls": 0, "forwarded": 0, "tok
 CALL = Runner._call
 
 
-def counted_call(self, ids, pos, ok, n_tokens, t_hat, embeds, past, rows, cols):
+def counted_call(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols):
     n_past = past.n if past is not None else 0 * n_tokens
     k_hat = past.shape if past is not None else 0 * n_tokens
     groups = shape_groups(t_hat, k_hat)
@@ -52,7 +52,7 @@ def counted_call(self, ids, pos, ok, n_tokens, t_hat, embeds, past, rows, cols):
     COUNTS["calls"] += 1
     COUNTS["forwarded"] += r * t if unpacked else max(n, MIN_ROWS)
     COUNTS["tokens"] += n
-    return CALL(self, ids, pos, ok, n_tokens, t_hat, embeds, past, rows, cols)
+    return CALL(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols)
 
 
 Runner._call = counted_call

@@ -510,7 +510,8 @@ def fresh_kv(fw, i: int) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(["llada", "Dream"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+@given(kind=st.sampled_from(["llada", "Dream", "sdar"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        rows=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 150), st.integers(0, 2**31)),
                      min_size=2, max_size=6),
        inject=st.booleans(), pack_all=st.sampled_from([0.0, 0.1, 2.0]),
@@ -586,6 +587,24 @@ def test_matrix_products_of_min_rows_round_each_row_alike(dtype) -> None:
                                    ref[at : at + size]), (k, n, size, at)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_of_one_shape_rounds_each_row_alike(dtype) -> None:
+    """The machine's attention gives a row the same bits in any batch of rows of its exact
+    shape, and with an all-True mask the bits of no mask (the plain forward's): the runner's
+    exact shapes rely on both (if this fails on a machine, attention must run row by row)."""
+    g = torch.Generator().manual_seed(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for t, k in ((1, 0), (13, 0), (100, 0), (283, 0), (5, 40), (29, 150)):
+        q = torch.randn(16, 4, t, 32, generator=g).to(dtype)
+        kv = [torch.randn(16, 2, t + k, 32, generator=g).to(dtype) for _ in range(2)]
+        every = sdpa(q, *kv, enable_gqa=True)
+        keys = torch.ones(16, 1, 1, t + k, dtype=torch.bool)
+        assert torch.equal(sdpa(q, *kv, attn_mask=keys, enable_gqa=True), every), (t, k)
+        for size, at in ((1, 0), (1, 9), (3, 2), (16, 0)):
+            part = sdpa(q[at : at + size], *(x[at : at + size] for x in kv), enable_gqa=True)
+            assert torch.equal(part, every[at : at + size]), (t, k, size, at)
+
+
 def test_canonical_shapes() -> None:
     from unmask.engine.runner import canonical_keys, canonical_tokens, shape_groups
 
@@ -623,7 +642,8 @@ def test_shape_groups_in_any_order_change_nothing(spec: str, monkeypatch) -> Non
     from unmask.engine import runner as runner_mod
 
     m = model("Dream" if "inject" in spec else "llada")
-    prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14], [3], [4, 4, 4, 4, 4, 4]]
+    # rows of one length share a shape at least in their first call
+    prompts = [[5, 6, 7], [8] * 9, [9, 10, 11], [11, 12, 13, 14], [3, 3, 3], [4, 4, 4, 4, 4, 4]]
     p = params(spec, 32)
     one = [outcome(r) for r in decode(m, p, prompts, mask_id=MASK, eos_id=EOS)]
     inner, split = runner_mod.shape_groups, []
@@ -643,14 +663,16 @@ def test_shape_groups_in_any_order_change_nothing(spec: str, monkeypatch) -> Non
 
 @pytest.mark.parametrize("spec", ["threshold,cache=entropy,entropy_tau=0.5", "fast",
                                   "freedave,cache=dual", "threshold,suffix=structured,inject=0.5"])
-def test_packed_model_calls_change_nothing(spec: str, monkeypatch) -> None:
+@pytest.mark.parametrize("shapes", ["exact", "canonical"])
+def test_packed_model_calls_change_nothing(spec: str, shapes: str, monkeypatch) -> None:
     """Every call packed (its real tokens only) gives what padded rows give where one shape
-    group allows them."""
+    group allows them (prompts of one length: rows of one shape until their paths part)."""
     from unmask.engine import runner as runner_mod
 
     m = model("Dream" if "inject" in spec else "llada")
-    prompts = [[5, 6, 7], [8] * 9, [9, 10], [11, 12, 13, 14], [3], [4, 4, 4, 4, 4, 4]]
+    prompts = [[5, 6, 7, 8], [8] * 4, [9, 10, 3, 3], [11, 12, 13, 14], [3] * 4, [4, 5, 4, 4]]
     p = params(spec, 32)
+    monkeypatch.setattr(runner_mod.Runner, "attention_shapes", shapes)
     packed = []
     inner = m.forward
 
@@ -751,3 +773,61 @@ def test_a_request_is_the_source_of_its_metrics(spec: str) -> None:
         assert r.useful == (ids.index(EOS) if EOS in ids else len(ids))
         assert r.nfe > 0 and r.tpf == r.decided / r.nfe
         assert r.seconds > 0 and r.tps == r.useful / r.seconds
+
+
+# --- attention over exactly each row's keys: an engine call is the plain forward of its canvas ----
+def plain_forward_spy(m, monkeypatch) -> list[tuple[int, int]]:
+    """Spy on the runner's model calls: each scored position's logits must be the bits of the
+    plain forward (no frame, batch 1: the reference's forward) of its row's forwarded tokens.
+    Returns (rows, calls) seen, so a test knows it checked something."""
+    from unmask.engine import runner as runner_mod
+
+    inner, seen = runner_mod.Runner._call, []
+
+    def spy(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols):
+        out = inner(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols)
+        assert past is None and embeds is None  # the plain forward has neither
+        for i in np.unique(rows):
+            n = int(ok[i].sum())
+            with torch.no_grad():
+                ref = m(ids[i : i + 1, :n], pos[i : i + 1, :n])[0]  # (n, V)
+            mine = rows == i
+            assert torch.equal(out[0][torch.from_numpy(mine)], ref[torch.from_numpy(cols[mine])]), \
+                (i, n, (out[0][torch.from_numpy(mine)].float()
+                        - ref[torch.from_numpy(cols[mine])].float()).abs().max().item())
+        seen.append((rows.size, ok.shape[0]))
+        return out
+
+    monkeypatch.setattr(runner_mod.Runner, "_call", spy)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["llada", "Dream"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", ["static-1", "threshold,threshold=0.5"])
+def test_a_request_alone_gets_the_plain_forwards_bits(kind, dtype, spec, monkeypatch) -> None:
+    """Decoded alone without a cache, every model call's scores are bit for bit the plain
+    forward's of the same canvas (the reference's: its attention has no padding key), in
+    float32 and bfloat16. Canonical shapes (padded keys) fail this."""
+    m = wide_model(kind, dtype)
+    seen = plain_forward_spy(m, monkeypatch)
+    decode(m, params(spec, 16), [list(range(3, 24))], mask_id=m.config.mask_token_id,
+           eos_id=m.config.eos_token_id)
+    assert len(seen) >= 2
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["llada", "Dream"]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       lengths=st.lists(st.integers(1, 40), min_size=2, max_size=8),
+       spec=st.sampled_from(["static-1", "threshold,threshold=0.5"]))
+def test_rows_in_a_batch_get_the_plain_forwards_bits(kind, dtype, lengths, spec) -> None:
+    """Prompts of different lengths decoded together without a cache: every call's scores for
+    every row are the plain forward's of that row's canvas alone, bit for bit."""
+    with pytest.MonkeyPatch.context() as mp:
+        m = wide_model(kind, dtype)
+        seen = plain_forward_spy(m, mp)
+        prompts = [[3 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
+        decode(m, params(spec, 8), prompts, mask_id=m.config.mask_token_id,
+               eos_id=m.config.eos_token_id)
+    assert any(r > 1 for _, r in seen)

@@ -17,11 +17,12 @@ What is compiled, and why (measured; BENCHMARKS.md, "Compiled forward"):
   product) run eager, once per call.
 
 Shapes: a layer sees (B, T, d_model) inputs, B the call's rows (1 when packed) and T its
-canonical token count or packed tokens (unmask.engine.runner). torch.compile's automatic dynamic
-shapes compile the first call's sizes, then, at the first call of other sizes, a graph with
-those sizes symbolic, which serves every later size: with the specialisations of a size of 1
-and of the two layouts attention hands back (packed, padded rows) that is a handful of compiles
-per function however many steps, rows and widths follow (tests/test_compile.py counts them).
+token count (its own, or its canonical one) or packed tokens (unmask.engine.runner).
+torch.compile's automatic dynamic shapes compile the first call's sizes, then, at the first
+call of other sizes, a graph with those sizes symbolic, which serves every later size: with
+the specialisations of a size of 1 and of the two layouts attention hands back (packed, padded
+rows) that is a handful of compiles per function however many steps, rows and widths follow
+(tests/test_compile.py counts them).
 `dynamic=True` (every size symbolic from the start, d_model too) gave CPU code 1.2-2.8x slower
 than eager on the embedded model.
 

@@ -155,9 +155,10 @@ class _Half(Sequence):
 
 @dataclass
 class RowGroup:
-    """Rows of a packed call whose attention runs as one padded batch (`Frame.groups`): rows of
-    one canonical shape (`unmask.engine.runner.shape_groups`), each padded to that shape, which
-    depends on the row alone, so the kernels round a row's attention alike in any batch; and a
+    """Rows of a packed call whose attention runs as one batch (`Frame.groups`): rows of one
+    attention shape (`unmask.engine.runner.shape_groups`: by default each row's exact one, else
+    its canonical padded one), which depends on the row alone, so the kernels round a row's
+    attention alike in any batch; and a
     refresh row (~100 tokens, no stored keys) beside cached rows (~30 tokens, ~200 stored keys)
     does not pad them to both.
 
@@ -168,7 +169,7 @@ class RowGroup:
     out_at: (n_g,) their packed index (None: the group is every row of the call, in order, so
         its real tokens are already in packed order).
     frame: the group's rows unpacked: key_mask (G, T_g), and past and past_mask (G, K_g) at the
-        group's canonical count of stored keys.
+        group's count of stored keys.
     """
 
     grid: Tensor

@@ -24,20 +24,27 @@ from unmask.suffix import SuffixPolicy
 
 # A row's shape in a model call depends on the row alone, whoever shares the call, because the
 # CPU kernels round a row's results differently with the shapes around it (BENCHMARKS.md,
-# "Engine batching", canonical shapes): flash attention with the padding of its keys and
-# queries, matrix products with how many rows they get. So each row's attention runs padded to
-# a canonical shape (`canonical_tokens`, `canonical_keys`) among rows of that shape only
-# (`shape_groups`), and every matrix product gets at least MIN_ROWS rows.
+# "Engine batching"): flash attention with the padding of its keys and queries, matrix products
+# with how many rows they get. So each row's attention runs at a shape of its own among rows of
+# that shape only (`shape_groups`), and every matrix product gets at least MIN_ROWS rows. The
+# shape is the row's exact one by default (`Runner.attention_shapes`, `ATTENTION_SHAPES`): no
+# padding key, so a row's attention is the plain forward's, bit for bit; "canonical" pads it
+# to `canonical_tokens` and `canonical_keys`, fewer shapes a call (both measured in
+# docs/engine.md, "Batch invariance").
 MIN_ROWS = 16  # fp32 products of 1-3 rows rounded differently on an AVX2 EPYC, of < 8 on a Xeon
-TOKEN_STEP = 16  # forwarded tokens are padded to a multiple of this
-KEY_STEP = 16  # stored keys up to KEY_STEP * 4 to a multiple of this, then to 2^j or 1.5 * 2^j
-# A call of padded rows has at least one row of TOKEN_STEP places: enough rows for its products.
-assert TOKEN_STEP >= MIN_ROWS
+TOKEN_STEP = 16  # canonical: forwarded tokens are padded to a multiple of this
+KEY_STEP = 16  # canonical: stored keys up to KEY_STEP * 4 to a multiple of this, then to 2^j
+# or 1.5 * 2^j
+
+
+def exact(n: np.ndarray) -> np.ndarray:
+    """(R,) each row's own count n (R,): its attention runs over exactly its tokens and keys."""
+    return n
 
 
 def canonical_tokens(n: np.ndarray) -> np.ndarray:
     """(R,) the query count each row's attention runs at: n (R,) forwarded tokens rounded up to
-    a multiple of TOKEN_STEP (at least one step, so a call has >= MIN_ROWS tokens)."""
+    a multiple of TOKEN_STEP (at least one step)."""
     return np.maximum(-(-n // TOKEN_STEP), 1) * TOKEN_STEP
 
 
@@ -51,8 +58,15 @@ def canonical_keys(n: np.ndarray) -> np.ndarray:
     return np.where(n <= 4 * KEY_STEP, small, large)
 
 
+# Runner.attention_shapes -> (the forwarded tokens' shape, the stored keys' shape)
+ATTENTION_SHAPES: dict[str, tuple[Callable[[np.ndarray], np.ndarray], ...]] = {
+    "exact": (exact, exact),
+    "canonical": (canonical_tokens, canonical_keys),
+}
+
+
 def shape_groups(t_hat: np.ndarray, k_hat: np.ndarray) -> list[np.ndarray]:
-    """Rows of one call grouped by canonical shape (t_hat, k_hat: (R,) each), each group in row
+    """Rows of one call grouped by attention shape (t_hat, k_hat: (R,) each), each group in row
     order; one group: every row, in order."""
     r = t_hat.shape[0]
     key = t_hat * (int(k_hat.max(initial=0)) + 1) + k_hat
@@ -63,13 +77,13 @@ def shape_groups(t_hat: np.ndarray, k_hat: np.ndarray) -> list[np.ndarray]:
     return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _compact(flags: np.ndarray, canonical: Callable[[np.ndarray], np.ndarray],
+def _compact(flags: np.ndarray, shape_of: Callable[[np.ndarray], np.ndarray],
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(R, S) bool -> the flagged slots of each row, in slot order, padded to the widest row's
-    canonical count W: (R, W) slot indices (slot 0 past the canvas), (R, W) bool (False:
-    padding), and (R,) each row's count and canonical count."""
+    attention count W (`shape_of` its count): (R, W) slot indices (slot 0 past the canvas),
+    (R, W) bool (False: padding), and (R,) each row's count and attention count."""
     n = flags.sum(-1)
-    shape = canonical(n)
+    shape = shape_of(n)
     w = int(shape.max()) if n.size else 0
     # Flagged slots first, in slot order: a stable sort of the "not flagged" flag.
     idx = np.argsort(~flags, axis=-1, kind="stable")[:, :w]
@@ -94,7 +108,7 @@ class StoreRead:
 class Past:
     """What a call reads from the store: store row `rows[i]` at positions `pos[i]` (R, K) for
     each of its rows; mask (R, K) False where a row has fewer positions than K; n (R,) each
-    row's count and shape (R,) its canonical count (`canonical_keys`; K is the largest)."""
+    row's count and shape (R,) its attention count (K is the largest)."""
 
     store: KVStore
     rows: np.ndarray
@@ -105,7 +119,7 @@ class Past:
     blocks: np.ndarray | None  # (R, K) each position's block (block-causal models; else None)
 
     def take(self, index: np.ndarray) -> Past:
-        """The rows `index`, all of one canonical count, their slots cut to it."""
+        """The rows `index`, all of one attention count, their slots cut to it."""
         k = int(self.shape[index[0]])
         return Past(self.store, self.rows[index], self.pos[index, :k], self.mask[index, :k],
                     self.n[index], self.shape[index],
@@ -166,6 +180,9 @@ class Runner:
     # rows in every layer, which costs more than little padding saves (BENCHMARKS.md, "Engine
     # batching").
     pack_min_padding = 0.1
+    # The shape each row's attention runs at (`ATTENTION_SHAPES`): "exact" (its own tokens and
+    # keys, the plain forward's bits) or "canonical" (padded; docs/engine.md, "Batch invariance").
+    attention_shapes = "exact"
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
@@ -204,11 +221,12 @@ class Runner:
             src[:, :-1] = predict[:, 1:]
             src[np.arange(r), np.maximum(block_start - 1, 0)] = True
             active = active | (src & visible)
-        # (R, T) the slots to forward, padded to the widest row's canonical count
-        idx, ok, n_tokens, t_hat = _compact(active, canonical_tokens)
+        token_shape, key_shape = ATTENTION_SHAPES[self.attention_shapes]
+        # (R, T) the slots to forward, padded to the widest row's attention count
+        idx, ok, n_tokens, t_hat = _compact(active, token_shape)
         rows_of = np.arange(r)[:, None]
         ids = x[rows_of, idx]
-        past = self._past(visible & ~active, plan.store, self.block_size)
+        past = self._past(visible & ~active, plan.store, self.block_size, key_shape)
         blocks = None
         if self.block_size is not None:  # padding tokens sit in no block: they see every key
             blocks = np.where(ok, (idx - pad[:, None]) // self.block_size, np.iinfo(np.int64).max)
@@ -240,13 +258,15 @@ class Runner:
                          n_tokens)
 
     @staticmethod
-    def _past(cached: np.ndarray, read: StoreRead | None, block_size: int | None) -> Past | None:
+    def _past(cached: np.ndarray, read: StoreRead | None, block_size: int | None,
+              key_shape: Callable[[np.ndarray], np.ndarray]) -> Past | None:
         """The stored positions each row attends to besides its forwarded tokens: its visible
-        slots not recomputed that hold K/V, in slot order, padded to the largest canonical count
-        K (`canonical_keys`). Attention then costs what a row sees, not the canvas width."""
+        slots not recomputed that hold K/V, in slot order, padded to the largest attention count
+        K (`key_shape` of each row's count). Attention then costs what a row sees, not the
+        canvas width."""
         if read is None:
             return None
-        slots, mask, n, k_hat = _compact(cached & read.valid, canonical_keys)  # (R, K)
+        slots, mask, n, k_hat = _compact(cached & read.valid, key_shape)  # (R, K)
         if slots.shape[1] == 0:
             return None
         # Padding entries (mask False) may point anywhere: clip them into the store.
@@ -262,10 +282,10 @@ class Runner:
         and, packed, each token's index among the packed ones ((R, T); None: unpacked). Only the
         scored positions get the LM head (~10% of a forward on the embedded model).
 
-        ids, pos, ok: (R, T) the forwarded tokens, T the widest canonical count; n_tokens and
-        t_hat (R,) each row's count and canonical count; blocks (R, T) each token's block
-        (block-causal models; None: bidirectional). Each row attends at its canonical shape
-        among the rows of that shape (`shape_groups`). One group with little padding runs as
+        ids, pos, ok: (R, T) the forwarded tokens, T the widest attention count; n_tokens and
+        t_hat (R,) each row's count and attention count; blocks (R, T) each token's block
+        (block-causal models; None: bidirectional). Each row attends at its own shape among the
+        rows of that shape (`shape_groups`). One group with little padding runs as
         padded rows; otherwise the call goes packed: projections and MLPs skip the padding, and
         attention runs per group, gathered into its rows."""
         r, t = ids.shape
@@ -294,9 +314,11 @@ class Runner:
     def unpacked(self, n_groups: int, r: int, t: int, n: int) -> bool:
         """Whether a call of r rows x t places holding n real tokens, whose rows attend in
         n_groups shape groups, runs as padded rows (else packed). Packing saves the places
-        beyond the max(n, MIN_ROWS) tokens its products would run on: none for a row of at
-        most MIN_ROWS tokens, which then skips the gathers."""
-        return n_groups == 1 and r * t - max(n, MIN_ROWS) < self.pack_min_padding * r * t
+        beyond the max(n, MIN_ROWS) tokens its products would run on: none for a row of
+        MIN_ROWS places, which then skips the gathers. A call of fewer places goes packed, so
+        that its products get MIN_ROWS rows."""
+        return (n_groups == 1 and r * t >= MIN_ROWS
+                and r * t - max(n, MIN_ROWS) < self.pack_min_padding * r * t)
 
     def _at_least(self, rows: np.ndarray, cols: np.ndarray) -> tuple[Tensor, Tensor]:
         """The LM head's (rows, cols) on the device, repeating the first position up to MIN_ROWS
@@ -316,7 +338,7 @@ class Runner:
     def _group(self, g: np.ndarray, whole: bool, at: np.ndarray, ok: np.ndarray,
                t_hat: np.ndarray, ok_t: Tensor, past: Past | None,
                blocks_t: Tensor | None) -> RowGroup:
-        """Rows g (one canonical shape) of a packed call as one attention batch (whole: g is every
+        """Rows g (one attention shape) of a packed call as one attention batch (whole: g is every
         row, in order, and the call has no extra tokens)."""
         t_g = int(t_hat[g[0]])
         ok_g = ok[g, :t_g]  # real tokens come first in each row (`_compact`)
@@ -325,7 +347,7 @@ class Runner:
         rows = slice(None) if whole else self._to_device(g)
         key_mask = ok_t[rows, :t_g]
         blocks = None if blocks_t is None else blocks_t[rows, :t_g]
-        # a single group's stored keys are already at its canonical count
+        # a single group's stored keys are already at its attention count
         sub = past if past is None or whole else past.take(g)
         return RowGroup(
             grid=self._to_device(grid), shape=(g.size, t_g),
