@@ -242,9 +242,16 @@ def cached_block_logits(ours, ref, x: torch.Tensor, num_blocks: int, bl: int, n_
     return got, want
 
 
-def measure(ref_module, raw: dict, seed: int) -> dict:
-    """max |diff| per check and dtype, over every prompt."""
-    ours, ref = pair(ref_module, raw, seed)
+def measure(ref_module, raw: dict, seed: int, folder: Path | None = None) -> dict:
+    """max |diff| per check and dtype, over every prompt; folder: an SDAR folder's own weights
+    (raw: its config.json over the published one's keys) instead of random ones."""
+    if folder is None:
+        ours, ref = pair(ref_module, raw, seed)
+    else:
+        from unmask.checkpoint import load_model
+
+        ours = load_model(folder, dtype=torch.float32).eval()
+        ref = reference_model(ref_module, raw, ours.state_dict())
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, raw["mask_token_id"], (1, n), generator=g) for n in PROMPT_LENGTHS]
     bl = raw["block_size"]
@@ -276,17 +283,20 @@ def measure(ref_module, raw: dict, seed: int) -> dict:
     return rows
 
 
-def report(results: dict, commit: str, seconds: float) -> str:
+def report(results: dict, commit: str, seconds: float, folders: list[Path] = ()) -> str:
     lines = [
         "# SDAR: our forward vs SDAR's own modeling code",
         "",
-        f"`python scripts/check_sdar_reference.py <JetAstra/SDAR>` (reference commit {commit[:12]}, "
+        f"`python scripts/check_sdar_reference.py <JetAstra/SDAR>"
+        f"{''.join(f' --model {f}' for f in folders)}` (reference commit {commit[:12]}, "
         f"torch {torch.__version__}, transformers {importlib.import_module('transformers').__version__}, "
         f"CPU, {seconds:.0f} s). Tiny random models with each published config.json's keys "
         f"({json.dumps(TINY)}, vocabulary 151,936, random weights std 0.2), "
         f"{len(PROMPT_LENGTHS)} random prompts of {', '.join(map(str, PROMPT_LENGTHS))} tokens, "
         f"{GEN_LENGTH} masks after each up to whole blocks. Stand-ins for the CPU: see the script's "
-        "docstring (flash-attn's RMSNorm kernel and attention call, einops, transformers 5 renames).",
+        "docstring (flash-attn's RMSNorm kernel and attention call, einops, transformers 5 renames). "
+        "Rows named '(its weights)': an SDAR folder's own trained weights (`--model`), the same "
+        "prompts and checks.",
         "",
         "- *canvas*: the whole canvas in one forward under generate.py's block-causal mask;",
         "- *canvas, 4-D mask*: the same mask given to the reference as (1, 1, L, L), the shape ours "
@@ -311,7 +321,7 @@ def report(results: dict, commit: str, seconds: float) -> str:
     ]
     for model, rows in results.items():
         for (check, dtype), r in rows.items():
-            lines.append(f"| {model} tiny | {check} | {dtype} | {r['prompts']} | {r['max_logit']:.2f} | "
+            lines.append(f"| {model} | {check} | {dtype} | {r['prompts']} | {r['max_logit']:.2f} | "
                          f"{r['max_diff']:.3g} | {r['ref_vs_ref_fp32']:.3g} | {r['argmax_agree']:.4f} |")
     return "\n".join(lines) + "\n"
 
@@ -336,7 +346,9 @@ def publish(text: str, out: Path | None) -> None:
 
 def main() -> None:
     args = script_args(__doc__, ("repo", {"type": Path, "help": "JetAstra/SDAR: a checkout or a "
-                                          "bare git directory"}))
+                                          "bare git directory"}),
+                       ("--model", {"type": Path, "action": "append", "default": [],
+                                    "help": "also an SDAR folder's own weights (repeatable)"}))
     start = time.perf_counter()
     results = {}
     ref_module = None
@@ -345,8 +357,13 @@ def main() -> None:
         if model == "SDAR-8B-Chat":  # the 8B shape: head_dim = hidden_size / heads
             raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
         ref_module = ref_module or load_reference(args.repo, model)
-        results[model] = measure(ref_module, raw, seed)
-    publish(report(results, reference_commit(args.repo), time.perf_counter() - start), args.out)
+        results[f"{model} tiny"] = measure(ref_module, raw, seed)
+    for folder in args.model:  # the published config's keys the folder lacks (training-only)
+        raw = {**json.loads(read_reference(args.repo, MODELS[0], "config.json")),
+               **json.loads((folder / "config.json").read_text())}
+        results[f"{folder.name} (its weights)"] = measure(ref_module, raw, 0, folder)
+    publish(report(results, reference_commit(args.repo), time.perf_counter() - start, args.model),
+            args.out)
 
 
 if __name__ == "__main__":
