@@ -265,3 +265,74 @@ def answer(generated: list[int], eos: int, gen_length: int, mask_id: int) -> lis
     if mask_id in ids:
         ids = ids[: ids.index(mask_id)]
     return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+# --- Fast-dLLM v2's generate() (use_block_cache=False), docs/fast-dllm-v2-reference-semantics.md --
+def fast_dllm_v2(forward: Forward, prompt: list[int], mask_id: int, max_new_tokens: int,
+                 block_size: int, small_block_size: int, threshold: float, stop_id: int) -> Result:
+    """Greedy, one prompt: the generated tokens up to and including the first stop id (as
+    generate() returns them), and its forwards. The model predicts slot i from logit i - 1.
+    A prompt of exactly one block is prefilled here (generate() skips the prefill there and
+    decodes without the prompt: docs/fast-dllm-v2-reference-semantics.md, "Where it is
+    wrong")."""
+    b, p = block_size, len(prompt)
+    x = list(prompt)
+    out = Result(canvas=[])
+    if p >= b:
+        out.forwarded(p // b * b)  # the prefill: the prompt's whole blocks, K/V stored
+        if p % b == 0:
+            x.append(int(_logits(forward, x)[-1].argmax()))  # the prefill's last logit
+    for _ in range(max_new_tokens // b):
+        if stop_id in x[p:]:
+            break
+        start = len(x)  # generate()'s prompt_length: stops are looked for from here
+        x += [mask_id] * (b - len(x) % b)
+        if not _decode_sub_blocks(forward, x, b, small_block_size, threshold, (mask_id, stop_id),
+                                  start, out):
+            break  # a stop with no mask before it
+        out.forwarded(b)  # the store forward; its last logit is the next block's first token
+        x.append(int(_logits(forward, x)[-1].argmax()))
+    gen = x[p:]
+    if stop_id in gen:
+        gen = gen[: gen.index(stop_id) + 1]
+    out.canvas = gen
+    return out
+
+
+def _logits(forward: Forward, x: list[int]) -> Tensor:
+    """(T, V) the logits of a whole-prefix forward (no cache: the same values)."""
+    ids = torch.tensor([x])
+    return forward(ids, torch.arange(len(x))[None])[0]
+
+
+def _stop_settled(x: list[int], start: int, stop_id: int, mask_id: int) -> bool:
+    """generate()'s check: a stop id after `start` with no mask before the first one."""
+    tail = x[start:]
+    return stop_id in tail and mask_id not in tail[: tail.index(stop_id)]
+
+
+def _decode_sub_blocks(forward: Forward, x: list[int], b: int, s: int, threshold: float,
+                       ids: tuple[int, int], start: int, out: Result) -> bool:
+    """The current block (x's last b slots) in place, sub-block by sub-block (ids: the mask and
+    stop ids); False once a stop is settled (generate() then stores nothing more)."""
+    lo = len(x) - b
+    mask_id, stop_id = ids
+    for j in range(b // s):
+        sub = range(lo + j * s, lo + (j + 1) * s)
+        while any(x[i] == mask_id for i in sub):
+            if _stop_settled(x, start, stop_id, mask_id):
+                return False
+            out.forwarded(b)  # a forward of the block
+            # slot i from logit i - 1; generate() gives the canvas's slot 0 its own logit (a
+            # prompt token: never masked)
+            logits = _logits(forward, x)[[max(i - 1, 0) for i in sub]]  # (s, V)
+            probs = torch.softmax(logits, dim=-1)
+            token = probs.argmax(-1)
+            conf = probs.gather(-1, token[:, None])[:, 0]
+            masked = torch.tensor([x[i] == mask_id for i in sub])
+            conf = torch.where(masked, conf, float("-inf"))
+            chosen = conf > threshold
+            chosen[conf.argmax()] = True
+            for k in (chosen & masked).nonzero()[:, 0].tolist():
+                x[sub.start + k] = int(token[k])
+    return not _stop_settled(x, start, stop_id, mask_id)

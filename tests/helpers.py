@@ -113,10 +113,12 @@ DECODERS = {
 def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: int) -> torch.nn.Module:
     """A tiny random model with torch's default init scaled up: peaky, varied predictions, so
     threshold decoding commits several tokens and exactness tests have something to check."""
-    config = ModelConfig(model_type=kind, d_model=32, n_heads=2, n_kv_heads=1 if kind == "Dream" else 2,
+    qwen2 = kind in ("Dream", "Fast_dLLM_Qwen")
+    config = ModelConfig(model_type=kind, d_model=32, n_heads=2, n_kv_heads=1 if qwen2 else 2,
                          n_layers=2, mlp_hidden_size=64, vocab_size=vocab, embedding_size=vocab,
-                         mask_token_id=mask, eos_token_id=eos, qkv_bias=kind == "Dream",
-                         max_sequence_length=128, block_size=4 if kind == "sdar" else None)
+                         mask_token_id=mask, eos_token_id=eos, qkv_bias=qwen2,
+                         max_sequence_length=128,
+                         block_size={"sdar": 4, "Fast_dLLM_Qwen": 8}.get(kind))
     torch.manual_seed(seed)
     model = build_model(config)
     with torch.no_grad():

@@ -12,7 +12,9 @@ K/V store (unmask.kv). The model and the decoding rules know nothing of this.
 - block (block-causal models only, unmask.engine.layout): the exact cache. The K/V of a slot is
   final once its block and every earlier one are committed in the forwarded canvas, so a step
   forwards the current block plus every visible slot without final K/V (the prompt at a row's
-  first step, the block just finished after it), and only final K/V is stored.
+  first step, the block just finished after it), and only final K/V is stored. Its knob
+  `sub_block_length` decodes each block in Fast-dLLM v2's sub-blocks (the layout reads it:
+  unmask.engine.layout.SubBlockLayout; docs/fast-dllm-v2-reference-semantics.md).
 - entropy (EntropyCache): forward the block plus the `recent_k` most recently committed positions;
   when the maximum entropy of the tokens committed by the last step exceeds `entropy_tau`, the
   step is a full refresh (and, optionally, at each block start). The decision is O(V) per step:
@@ -37,6 +39,7 @@ import numpy as np
 
 from unmask.decoding.knobs import REGISTRY, Facts, Knobs, at_least, choice, knob, register
 from unmask.decoding.rules import rank
+from unmask.errors import SpecError
 
 if TYPE_CHECKING:
     from unmask.decoding.params import DecodeParams
@@ -80,6 +83,20 @@ class EntropyKnobs(Knobs):
     entropy_tau: float = knob(3.0, ">= 0 (inf allowed)", at_least(0), per_row=True, dtype="float32")
     recent_k: int = knob(4, ">= 0", at_least(0), per_row=True, dtype="int64")
     refresh_on_block: bool = knob(False, per_row=True, dtype="bool")
+
+
+@dataclass(frozen=True)
+class SubBlockKnobs(Knobs):
+    # None: the whole block is one commit window (SDAR, LLaDA2). Decides the batch: the layout
+    # of every row of a decoder is one.
+    sub_block_length: int | None = knob(None, "a positive integer dividing block_length",
+                                        at_least(1))
+
+    def check(self) -> None:
+        n, block = self.sub_block_length, getattr(self, "block_length", None)
+        if n is not None and block is not None and block % n:
+            raise SpecError(f"sub_block_length ({n}) must divide block_length ({block})",
+                            "sub_block_length")
 
 
 class CachePolicy:
@@ -160,7 +177,7 @@ register("cache", "prefix", PrefixCache, (StoreKnobs,), Facts(uses_store=True))
 register("cache", "dual", DualCache, (StoreKnobs,), Facts(uses_store=True))
 register("cache", "entropy", EntropyCache, (EntropyKnobs, StoreKnobs),
          Facts(uses_store=True, reads_entropy=True))
-register("cache", "block", BlockCache, (), Facts(uses_store=True, block_causal=True))
+register("cache", "block", BlockCache, (SubBlockKnobs,), Facts(uses_store=True, block_causal=True))
 
 # name -> policy class, the registry's view
 POLICIES = {name: e.impl for name, e in REGISTRY["cache"].items()}

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from unmask.caching import EntropyKnobs, StoreKnobs
+from unmask.caching import EntropyKnobs, StoreKnobs, SubBlockKnobs
 from unmask.decoding.knobs import (
     REGISTRY,
     Knobs,
@@ -60,7 +60,7 @@ class _Choices(Knobs):
 
 # The built-in knob classes in the order their keys are listed (help, errors, `to_spec`).
 _BUILT_IN = (_Choices, SamplingKnobs, StaticKnobs, ThresholdKnobs, FreeDaveKnobs, EntropyKnobs,
-             StoreKnobs, LocalKnobs, MiddleKnobs, InjectKnobs)
+             StoreKnobs, SubBlockKnobs, LocalKnobs, MiddleKnobs, InjectKnobs)
 # Every knob class registered by the time this module is imported joins, after the built-in
 # ones: a policy with new knobs needs its `register` call only, in a module imported above
 # (or before this one). dataclass fields run from the last base to the first.

@@ -150,12 +150,16 @@ class Decoder:
 
     def _candidates(self, b: DecodeBatch, x: np.ndarray, start: np.ndarray, fresh: np.ndarray,
                     scored: np.ndarray) -> np.ndarray:
-        slots = b.slots
-        in_block = (slots >= start[:, None]) & (slots < start[:, None] + self.params.block_length)
-        cand = (x == self.mask_id) & in_block
+        masked = x == self.mask_id
+        cand = masked & self._in_window(b.slots, *self.layout.window(masked, start))
         # Only positions scored from the current canvas may be committed, never stale ones.
         assert (fresh | ~cand | ~scored[:, None]).all(), "a commit candidate has no fresh prediction"
         return cand
+
+    @staticmethod
+    def _in_window(slots: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """(R, S) bool: slots in [lo, hi) (lo, hi: (R,))."""
+        return (slots >= lo[:, None]) & (slots < hi[:, None])
 
     def _draft(self, b: DecodeBatch, start: np.ndarray) -> Drafts:
         x, pr, hp = b.x, b.preds, b.rows.has_preds
@@ -223,7 +227,8 @@ class Decoder:
         view = StepView(slots, start, end, d.new_entropy, commit_step, b.rows.store_block[parent],
                         masked, stale, knobs)
         pad = b.rows.pad[parent]
-        horizon = self.layout.horizon(end, b.rows.end[parent])
+        lo, hi = self.layout.window(masked, start)
+        horizon = self.layout.horizon(start, lo, end, b.rows.end[parent])
         visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, horizon)
         refresh, recompute = self.cache.plan(view)
         read = None
@@ -233,13 +238,16 @@ class Decoder:
             valid = stored >= 0
             active = np.where(refresh[:, None], visible, (recompute | ~valid) & visible)
             read = StoreRead(b.store, b.store_row[parent], pad, valid)
-        masked = masked & visible
-        predict = masked & view.in_block
+        # The window's masks are scored even where the forward stops before them (a block's
+        # first slot alone, predicted from the slot before it: SubBlockLayout).
+        predict = masked & self._in_window(slots, lo, hi)
         if self.params.inject > 0:
-            predict |= masked & active & (slots >= end[:, None])
+            predict |= masked & visible & active & (slots >= end[:, None])
         noise = self._noise(b, x, parent, knobs)
+        # The runner's "block" starts at the window: the slot it recomputes before it is the
+        # one that predicts the window's first slot (in the block, or the previous block's last)
         return self.runner.forward(ForwardPlan(x, pad, visible, active, predict, refresh, read,
-                                               b.preds.token[parent], noise, start, knobs))
+                                               b.preds.token[parent], noise, lo, knobs))
 
     def _noise(self, b: DecodeBatch, x: np.ndarray, parent: np.ndarray,
                knobs: np.ndarray) -> Tensor | None:

@@ -118,7 +118,7 @@ class Engine:
     def params_for(self, params: DecodeParams) -> DecodeParams:
         """`params` as this engine's model decodes them (a block-causal model's own block length
         and cache), or the DecoderMismatch of a key that cannot apply to it."""
-        return for_model(params, self.block_size)
+        return for_model(params, self.model)
 
     def check_prompt(self, prompt_ids: list[int], params: DecodeParams) -> list[int]:
         """The prompt's token ids as Python ints, or the InputError add_request would raise for

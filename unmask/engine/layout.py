@@ -11,6 +11,10 @@ changes in decoding (docs/decoders.md, "Block-diffusion decoding").
   the current block's end is visible; a block's static schedule counts the whole block, as
   generate.py's `get_num_transfer_tokens(block_length, steps)` does; and a row stops once a
   completed block holds EOS (generate.py's stopping criterion), its later masks becoming EOS.
+- Sub-blocks (`sub_block_length`, Fast-dLLM v2's generate(): SubBlockLayout): inside the
+  model's blocks, a step commits only in the first sub-block holding a mask, and a block whose
+  first slot is masked gets that slot alone first, from the previous block's last logit, in a
+  forward that stops before the block (docs/fast-dllm-v2-reference-semantics.md).
 """
 
 from __future__ import annotations
@@ -40,8 +44,15 @@ class BlockLayout:
         origin = self.origin(pad, P)
         return origin + ((slot - origin) // self.block_length) * self.block_length
 
-    def horizon(self, block_end: np.ndarray, row_end: np.ndarray) -> np.ndarray:
-        """(R,) one past the last slot a step may see."""
+    def window(self, masked: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi), each (R,): the slots [lo, hi) a step may commit in, for canvases whose
+        masked slots are masked (R, S) and whose current block starts at start (R,)."""
+        return start, start + self.block_length
+
+    def horizon(self, start: np.ndarray, lo: np.ndarray, block_end: np.ndarray,
+                row_end: np.ndarray) -> np.ndarray:
+        """(R,) one past the last slot a step may see (start, lo: (R,) the current block's and
+        the commit window's first slot)."""
         return row_end
 
     def schedule_size(self, cand: np.ndarray) -> np.ndarray:
@@ -62,7 +73,8 @@ class CausalBlockLayout(BlockLayout):
     def origin(self, pad: np.ndarray, P: int) -> np.ndarray:
         return pad
 
-    def horizon(self, block_end: np.ndarray, row_end: np.ndarray) -> np.ndarray:
+    def horizon(self, start: np.ndarray, lo: np.ndarray, block_end: np.ndarray,
+                row_end: np.ndarray) -> np.ndarray:
         return block_end
 
     def schedule_size(self, cand: np.ndarray) -> np.ndarray:
@@ -71,6 +83,37 @@ class CausalBlockLayout(BlockLayout):
     def settled(self, first_mask: np.ndarray, pad: np.ndarray, P: int) -> np.ndarray:
         # generate.py checks for EOS once a block is complete, never inside the current one
         return self.block_start(first_mask, pad, P)
+
+
+class SubBlockLayout(CausalBlockLayout):
+    """Fast-dLLM v2's generate() inside the model's blocks: sub-blocks of `sub_block_length`
+    decoded left to right, and a block's first slot, when masked, decoded alone from the
+    forward that ends with the previous block (its autoregressive token)."""
+
+    def __init__(self, block_length: int, sub_block_length: int) -> None:
+        super().__init__(block_length)
+        self.sub_block_length = sub_block_length
+
+    def window(self, masked: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        slots = np.arange(masked.shape[1])
+        in_block = (slots >= start[:, None]) & (slots < start[:, None] + self.block_length)
+        open_ = masked & in_block
+        # lo: the block's first mask (the window's masks are the same as the whole
+        # sub-block's, and the forward need recompute nothing before it: unmask.engine.runner
+        # recomputes the slot before `lo` for a model that predicts from it)
+        lo = np.where(open_.any(-1), open_.argmax(-1), start)
+        sub = start + (lo - start) // self.sub_block_length * self.sub_block_length
+        return lo, np.where(lo == start, start + 1, sub + self.sub_block_length)
+
+    def horizon(self, start: np.ndarray, lo: np.ndarray, block_end: np.ndarray,
+                row_end: np.ndarray) -> np.ndarray:
+        # the first slot alone: the forward ends with the previous block, as generate()'s
+        # store forward does, whose last logit predicts that slot
+        return np.where(lo == start, start, block_end)
+
+    def settled(self, first_mask: np.ndarray, pad: np.ndarray, P: int) -> np.ndarray:
+        # generate() stops once an EOS has no mask before it, inside the current block too
+        return first_mask
 
 
 def block_size_of(model: nn.Module) -> int | None:
@@ -90,8 +133,11 @@ def model_defaults(model: nn.Module) -> dict[str, int | str]:
 
 
 def make_layout(model: nn.Module, params: DecodeParams) -> BlockLayout:
-    causal = block_size_of(model) is not None
-    return (CausalBlockLayout if causal else BlockLayout)(params.block_length)
+    if block_size_of(model) is None:
+        return BlockLayout(params.block_length)
+    if params.sub_block_length is not None:
+        return SubBlockLayout(params.block_length, params.sub_block_length)
+    return CausalBlockLayout(params.block_length)
 
 
 def canvas_length(prompt_len: int, gen_length: int, block_size: int | None) -> int:
@@ -105,13 +151,21 @@ def canvas_length(prompt_len: int, gen_length: int, block_size: int | None) -> i
 _DEFAULT = DecodeParams()
 
 
-def for_model(params: DecodeParams, block_size: int | None) -> DecodeParams:
+def for_model(params: DecodeParams, model: nn.Module) -> DecodeParams:
     """`params` as the model decodes them, or a DecoderMismatch naming the key that cannot apply.
 
     A block-causal model decodes in its own blocks with the exact block cache: block_length left
     at its default becomes the model's block size, and cache none (the default) the block cache,
     which changes no logit (docs/decoders.md); keys that act on a bidirectional canvas beyond the
-    current block are refused."""
+    current block are refused, and so are sub-blocks on a model that does not predict a slot
+    from the one before it (their block's first slot comes from the previous block's last)."""
+    block_size = block_size_of(model)
+    if (params.sub_block_length is not None and block_size is not None
+            and not getattr(model, "logit_shift", 0)):
+        raise DecoderMismatch("sub_block_length cannot apply: its block's first slot is "
+                              "predicted from the previous block's last, and this model predicts "
+                              "each slot at its own position; drop sub_block_length",
+                              "sub_block_length")
     for_blocks = entry("cache", params.cache).facts.block_causal
     if block_size is None:
         if for_blocks:
