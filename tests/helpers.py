@@ -128,6 +128,27 @@ def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: 
     return model.eval()
 
 
+def assert_batch_invariant(model, make, target: list[int], others: list[tuple[list[int], int]],
+                           join_at: int, abort_at: int, mask: int, eos: int) -> None:
+    """A block model's request alone == in a batch == joining at step join_at beside `others`
+    (prompt, gen_length) at other blocks and stages, running[0] aborted, a request of another
+    decoder beside. make(gen_length, seed) -> the target's DecodeParams (seed 3) and the others'."""
+    from unmask.engine import Engine, SchedulerConfig, decode
+
+    def outcome(req) -> tuple:
+        return req.token_ids, req.nfe, req.token_forwards, req.decided, req.finish_reason
+
+    p = make(16, 3)
+    want = outcome(decode(model, p, [target], mask_id=mask, eos_id=eos)[0])
+    reqs = decode(model, p, [target] + [q for q, _ in others], mask_id=mask, eos_id=eos)
+    assert outcome(reqs[0]) == want
+    eng = Engine(model, SchedulerConfig(), mask_id=mask, eos_id=eos)
+    running = [eng.add_request(q, make(gen, i)) for i, (q, gen) in enumerate(others)]
+    other = type(p).parse("threshold,threshold=0.7", gen_length=16, block_length=p.block_length)
+    eng.add_request(target[::-1], other)
+    assert outcome(join_and_abort(eng, running, target, p, join_at, abort_at)) == want
+
+
 def join_and_abort(eng, running: list, target: list[int], params, join_at: int, abort_at: int):
     """Step `eng` join_at times, add `target` with `params`, then run to the end, aborting
     running[0] (a request already in the engine) after abort_at steps; returns target's

@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import join_and_abort, peaky_model
+from helpers import assert_batch_invariant, peaky_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unmask.decoding.params import DecodeParams
-from unmask.engine import Engine, SchedulerConfig, decode
+from unmask.engine import Engine, decode
 from unmask.engine import runner as runner_mod
 from unmask.engine.layout import canvas_length
 from unmask.errors import DecoderMismatch, SpecError
@@ -264,16 +264,9 @@ def test_batch_invariance(method, temperature, target, others, join_at, abort_at
     """Alone == in a batch == joining at step k of rows at other blocks and stages (other
     prompt lengths, so other block alignments), with one of them aborted mid-way and a request
     of another decoder beside."""
-    m = sdar(0)
     spec = f"{method},temperature={temperature}"
-    p = params(spec, seed=3)
-    want = outcome(decode(m, p, [target], mask_id=MASK, eos_id=EOS)[0])
-    reqs = decode(m, p, [target] + [q for q, _ in others], mask_id=MASK, eos_id=EOS)
-    assert outcome(reqs[0]) == want
-    eng = Engine(m, SchedulerConfig(), mask_id=MASK, eos_id=EOS)
-    running = [eng.add_request(q, params(spec, gen, seed=i)) for i, (q, gen) in enumerate(others)]
-    eng.add_request(target[::-1], params("threshold,threshold=0.7", 16))
-    assert outcome(join_and_abort(eng, running, target, p, join_at, abort_at)) == want
+    assert_batch_invariant(sdar(0), lambda gen, seed: params(spec, gen, seed=seed), target,
+                           others, join_at, abort_at, MASK, EOS)
 
 
 # --- (e) what a block model takes and refuses ---------------------------------------------------

@@ -61,6 +61,8 @@ def test_openai_client_streams_the_offline_tokens(server: LiveServer, llm: LLM, 
     ("threshold,cache=dual", "cache=dual cannot apply"),
     ("threshold,block_length=8", "block_length=8 cannot apply"),
     ("threshold,suffix=structured", "suffix=structured cannot apply"),
+    ("threshold,sub_block_length=3", "sub_block_length (3) must divide block_length (4)"),
+    ("threshold,sub_block_length=2", "sub_block_length cannot apply"),  # SDAR: no logit shift
 ])
 def test_a_key_that_cannot_apply_is_a_400(server: LiveServer, decoder: str, needle: str) -> None:
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={

@@ -115,9 +115,10 @@ def parse_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> Decod
         raise SpecError(f"--decoder {spec!r}: {e}", e.key) from None
 
 
-# Spec errors that a block-causal model's own block length may resolve (gen_length or steps
-# against the default block_length): `check_decoder` leaves them to `decoder_for`.
-BLOCK_KEYS = ("block_length", "steps")
+# Spec errors that a block-causal model's own block length and cache may resolve (gen_length or
+# steps against the default block_length; sub_block_length, read by the block cache, against
+# its default cache and block_length): `check_decoder` leaves them to `decoder_for`.
+BLOCK_KEYS = ("block_length", "steps", "sub_block_length")
 
 
 def check_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> None:

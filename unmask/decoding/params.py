@@ -209,7 +209,7 @@ def _check_applies(values: dict[str, Any], keys: set[str]) -> None:
             fix = ("start the spec with one of those" if field == "method"
                    else f"set {field}={readers[0]}" if len(readers) == 1 else f"set {field}")
             raise SpecError(f"{key} is read by {field} {' / '.join(readers)} only, and this "
-                            f"decoder's {field} is {chosen}: drop {key}, or {fix}")
+                            f"decoder's {field} is {chosen}: drop {key}, or {fix}", key)
 
 # Presets are plain parameter sets; `exact` has no approximation, so it is token-identical to
 # static-1. `fast` values come from the sweeps in BENCHMARKS.md.
