@@ -445,7 +445,7 @@ UNREAD = {
     "block_recompute": ("masked", "threshold"), "suffix_local": (8, "threshold,cache=dual"),
     "suffix_middle": (0, "threshold,suffix=window"), "suffix_tail": (0, "threshold"),
     "suffix_rule": ("grid", "threshold,suffix=window"), "inject": (0.5, "threshold,cache=dual"),
-    "eb_threshold": (1.0, "threshold"),
+    "eb_threshold": (1.0, "threshold"), "sub_block_length": (4, "threshold,cache=dual"),
 }
 
 
