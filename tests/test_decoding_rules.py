@@ -262,7 +262,8 @@ def _tied_row() -> Tensor:
     return row
 
 
-@pytest.mark.parametrize("spec, per_step", [("static-1", 1), ("static,steps=4", 2), ("threshold", 1)])
+@pytest.mark.parametrize("spec, per_step", [("static-1", 1), ("static,steps=4", 2), ("threshold", 1),
+                                            ("threshold,steps=4", 2)])  # (its floor: 2 a step)
 def test_ties_lowest_position_and_lowest_token(spec: str, per_step: int) -> None:
     out, model, _ = decode(constant_logits(_tied_row()), spec, [PROMPT], 8, 4)
     assert out[0] == [5] * 8  # lowest token id among equal logits
