@@ -378,6 +378,11 @@ def test_parse_valid() -> None:
     ("static-1", {"gen_length": 20, "block_length": 8}, ["20", "multiple", "8"]),
     ("static,steps=3", {"gen_length": 16, "block_length": 8}, ["steps", "3", "16", "2"]),
     ("static,steps=32", {"gen_length": 16, "block_length": 8}, ["steps", "32", "16"]),
+    # threshold's floor: the same schedule, the same ranges; FreeDave++ has no floor
+    ("threshold,steps=3", {"gen_length": 16, "block_length": 8}, ["steps", "3", "16", "2"]),
+    ("threshold,steps=0", {"gen_length": 16, "block_length": 8}, ["steps", "0", "1..16"]),
+    ("freedave++,steps=4", {}, ["steps", "static / threshold only", "freedave++"]),
+    ("entropy_bounded,steps=4", {}, ["steps", "static / threshold only"]),
     ("static-1,temperature=-1", {}, ["temperature", ">= 0", "-1"]),
     ("static-1,temperature=abc", {}, ["temperature", "abc"]),
     ("threshold,threshold=1.5", {}, ["threshold", "1.5", "1"]),
