@@ -93,7 +93,7 @@ class Threshold(Rule):
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
               knobs: np.ndarray) -> np.ndarray:
         n = threshold_count(conf, cand, knobs["threshold"])
-        if schedule is None:  # FreeDave++'s targets: the rule without its schedule
+        if schedule is None:  # FreeDave++ (drafts and targets): the rule without its schedule
             return n
         return np.maximum(n, static_count(schedule.masked_at_start, schedule.steps_per_block,
                                           schedule.step))
