@@ -27,6 +27,8 @@ lengths, ``steps`` against its canvas) before the first is decoded or scored.
 - ``loglikelihood_rolling``: the same bound for the whole document given only BOS, in one window.
   There is no rolling form of the bound (every position sees the whole window), so a document
   longer than the model's ``max_sequence_length`` is an error, not chunked.
+- Block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2) run ``generate_until`` in their own blocks;
+  both likelihoods are refused (the bound above is a bidirectional model's).
 """
 
 from __future__ import annotations
@@ -271,6 +273,7 @@ class UnmaskLM(LM):
     def loglikelihood(self, requests: list[Instance],
                       disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         # All encoded and checked first: scoring is the slow part, a bad request is found at once.
+        self._refuse_block_model("loglikelihood")
         pairs = []
         for i, req in enumerate(requests):
             prompt, target = self._encode_pair(*req.args, which=_which(i, req))
@@ -286,6 +289,7 @@ class UnmaskLM(LM):
 
     def loglikelihood_rolling(self, requests: list[Instance],
                               disable_tqdm: bool = False) -> list[float]:
+        self._refuse_block_model("loglikelihood_rolling")
         prompt = self._bos()
         room = self.llm.config.max_sequence_length - len(prompt)
         targets = []
@@ -306,6 +310,16 @@ class UnmaskLM(LM):
             out.append(result)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, result)
         return out
+
+    def _refuse_block_model(self, kind: str) -> None:
+        """The bound masks tokens anywhere in the continuation and scores them from one forward:
+        a block-diffusion model was trained to see its earlier blocks clean, and its bound is
+        another one (per block, given the clean blocks before), which this does not compute."""
+        if self.llm.config.block_size is not None:
+            raise InputError(f"{kind} is not defined for block-diffusion models (this "
+                             f"{self.llm.config.model_type} model decodes in blocks of "
+                             f"{self.llm.config.block_size}): the masked-diffusion bound assumes "
+                             "bidirectional attention; run generate_until tasks")
 
     def _refuse_mask(self, kind: str, which: str, **parts: list[int]) -> None:
         """The mask token in a request's text would be scored (or decoded) as if it were a
