@@ -101,8 +101,7 @@ def test_openai_client_streams_only_committed_text(server: LiveServer, llm: LLM,
 
 def test_a_steps_floor_is_served_and_a_bad_one_is_a_400(server: LiveServer, llm: LLM) -> None:
     bs = llm.config.block_size
-    # The server checks a spec's steps against its default gen_length (128) before max_tokens
-    # sets the canvas: steps fitting both, 2 (LLaDA2) or 4 (Fast-dLLM v2) steps a block here.
+    # 2 (LLaDA2) or 4 (Fast-dLLM v2) steps a block here.
     gen = max(2 * bs, 32)
     spec = f"threshold,threshold=0.9,steps={128 // bs}"
     (want,) = llm.generate([PROMPT], spec, gen_length=gen)
