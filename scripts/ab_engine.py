@@ -4,9 +4,12 @@ per step (scripts/host_ops.py), the two trees in alternation for --rounds rounds
 thread each; markdown tables of the medians on stdout.
 
     .venv/bin/python scripts/ab_engine.py REV [--rounds 5] [--raw FILE] [--decoder SPEC ...]
+        [--clock cpu]
 
 --decoder (repeatable) sets the throughput table's decoders (default: fast, threshold); host
-time per step is measured for fast and threshold either way.
+time per step is measured for fast and threshold either way. --clock cpu: throughput in tokens
+per CPU-second of the decoding thread (engine_throughput.py --clock), which other processes on a
+shared machine do not move as they move wall seconds; host time is in CPU time either way.
 
 REV is checked out into a temporary git worktree (removed at the end); its code is imported
 through PYTHONPATH, this tree's scripts measure both (host_ops.py times functions by name, so
@@ -33,9 +36,9 @@ THROUGHPUT_ROW = re.compile(r"^\| `([^`]+)` \| (\d+) \| \d+ \| \d+ \| [\d.]+ \| 
 HOST_LINE = re.compile(r"\*\*([\d.]+) ms a step\*\*.*?; (\d+) torch calls and (\d+) function calls")
 
 
-def measure(tree: Path, decoders: list[str]) -> tuple[dict, dict]:
+def measure(tree: Path, decoders: list[str], clock: str) -> tuple[dict, dict]:
     text = python_in(tree, [str(ROOT / "scripts/engine_throughput.py"), "--rounds", "1",
-                      "--concurrency", ",".join(map(str, CONCURRENCY)),
+                      "--clock", clock, "--concurrency", ",".join(map(str, CONCURRENCY)),
                       *[a for d in decoders for a in ("--decoder", d)]])
     tps = {(m[1], int(m[2])): float(m[3]) for m in map(THROUGHPUT_ROW.match, text.splitlines()) if m}
     host = {}
@@ -53,6 +56,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--raw", help="also write every round's numbers to this file")
     p.add_argument("--decoder", action="append", help="throughput table decoders")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="throughput per wall second, or per CPU-second of the decoding thread")
     args = p.parse_args()
     decoders = args.decoder or DECODERS
     tps: dict = collections.defaultdict(list)
@@ -61,7 +66,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             for name, tree in (("before", old), ("after", ROOT)):
                 print(f"round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr)
-                t, h = measure(tree, decoders)
+                t, h = measure(tree, decoders, args.clock)
                 for k, v in t.items():
                     tps[(name, *k)].append(v)
                 for k, v in h.items():
@@ -69,8 +74,10 @@ def main() -> None:
     if args.raw:
         Path(args.raw).write_text("".join(f"{k}: {v}\n" for k, v in [*tps.items(), *host.items()]))
     med = statistics.median
-    print(f"Before: `{args.rev}`; after: this tree. {args.rounds} rounds, medians.\n")
-    print("| decoder | concurrency | tokens/s before | after | after / before | x vs c=1 before | after |")
+    unit = "tokens/s" if args.clock == "wall" else "tokens/CPU-s"
+    print(f"Before: `{args.rev}`; after: this tree. {args.rounds} rounds, medians; clock: "
+          f"{args.clock}.\n")
+    print(f"| decoder | concurrency | {unit} before | after | after / before | x vs c=1 before | after |")
     print("|:---|---:|---:|---:|---:|---:|---:|")
     for d in decoders:
         for c in CONCURRENCY:

@@ -25,12 +25,15 @@ eval_block_diff_mask, built by its forward from block_size = bd_size. Written: m
 logits in float32 and bfloat16, argmax agreement, and the reference's own bfloat16 drift from its
 float32 logits (the yardstick for bfloat16).
 
-Then tokens against each family's published generate() (its LM head scaled so that confidences
-reach thresholds): LLaDA2's threshold/steps modes; Fast-dLLM v2's threshold, small_block_size
-and use_block_cache (as published, and with the block cache emptied at each block as later
-copies of the file do, edited into a copy), against the spec `threshold,...,sub_block_length=S`
-(docs/fast-dllm-v2-reference-semantics.md), with tests/block_reference.py's re-implementation
-beside: NFE and token-forwards per token, ours / generate()'s.
+Then decoding, NFE and token-forwards per generated token: LLaDA2's tokens against its
+generate() in each of its modes (`GENERATE_MODES`); Fast-dLLM v2's modes of ours against
+tests/block_reference.py's loop with the same rule (`FAST_MODES`), and its own generate()
+(DynamicCache's cache[layer] stood in for, as check_sdar_reference.py does) on its own tokens.
+Last, Fast-dLLM v2's own routine (threshold, small_block_size, use_block_cache: as published,
+and with the block cache emptied at each block as later copies of the file do, edited into a
+copy) against the spec `threshold,...,sub_block_length=S`
+(docs/fast-dllm-v2-reference-semantics.md), with tests/block_reference.py's re-implementation of
+it beside.
 """
 
 from __future__ import annotations
@@ -40,10 +43,14 @@ import json
 import sys
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from check_sdar_reference import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # block_reference
+import block_reference  # noqa: E402  (the CI test's re-implementation, checked here)
+from check_sdar_reference import (  # noqa: E402  (the loaders and stand-ins, shared)
     PROMPT_LENGTHS,
     block_mask,
     canvas,
@@ -57,11 +64,8 @@ from check_sdar_reference import (
     script_args,
 )
 
-from unmask.config import ModelConfig
-from unmask.models import build_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import block_reference  # noqa: E402  (the CI test's re-implementation, checked here)
+from unmask.config import ModelConfig  # noqa: E402
+from unmask.models import build_model  # noqa: E402
 
 FAMILIES = {
     # repository, folder, files, commit (None: the snapshot's), config, modeling module, LM class
@@ -124,7 +128,9 @@ def load_reference(family: str, repo: Path) -> types.ModuleType:
     stand_ins()
     files = {Path(n).stem: repo_file(repo, f"{folder}/{n}", commit or "HEAD") for n in names}
     package = scratch_package(f"{family.replace('-', '_')}_reference", files)
-    return importlib.import_module(f"{package.__name__}.{FAMILIES[family][5]}")
+    module = importlib.import_module(f"{package.__name__}.{FAMILIES[family][5]}")
+    module.DynamicCache = indexed_cache_class()  # Fast-dLLM v2's generate() reads cache[layer]
+    return module
 
 
 def pair(family: str, module: types.ModuleType, raw: dict, seed: int):
@@ -192,10 +198,17 @@ def measure(family: str, module, raw: dict, seed: int, mask_id: int, bl: int,
 # LLaDA2's generate() (greedy) against our engine: (its threshold, its steps per block of 32)
 # and the spec that should give the same tokens on a gen_length of 64 (two blocks). A threshold
 # of 1 is never exceeded (its test is `>`), so each step commits its schedule's count: static.
-# Below 1 with a step per token, a step commits what exceeds it, else the single best: our
-# threshold (which tests `>=`; only an exact tie with the threshold tells them apart).
+# Below 1, a step commits what exceeds it when that is at least the schedule's count, else the
+# count's best: our threshold with `steps` as its floor (one a step without; ours tests `>=`,
+# so only an exact tie with the threshold tells them apart).
 GENERATE_MODES = (("static-1", 1.0, 32), ("static,steps=16", 1.0, 8),
-                  ("threshold,threshold=0.95", 0.95, 32), ("threshold,threshold=0.5", 0.5, 32))
+                  ("threshold,threshold=0.95", 0.95, 32), ("threshold,threshold=0.5", 0.5, 32),
+                  ("threshold,threshold=0.95,steps=16", 0.95, 8),
+                  ("threshold,threshold=0.5,steps=8", 0.5, 4),
+                  # FreeDave reproduces its rule: static-1's and threshold's tokens, fewer calls;
+                  # the presets keep their rules and take the model's blocks
+                  ("exact", 1.0, 32), ("freedave++,draft_steps=4,threshold=0.5", 0.5, 32),
+                  ("balanced", 0.99, 32), ("fast", 0.9, 32))
 GEN_TOKENS = 64
 PEAK = 8.0  # the LM head's scale for the token comparison (a power of two: exact both ways)
 
@@ -225,13 +238,14 @@ def generation(ours, ref, prompts: list[torch.Tensor], mask_id: int, eos_id: int
     token, ours against generate()'s (which forwards the whole prefix every step, no cache)."""
     from unmask.decoding.params import DecodeParams
     from unmask.engine import decode
+    from unmask.engine.layout import model_defaults
 
     count = counted(ref)
     for m in (ours, ref):  # peaky: random weights' confidences would never reach a threshold
         m.lm_head.weight.data.mul_(PEAK)
     out = []
     for spec, threshold, steps in GENERATE_MODES:
-        params = DecodeParams.parse(spec, gen_length=GEN_TOKENS, block_length=32)
+        params = DecodeParams.parse(spec, gen_length=GEN_TOKENS, **model_defaults(ours))
         same, tokens, ours_cost, ref_cost = 0, 0, [0, 0], [0, 0]
         for p in prompts:
             before = dict(count)
@@ -253,6 +267,102 @@ def generation(ours, ref, prompts: list[torch.Tensor], mask_id: int, eos_id: int
     return out
 
 
+# Fast-dLLM v2 (blocks of bd_size 8 here, gen_length 32: four blocks): each of our modes against
+# the generate.py-style loop of tests/block_reference.py on the same model with its logits read
+# one position back (the loop's accounting: a prefill of the prompt's whole blocks, the denoising
+# forwards, a store forward per block); (spec, the loop's strategy, its steps per block (None:
+# the block's size), threshold). The loop caps a step's count at the masks left, as ours.
+FAST_GEN = 32
+FAST_MODES = (("static-1", "static", None, None), ("static,steps=16", "static", 4, None),
+              ("threshold,threshold=0.9", "dynamic", None, 0.9),
+              ("threshold,threshold=0.5", "dynamic", None, 0.5),
+              ("threshold,threshold=0.9,steps=8", "dynamic", 2, 0.9),
+              ("exact", "static", None, None), ("freedave++,draft_steps=4,threshold=0.5", "dynamic",
+                                                None, 0.5),
+              ("balanced", "dynamic", None, 0.99), ("fast", "dynamic", None, 0.9))
+# Its published generate() (greedy, use_block_cache: the cache of the current block): (threshold,
+# small_block_size); its own tokens, compared with our threshold's at the same value.
+FAST_GENERATE = ((0.9, 8), (0.9, 4), (0.5, 8))
+
+
+def shifted(model) -> Callable:
+    """The model's forward as Fast-dLLM v2's generate() reads it: position i's prediction from
+    the hidden state at i - 1 (position 0 keeps its own)."""
+    def forward(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        logits = model(ids, pos)
+        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    return forward
+
+
+def ours_run(ours, spec: str, prompt: torch.Tensor, mask_id: int, eos_id: int, gen: int):
+    from unmask.decoding.params import DecodeParams
+    from unmask.engine import decode
+    from unmask.engine.layout import model_defaults
+
+    params = DecodeParams.parse(spec, gen_length=gen, **model_defaults(ours))
+    (req,) = decode(ours, params, [prompt[0].tolist()], mask_id=mask_id, eos_id=eos_id)
+    return req
+
+
+@torch.no_grad()
+def fast_generation(ours, ref, prompts: list[torch.Tensor], mask_id: int, eos_id: int) -> list[dict]:
+    """Our modes against the reference loop (same tokens), then the published generate()."""
+    from block_reference import Strategy, answer, generate
+
+    bs = ours.config.block_size
+    for m in (ours, ref):
+        m.lm_head.weight.data.mul_(PEAK)
+    out = []
+    for spec, name, steps, threshold in FAST_MODES:
+        strategy = Strategy(name, steps or bs, threshold=threshold or 0.85, at_least=True, capped=True)
+        same, tokens, mine, loop = 0, 0, [0, 0], [0, 0]
+        for p in prompts:
+            req = ours_run(ours, spec, p, mask_id, eos_id, FAST_GEN)
+            want = generate(shifted(ours), p[0].tolist(), mask_id, FAST_GEN, bs, strategy, [eos_id])
+            got_ids = answer(req.token_ids, eos_id, FAST_GEN, mask_id)
+            want_ids = answer(want.canvas[p.shape[1]:], eos_id, FAST_GEN, mask_id)
+            same += got_ids == want_ids
+            tokens += len(want_ids)
+            mine = [mine[0] + req.nfe, mine[1] + req.token_forwards]
+            loop = [loop[0] + want.nfe, loop[1] + want.token_forwards]
+        out.append({"spec": spec, "same": same, "prompts": len(prompts), "tokens": tokens,
+                    "nfe": (mine[0] / tokens, loop[0] / tokens),
+                    "token_forwards": (mine[1] / tokens, loop[1] / tokens)})
+    out += published_fast_generate(ours, ref, prompts, mask_id, eos_id)
+    for m in (ours, ref):
+        m.lm_head.weight.data.div_(PEAK)
+    return out
+
+
+def published_fast_generate(ours, ref, prompts: list[torch.Tensor], mask_id: int,
+                            eos_id: int) -> list[dict]:
+    """Fast-dLLM v2's generate() on its own: cost per token of its own tokens, and on how many
+    prompts those equal our threshold's at the same value (its first token of a block is the
+    previous block's store forward's argmax, ours a step of the rule, so they may differ)."""
+    count = counted(ref)
+    bs = ours.config.block_size
+    out = []
+    for threshold, small in FAST_GENERATE:
+        same, theirs, cost, ours_tokens, mine = 0, 0, [0, 0], 0, [0, 0]
+        for p in prompts:
+            before = dict(count)
+            ids = ref.generate(p, max_new_tokens=FAST_GEN, mask_id=mask_id, threshold=threshold,
+                               small_block_size=small, block_size=bs, stop_token=eos_id,
+                               temperature=0, use_block_cache=True)[0][0, p.shape[1]:].tolist()
+            cost = [cost[0] + count["nfe"] - before["nfe"], cost[1] + count["tokens"] - before["tokens"]]
+            theirs += len(ids)
+            req = ours_run(ours, f"threshold,threshold={threshold}", p, mask_id, eos_id, FAST_GEN)
+            n = min(len(ids), len(req.token_ids))
+            same += req.token_ids[:n] == ids[:n]
+            ours_tokens += len(req.token_ids)
+            mine = [mine[0] + req.nfe, mine[1] + req.token_forwards]
+        out.append({"spec": f"generate(threshold={threshold}, small_block_size={small})",
+                    "same": same, "prompts": len(prompts), "tokens": theirs,
+                    "nfe": (mine[0] / ours_tokens, cost[0] / theirs),
+                    "token_forwards": (mine[1] / ours_tokens, cost[1] / theirs)})
+    return out
+
+
 def generation_table(rows: list[dict]) -> list[str]:
     lines = [
         "",
@@ -266,8 +376,9 @@ def generation_table(rows: list[dict]) -> list[str]:
         "no more); NFE and token-forwards per generated token, ours / generate()'s (it forwards "
         "the whole prefix at every step, no K/V cache; ours reads finished blocks from the "
         "store and fuses a block's store forward with the next block's first step). "
-        "generate()'s threshold below 1 with fewer steps than the block (a threshold with a "
-        "static floor of several tokens) is no spec of ours and is not compared.",
+        "generate()'s threshold below 1 with fewer steps than the block is a threshold with a "
+        "static floor of several tokens a step: our threshold with `steps` (over gen_length, "
+        "so twice generate()'s per-block steps here).",
         "",
         "| generate() threshold, steps | our spec | prompts identical | NFE per token (ours / ref) "
         "| token-forwards per token (ours / ref) |",
@@ -276,6 +387,36 @@ def generation_table(rows: list[dict]) -> list[str]:
     for r in rows:
         lines.append(f"| {r['threshold']}, {r['steps']} | `{r['spec']}` | {r['same']}/{r['prompts']} "
                      f"| {r['nfe'][0]:.2f} / {r['nfe'][1]:.2f} | {r['token_forwards'][0]:.1f} / "
+                     f"{r['token_forwards'][1]:.1f} |")
+    return lines
+
+
+def fast_generation_table(rows: list[dict]) -> list[str]:
+    n_modes = len(FAST_MODES)
+    lines = [
+        "",
+        "## Cost per token against the reference loop and the published generate()",
+        "",
+        f"The same float32 model, its LM head scaled by {PEAK:g}, gen_length {FAST_GEN} (blocks of "
+        "8). First each of our decoding modes against tests/block_reference.py's generate.py-style "
+        "loop with the same rule on the same model, its logits read one position back as "
+        "Fast-dLLM v2's generate() reads them (a prefill of the prompt's whole blocks, the "
+        "denoising forwards of the whole block, a store forward per block): tokens compared "
+        "through the first EOS; NFE and token-forwards per generated token, ours / the loop's. "
+        "Then Fast-dLLM v2's own generate() (greedy, the cache of the current block): its cost "
+        "per token of its own tokens against our `threshold` at its threshold on ours, and the "
+        "prompts where the two agree; it commits a block's first token as the argmax of the "
+        "previous block's store forward and thresholds inside sub-blocks, which our rules do "
+        "not, so its tokens are not ours (sub-block decoding is a spec of its own).",
+        "",
+        "| our spec / reference | prompts identical | NFE per token (ours / ref) | token-forwards "
+        "per token (ours / ref) |",
+        "|---|---|---|---|",
+    ]
+    for i, r in enumerate(rows):
+        name = f"`{r['spec']}`" if i < n_modes else r["spec"]
+        lines.append(f"| {name} | {r['same']}/{r['prompts']} | {r['nfe'][0]:.2f} / "
+                     f"{r['nfe'][1]:.2f} | {r['token_forwards'][0]:.1f} / "
                      f"{r['token_forwards'][1]:.1f} |")
     return lines
 
@@ -445,7 +586,7 @@ def fd2_table(rows: list[dict]) -> list[str]:
         "model, prompts identical to generate() and its NFE / token-forwards equal to "
         "generate()'s.")
     lines = [
-        "", "## Tokens against the published generate()", "", setting, "",
+        "", "## Its sub-block routine as our spec: tokens against its generate()", "", setting, "",
         f"A prompt of exactly one block ({rows[0]['bs']} tokens): generate() skips its prefill "
         "(`input_ids.shape[1] > block_size`) and decodes without the prompt; two different "
         f"prompts gave the same tokens: {rows[0]['one_block_ignored']} (no prompt here has that "
@@ -495,8 +636,19 @@ def fd2_reading(rows: list[dict]) -> list[str]:
     ]
 
 
-GENERATIONS = {"llada2": generation, "fast-dllm-v2": fd2_generation}
-TABLES = {"llada2": generation_table, "fast-dllm-v2": fd2_table}
+def fast_dllm_v2_generation(ours, ref, prompts: list[torch.Tensor], mask_id: int,
+                            eos_id: int) -> list[list[dict]]:
+    """Our modes against the reference loop and its generate(), then its sub-block routine."""
+    return [fast_generation(ours, ref, prompts, mask_id, eos_id),
+            fd2_generation(ours, ref, prompts, mask_id, eos_id)]
+
+
+def fast_dllm_v2_tables(parts: list[list[dict]]) -> list[str]:
+    return fast_generation_table(parts[0]) + fd2_table(parts[1])
+
+
+GENERATIONS = {"llada2": generation, "fast-dllm-v2": fast_dllm_v2_generation}
+TABLES = {"llada2": generation_table, "fast-dllm-v2": fast_dllm_v2_tables}
 
 
 def main() -> None:

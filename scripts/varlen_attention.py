@@ -2,6 +2,7 @@
 far an engine call is from the plain forward of the same canvas, and what each costs.
 
     .venv/bin/python scripts/varlen_attention.py [--part diff|cost|both] [--n 16] [--rounds 3]
+        [--clock wall|cpu] [--decoder SPEC ...]
 
 diff: held-out math prompts on the shipped model, decoded without a cache (`static-1`,
 `threshold`) at engine concurrency 1 and 16 (rows of different lengths), float32 and bfloat16.
@@ -13,6 +14,8 @@ positions whose top token differs.
 cost: 32 prompts at gen_length 256, one thread, all submitted to one Engine with max_running =
 the concurrency; useful tokens/s (up to the first EOS) over the wall time; cells interleaved
 over --rounds rounds, medians; asserts the tokens are identical across the two shapes.
+--clock cpu: this thread's CPU seconds in place of wall seconds (one torch thread: the whole
+decode runs on it), for a machine shared with other work. --decoder: the cost part's decoders.
 Prints markdown on stdout (benchmarks/varlen-attention.md).
 """
 
@@ -37,6 +40,8 @@ DIFF_SPECS = ("static-1", "threshold")
 COST_SPECS = ("fast", "threshold", "threshold,cache=entropy")
 CALL = Runner._call
 STATS: dict[str, list] = {"diff": [], "flips": [], "scored": [], "groups": []}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = CLOCKS["wall"]
 
 
 def compared_call(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols):
@@ -66,10 +71,10 @@ def decode_all(llm: LLM, prompts: list[list[int]], spec: str, concurrency: int, 
     """(useful tokens/s, the requests) of the prompts decoded at this concurrency and shape."""
     Runner.attention_shapes = shapes
     params = DecodeParams.parse(spec, gen_length=gen)
-    start = time.perf_counter()
+    start = clock()
     with torch.no_grad():
         reqs = decode(llm.model, params, prompts, max_running=concurrency)
-    wall = time.perf_counter() - start
+    wall = clock() - start
     eos = llm.config.eos_token_id
     return sum(useful_length(r.token_ids, eos) for r in reqs) / wall, reqs
 
@@ -97,11 +102,11 @@ def diff_table(n: int, gen: int) -> None:
           "one thread")
 
 
-def cost_table(rounds: int) -> None:
+def cost_table(rounds: int, specs: list[str]) -> None:
     Runner._call = counted_call
     llm = LLM()
     prompts = [llm.encode_prompt(e.prompt) for e in TASKS["math"].load("heldout", 32)]
-    cells = [(s, c, v) for s in COST_SPECS for c in (1, 16) for v in SHAPES]
+    cells = [(s, c, v) for s in specs for c in (1, 16) for v in SHAPES]
     tps: dict[tuple, list[float]] = {}
     tokens: dict[tuple, list[list[int]]] = {}
     groups: dict[tuple, float] = {}
@@ -114,7 +119,8 @@ def cost_table(rounds: int) -> None:
             groups[cell] = statistics.mean(STATS["groups"])
             tps.setdefault(cell, []).append(value)
     Runner._call = CALL
-    print("| decoder | concurrency | shapes | useful tokens/s | exact / canonical "
+    unit = "useful tokens/s" if clock is CLOCKS["wall"] else "useful tokens/CPU-s"
+    print(f"| decoder | concurrency | shapes | {unit} | exact / canonical "
           "(range of rounds) | groups a call |")
     print("|---|---:|---|---:|---:|---:|")
     for cell in cells:
@@ -135,13 +141,17 @@ def main() -> None:
     p.add_argument("--n", type=int, default=16, help="prompts for the diff part")
     p.add_argument("--gen-length", type=int, default=64, help="for the diff part")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    p.add_argument("--decoder", action="append", help=f"cost part (default: {COST_SPECS})")
     args = p.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(1)
     if args.part in ("diff", "both"):
         diff_table(args.n, args.gen_length)
     if args.part in ("cost", "both"):
         print()
-        cost_table(args.rounds)
+        cost_table(args.rounds, args.decoder or list(COST_SPECS))
 
 
 if __name__ == "__main__":

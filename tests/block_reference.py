@@ -33,13 +33,16 @@ STOPS = ("block holds a stop id", "block is all EOS")  # SDAR's, FreeDave's earl
 class Strategy:
     """A remasking strategy as SDAR's generate.py names it, and its knobs. steps: denoising
     steps per block (FreeDave's base decoder: the block length, one token per step). at_least:
-    dynamic commits conf >= threshold (FreeDave) rather than SDAR's conf > threshold."""
+    dynamic commits conf >= threshold (FreeDave) rather than SDAR's conf > threshold. capped:
+    the schedule's count is capped at the masks left (LLaDA2's generate()), where SDAR's topk
+    picks non-masked offsets too."""
 
     name: str
     steps: int
     threshold: float = 0.85
     eb_threshold: float = 0.35
     at_least: bool = False
+    capped: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in STRATEGIES:
@@ -125,6 +128,8 @@ def pick(strategy: Strategy, conf: Tensor, masked: Tensor, k: int | None) -> Ten
         raise IndexError("SDAR's schedule has no entry for this step")
     ranked = torch.where(masked, conf, float("-inf"))
     top = torch.zeros_like(masked)
+    if strategy.capped:
+        k = min(k, int(masked.sum()))
     if strategy.name == "sequential":
         first = int(masked.nonzero()[0, 0])
         top[first:first + k] = True
@@ -150,6 +155,44 @@ def entropy_bounded(conf: Tensor, masked: Tensor, eb_threshold: float) -> Tensor
     chosen = torch.zeros_like(masked)
     chosen[order[:k]] = True
     return chosen
+
+
+# --- LLaDA2's generate() (modeling_llada2_moe.py), greedy, eos_early_stop off -------------------
+def llada2_generate(forward: Forward, prompt: list[int], mask_id: int, gen_length: int,
+                    block_length: int, steps: int, threshold: float, eos_id: int) -> Result:
+    """No cache: every denoising step forwards the whole prefix up to the block's end, and
+    there is neither a prefill nor a store forward. Step t of a block commits the masked
+    offsets whose confidence exceeds `threshold` when there are at least as many as the
+    schedule's count (the block's length over `steps`, as SDAR's), else the count's most
+    confident (capped at the masks left); a threshold of 1 is never exceeded: the schedule
+    alone. Generation stops after a block once the generated slots hold EOS."""
+    p, b = len(prompt), block_length
+    n_blocks = -(-(p + gen_length) // b)
+    x = torch.full((1, n_blocks * b), mask_id, dtype=torch.long)
+    x[0, :p] = torch.tensor(prompt)
+    pos = torch.arange(n_blocks * b)[None]
+    strategy = Strategy("dynamic", steps, threshold=threshold, capped=True)
+    counts = schedule(b, steps)
+    out = Result(canvas=[])
+    for n in range(p // b, n_blocks):
+        lo, hi = n * b, (n + 1) * b
+        commits = []
+        for t in range(steps):
+            masked = x[0, lo:hi] == mask_id
+            if not masked.any():
+                break
+            out.forwarded(hi)
+            logits = forward(x[:, :hi], pos[:, :hi])[0, lo:hi]  # (b, V)
+            token = logits.argmax(-1)  # (b,)
+            conf = torch.softmax(logits, dim=-1).gather(-1, token[:, None])[:, 0]  # (b,)
+            chosen = pick(strategy, conf, masked, counts[t])
+            x[0, lo:hi] = torch.where(chosen, token, x[0, lo:hi])
+            commits.append(chosen.nonzero()[:, 0].tolist())
+        out.commits.append(commits)
+        if bool((x[0, p:hi] == eos_id).any()):
+            break
+    out.canvas = x[0].tolist()
+    return out
 
 
 # --- FreeDave's draft-and-verify decoder (block_decode_with_block_attention_FreeDave) --------------

@@ -109,16 +109,28 @@ DECODERS = {
 }
 
 
+# The block-diffusion families' own keys for a tiny model of blocks of 4: LLaDA2's mixture of
+# experts as the published one is cut (shared expert, dense first layer, groups, half the head
+# turned by RoPE), smaller.
+BLOCK_FAMILIES: dict[str, dict[str, Any]] = {
+    "sdar": {"block_size": 4},
+    "llada2_moe": {"block_size": 4, "num_experts": 8, "num_experts_per_tok": 3, "n_group": 4,
+                   "topk_group": 2, "num_shared_experts": 1, "moe_intermediate_size": 12,
+                   "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+                   "partial_rotary_factor": 0.5},
+    "Fast_dLLM_Qwen": {"block_size": 4},
+}
+
+
 @functools.cache
 def peaky_model(kind: str, seed: int, scale: float, vocab: int, mask: int, eos: int) -> torch.nn.Module:
     """A tiny random model with torch's default init scaled up: peaky, varied predictions, so
     threshold decoding commits several tokens and exactness tests have something to check."""
-    qwen2 = kind in ("Dream", "Fast_dLLM_Qwen")
-    config = ModelConfig(model_type=kind, d_model=32, n_heads=2, n_kv_heads=1 if qwen2 else 2,
+    config = ModelConfig(model_type=kind, d_model=32, n_heads=2,
+                         n_kv_heads=1 if kind in ("Dream", "Fast_dLLM_Qwen") else 2,
                          n_layers=2, mlp_hidden_size=64, vocab_size=vocab, embedding_size=vocab,
-                         mask_token_id=mask, eos_token_id=eos, qkv_bias=qwen2,
-                         max_sequence_length=128,
-                         block_size={"sdar": 4, "Fast_dLLM_Qwen": 8}.get(kind))
+                         mask_token_id=mask, eos_token_id=eos, max_sequence_length=128,
+                         **BLOCK_FAMILIES.get(kind, {}))
     torch.manual_seed(seed)
     model = build_model(config)
     with torch.no_grad():

@@ -262,7 +262,8 @@ def _tied_row() -> Tensor:
     return row
 
 
-@pytest.mark.parametrize("spec, per_step", [("static-1", 1), ("static,steps=4", 2), ("threshold", 1)])
+@pytest.mark.parametrize("spec, per_step", [("static-1", 1), ("static,steps=4", 2), ("threshold", 1),
+                                            ("threshold,steps=4", 2)])  # (its floor: 2 a step)
 def test_ties_lowest_position_and_lowest_token(spec: str, per_step: int) -> None:
     out, model, _ = decode(constant_logits(_tied_row()), spec, [PROMPT], 8, 4)
     assert out[0] == [5] * 8  # lowest token id among equal logits
@@ -377,6 +378,11 @@ def test_parse_valid() -> None:
     ("static-1", {"gen_length": 20, "block_length": 8}, ["20", "multiple", "8"]),
     ("static,steps=3", {"gen_length": 16, "block_length": 8}, ["steps", "3", "16", "2"]),
     ("static,steps=32", {"gen_length": 16, "block_length": 8}, ["steps", "32", "16"]),
+    # threshold's floor: the same schedule, the same ranges; FreeDave++ has no floor
+    ("threshold,steps=3", {"gen_length": 16, "block_length": 8}, ["steps", "3", "16", "2"]),
+    ("threshold,steps=0", {"gen_length": 16, "block_length": 8}, ["steps", "0", "1..16"]),
+    ("freedave++,steps=4", {}, ["steps", "static / threshold only", "freedave++"]),
+    ("entropy_bounded,steps=4", {}, ["steps", "static / threshold only"]),
     ("static-1,temperature=-1", {}, ["temperature", ">= 0", "-1"]),
     ("static-1,temperature=abc", {}, ["temperature", "abc"]),
     ("threshold,threshold=1.5", {}, ["threshold", "1.5", "1"]),

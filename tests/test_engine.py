@@ -831,3 +831,19 @@ def test_rows_in_a_batch_get_the_plain_forwards_bits(kind, dtype, lengths, spec)
         decode(m, params(spec, 8), prompts, mask_id=m.config.mask_token_id,
                eos_id=m.config.eos_token_id)
     assert any(r > 1 for _, r in seen)
+
+
+@pytest.mark.parametrize("cache, shapes", [("none", "exact"), ("prefix", "canonical"),
+                                           ("dual", "canonical"), ("entropy", "canonical")])
+def test_attention_shapes_follow_the_cache(cache: str, shapes: str, monkeypatch) -> None:
+    """Exact shapes where a decode has a forward to match; a cache reading stale K/V has none,
+    and runs at the canonical shapes (fewer attention batches a call). A runner's own setting
+    wins."""
+    from unmask.engine import runner as runner_mod
+    from unmask.suffix import make_suffix_policy
+
+    m = model("llada")
+    p = params(f"threshold,cache={cache}", 16)
+    assert runner_mod.Runner(m, p, MASK, EOS, make_suffix_policy(p)).shapes == shapes
+    monkeypatch.setattr(runner_mod.Runner, "attention_shapes", "exact")
+    assert runner_mod.Runner(m, p, MASK, EOS, make_suffix_policy(p)).shapes == "exact"

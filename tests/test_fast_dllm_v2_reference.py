@@ -27,16 +27,17 @@ from unmask.engine import Engine, decode
 from unmask.engine.layout import SubBlockLayout
 from unmask.errors import DecoderMismatch, SpecError
 
-VOCAB, MASK, EOS, BS = 64, 63, 1, 8
-# lengths around the block (8): shorter, one short of it, a whole block plus one, two whole
-# blocks (the prefill's last logit gives the first token), and longer
-PROMPTS = [[20], [5, 6, 7], list(range(3, 10)), list(range(3, 12)), list(range(10, 26)),
-           list(range(30, 50)), [7, 7, 7, 7, 9], list(range(40, 63))]
+VOCAB, MASK, EOS, BS = 64, 63, 1, 4
+# lengths around the block (4): shorter, one short of it, one block (generate() ignores such a
+# prompt; the loop prefills it, as ours), a block plus one, two whole blocks (the prefill's
+# last logit gives the first token), and longer
+PROMPTS = [[20], [5, 6, 7], list(range(3, 7)), [7, 7, 7, 7, 9], list(range(10, 18)),
+           list(range(3, 14)), list(range(30, 50)), list(range(40, 63))]
 
 
 @functools.cache
 def fd2(seed: int = 0) -> torch.nn.Module:
-    """A peaky tiny random Fast-dLLM v2 (blocks of 8), the mask token's output row zero: the
+    """A peaky tiny random Fast-dLLM v2 (blocks of 4), the mask token's output row zero: the
     reference's argmax may pick the mask token, unmask's never does, so it must never win."""
     model = copy.deepcopy(peaky_model("Fast_dLLM_Qwen", seed, 4.0, VOCAB, MASK, EOS))
     with torch.no_grad():
@@ -75,7 +76,8 @@ def check_against_reference(model, prompts, gen: int, threshold: float, sub: int
         ref = reference(model, p, gen, threshold, sub, eos)
         n = min(len(ref.canvas), gen)  # generate() returns up to its stop; we cut at gen
         assert req.token_ids[:n] == ref.canvas[:n], p
-        stopped = eos in ref.canvas
+        # an EOS on our canvas (the loop's last store forward may predict one past it)
+        stopped = eos in ref.canvas[: req.canvas]
         fused = len(p) > BS and len(p) % BS != 0
         assert req.nfe == ref.nfe - fused - (not stopped), p
         assert req.token_forwards == ref.token_forwards - BS * (not stopped), p
@@ -83,13 +85,13 @@ def check_against_reference(model, prompts, gen: int, threshold: float, sub: int
     return mid_block
 
 
-@pytest.mark.parametrize("sub", [1, 2, 4, 8])
+@pytest.mark.parametrize("sub", [1, 2, 4])
 @pytest.mark.parametrize("threshold", [1.0, 0.9, 0.5])
 def test_tokens_and_cost_against_the_reference_loop(threshold: float, sub: int) -> None:
     check_against_reference(fd2(), PROMPTS, 24, threshold, sub, EOS)
 
 
-@pytest.mark.parametrize("sub", [2, 8])
+@pytest.mark.parametrize("sub", [1, 2, 4])
 def test_rows_stop_inside_a_block_as_the_reference_does(sub: int) -> None:
     """EOS settles a row inside its block, as generate()'s check does (no forward after it),
     where SDAR's loop waits for the block's end. A token the model often predicts stands for
@@ -140,7 +142,7 @@ def test_batch_invariance_with_sub_blocks(method, sub, temperature, target, othe
 
 def test_freedave_is_exact_with_sub_blocks() -> None:
     model = fd2()
-    for sub in (2, 8):
+    for sub in (2, 4):
         got = decode(model, params(f"freedave++,draft_steps=4,threshold=0.5,sub_block_length={sub}"),
                      PROMPTS, mask_id=MASK, eos_id=EOS)
         want = decode(model, params(f"threshold,threshold=0.5,sub_block_length={sub}"), PROMPTS,
@@ -150,7 +152,7 @@ def test_freedave_is_exact_with_sub_blocks() -> None:
 
 # --- bad input ---------------------------------------------------------------------------------
 def test_a_sub_block_that_does_not_divide_the_block_is_refused() -> None:
-    with pytest.raises(SpecError, match=r"^sub_block_length \(3\) must divide block_length \(8\)$") as e:
+    with pytest.raises(SpecError, match=r"^sub_block_length \(3\) must divide block_length \(4\)$") as e:
         params("threshold,sub_block_length=3")
     assert e.value.key == "sub_block_length"
 

@@ -14,6 +14,7 @@ position i's prediction at i - 1.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -21,11 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from block_reference import Strategy, answer, llada2_generate, pick
 from test_models import _randomize  # weights far from init: every term matters
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from unmask.cli import main
 from unmask.config import ConfigError, ModelConfig
+from unmask.decoding.params import DecodeParams
+from unmask.engine import decode
 from unmask.models import build_model
 from unmask.models.llada2 import LLaDA2MoE
 
@@ -175,6 +179,64 @@ def test_forward_matches_the_published_modeling_code(length: int) -> None:
     want = _reference(model, ids)
     assert want.abs().max() > 1.0
     torch.testing.assert_close(got, want, atol=1e-9, rtol=0)
+
+
+# --- generate()'s threshold with a static floor ---------------------------------------------------
+def test_the_floor_is_the_schedule_capped_at_the_masks() -> None:
+    """LLaDA2's step: every offset above the threshold when at least the schedule's count are,
+    else the count's most confident, never more than the masks left."""
+    conf = torch.tensor([0.75, 0.25, 0.625, 0.125])  # exact in float32
+    every, one = torch.tensor([True] * 4), torch.tensor([False, True, False, False])
+    rule = Strategy("dynamic", 2, threshold=0.5, capped=True)
+    assert pick(rule, conf, every, 2).tolist() == [True, False, True, False]  # 2 above: them
+    assert pick(rule, conf, every, 3).tolist() == [True, True, True, False]  # floor: the top 3
+    assert pick(rule, conf, one, 2).tolist() == [False, True, False, False]  # capped at 1 mask
+
+
+GEN = 16
+FLOOR_PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10], [20],
+                 [30, 31, 32, 33, 34], [40, 41], [50, 51, 52, 53, 54, 55, 56], [60, 61, 62, 63]]
+
+
+@functools.cache
+def _peaky(head: float) -> torch.nn.Module:
+    """The tiny model in float32, its LM head scaled so that confidences cross thresholds, the
+    mask token's row zero (generate() may predict it, unmask never commits it)."""
+    model = _model(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head)
+        model.lm_head.weight[VOCAB - 1] = 0
+    return model
+
+
+# ours, then generate()'s steps per block of 4 and threshold (1: never exceeded, the schedule)
+FLOOR_CASES = [("threshold,threshold=0.5,steps=8", 2, 0.5), ("threshold,threshold=0.9,steps=8", 2, 0.9),
+               ("threshold,threshold=0.3,steps=4", 1, 0.3), ("threshold,threshold=0.5", 4, 0.5),
+               ("static,steps=8", 2, 1.0), ("static-1", 4, 1.0)]
+
+
+@pytest.mark.parametrize("spec, steps, threshold", FLOOR_CASES, ids=[c[0] for c in FLOOR_CASES])
+@pytest.mark.parametrize("head, eos", [(5.0, 27), (12.0, 58)], ids=["varied", "sharp"])
+def test_tokens_equal_llada2_generate(spec: str, steps: int, threshold: float, head: float,
+                                      eos: int) -> None:
+    """unmask's engine against tests/block_reference.py's llada2_generate (generate()'s loop in
+    plain torch): the same tokens through the first EOS and its denoising forwards as NFE (ours
+    fuses no extra call: generate() has neither prefill nor store forward), in no more
+    token-forwards (ours reads finished blocks from the store, generate() forwards the prefix)."""
+    model = _peaky(head)
+    params = DecodeParams.parse(spec, gen_length=GEN, block_length=4)
+    out = decode(model, params, FLOOR_PROMPTS, mask_id=VOCAB - 1, eos_id=eos)
+    multi = 0
+    for prompt, req in zip(FLOOR_PROMPTS, out, strict=True):
+        with torch.no_grad():
+            want = llada2_generate(lambda ids, pos: model(ids, pos), prompt, VOCAB - 1, GEN, 4,
+                                   steps, threshold, eos)
+        assert answer(req.token_ids, eos, GEN, VOCAB - 1) == answer(want.canvas[len(prompt):], eos,
+                                                                    GEN, VOCAB - 1), prompt
+        assert req.nfe == want.nfe and req.token_forwards <= want.token_forwards
+        multi += any(len(c) > (4 // steps) for block in want.commits for c in block)
+    if threshold < 1 and steps > 1:  # (one step a block: the floor is the whole block)
+        assert multi  # the threshold committed past the floor somewhere
 
 
 # --- bad input ------------------------------------------------------------------------------------

@@ -230,6 +230,8 @@ def test_entry_point_and_task_folder() -> None:
     ({"decoder": "threshold", "threshold": 2}, SpecError, "threshold"),
     ({"gen_length": 100, "block_length": 32}, SpecError, "multiple of block_length"),
     ({"mc_num": 0}, InputError, "mc_num"),
+    ({"compile": "yes"}, InputError, "compile must be true or false"),
+    ({"quantize": "int3"}, InputError, "int3"),
     ({"pretrained": "/no/such/folder"}, CheckpointError, "/no/such/folder"),
 ])
 def test_bad_model_args_name_the_problem(kwargs: dict, error: type, names: str) -> None:
@@ -246,6 +248,28 @@ def test_model_args_make_the_decoder_spec() -> None:
     assert lm.batch_size == 8
     # lm-eval's --device defaults to cuda:0: without CUDA that means the CPU.
     assert UnmaskLM(device="cuda:0").llm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_quantize_and_compile_reach_the_model(tiny_dirs: dict[str, Path]) -> None:
+    """--quantize and --compile as model args: the adapter's model is the one `unmask generate
+    --quantize int8` loads (its linear layers quantized), and compile reaches LLM."""
+    pytest.importorskip("torchao")
+    from unmask.quantize import quantized_scheme
+
+    lm = UnmaskLM(pretrained=str(tiny_dirs["llada"]), device="cpu", quantize="int8")
+    assert quantized_scheme(lm.llm.model) == "int8"
+    seen = {}
+
+    def fake_llm(*args: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        raise InputError("stop here")
+
+    import unmask.evaluation.harness as harness
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness, "LLM", fake_llm)
+        with pytest.raises(InputError, match="stop here"):
+            UnmaskLM(device="cpu", compile=True)
+    assert seen["compile"] is True
 
 
 # --------------------------------------------------------------------------- generate_until

@@ -129,6 +129,21 @@ def test_max_tokens_is_a_hard_cap(server: LiveServer, llm: LLM, max_tokens: int)
     assert chat.id.startswith("chatcmpl-") and r.id.startswith("cmpl-")  # as OpenAI's
 
 
+def test_steps_are_checked_against_the_requests_canvas() -> None:
+    """steps=2 fits one block of 32 (max_tokens 20) but not the default canvas of 128 (4 blocks):
+    a request's spec is checked against the canvas its max_tokens makes; without max_tokens the
+    default canvas refuses it."""
+    from unmask.server.errors import APIError
+    from unmask.server.intake import request_params
+
+    config = ServerConfig(decoder="threshold")
+    p = request_params(config, CompletionRequest(prompt="hi", max_tokens=20,
+                                                 decoder="static,steps=2"))
+    assert (p.gen_length, p.steps) == (32, 2)
+    with pytest.raises(APIError, match="steps"):
+        request_params(config, CompletionRequest(prompt="hi", decoder="static,steps=2"))
+
+
 def test_top_p_samples_as_the_decoder_does(server: LiveServer, llm: LLM) -> None:
     """OpenAI's top_p is the decoder's top_p (it was refused as "not implemented", though the
     spec grammar has it); 1, which clients send by default, changes nothing."""

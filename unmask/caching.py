@@ -173,10 +173,10 @@ class EntropyCache(CachePolicy):
 
 
 register("cache", "none", NoCache)
-register("cache", "prefix", PrefixCache, (StoreKnobs,), Facts(uses_store=True))
-register("cache", "dual", DualCache, (StoreKnobs,), Facts(uses_store=True))
+register("cache", "prefix", PrefixCache, (StoreKnobs,), Facts(uses_store=True, stale_keys=True))
+register("cache", "dual", DualCache, (StoreKnobs,), Facts(uses_store=True, stale_keys=True))
 register("cache", "entropy", EntropyCache, (EntropyKnobs, StoreKnobs),
-         Facts(uses_store=True, reads_entropy=True))
+         Facts(uses_store=True, reads_entropy=True, stale_keys=True))
 register("cache", "block", BlockCache, (SubBlockKnobs,), Facts(uses_store=True, block_causal=True))
 
 # name -> policy class, the registry's view

@@ -106,6 +106,7 @@ class Facts:
     reads_entropy: bool = False  # method, remasking, cache: reads the predictive entropy
     uses_store: bool = False  # cache: keeps a K/V store
     block_causal: bool = False  # cache: for block-causal models (and only those)
+    stale_keys: bool = False  # cache: reads K/V computed from an older canvas (approximate)
 
 
 @dataclass(frozen=True)

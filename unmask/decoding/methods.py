@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 # --- knobs ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class StaticKnobs(Knobs):
-    # None = gen_length (one token per step); its range depends on the lengths
+    # static: its schedule; threshold: a floor of that schedule's count a step. None =
+    # gen_length (one token per step); its range depends on the lengths
     # (DecodeParams checks it). Per row: each row's schedule is its own (steps_per_block).
     steps: int | None = knob(None, per_row=True)
 
@@ -84,11 +85,18 @@ class OneToken(Rule):
 
 
 class Threshold(Rule):
-    """Fast-dLLM: every candidate with confidence >= the row's threshold, at least one."""
+    """Fast-dLLM: every candidate with confidence >= the row's threshold, at least one; with
+    `steps`, at least the count `static` commits at this step of the block (the threshold with
+    a static floor of LLaDA2's generate() and SDAR's low_confidence_dynamic, docs/decoders.md,
+    "Block-diffusion decoding"). Without `steps` that floor is one a step: plain threshold."""
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
               knobs: np.ndarray) -> np.ndarray:
-        return threshold_count(conf, cand, knobs["threshold"])
+        n = threshold_count(conf, cand, knobs["threshold"])
+        if schedule is None:  # FreeDave++ (drafts and targets): the rule without its schedule
+            return n
+        return np.maximum(n, static_count(schedule.masked_at_start, schedule.steps_per_block,
+                                          schedule.step))
 
 
 class Static(Rule):
@@ -121,16 +129,19 @@ class EntropyBounded(Rule):
 
 register("method", "static", Static, (StaticKnobs,), Facts(uses_schedule=True))
 register("method", "static-1", OneToken)
-register("method", "threshold", Threshold, (ThresholdKnobs,), Facts(needs_probability=True))
+register("method", "threshold", Threshold, (ThresholdKnobs, StaticKnobs),
+         Facts(needs_probability=True, uses_schedule=True))
 
 
 def register_freedave(name: str, rule: str) -> None:
     """FreeDave over the registered rule `rule`: its drafts commit more of the rule's ranking,
-    verified by it, so it reproduces that rule token for token."""
+    verified by it, so it reproduces that rule token for token. It wraps the rule without its
+    schedule (`steps`): a target is one more step of the rule from a draft, and which step of
+    the block's schedule that is depends on the chain not yet walked."""
     base = entry("method", rule)
-    facts = Facts(reference=rule, drafts=True, uses_schedule=base.facts.uses_schedule,
-                  needs_probability=base.facts.needs_probability)
-    register("method", name, base.impl, (*base.knobs, FreeDaveKnobs), facts)
+    facts = Facts(reference=rule, drafts=True, needs_probability=base.facts.needs_probability)
+    knobs = tuple(k for k in base.knobs if k is not StaticKnobs)
+    register("method", name, base.impl, (*knobs, FreeDaveKnobs), facts)
 
 
 register_freedave("freedave", "static-1")

@@ -122,8 +122,7 @@ class DecodeParams(*reversed(_KNOB_CLASSES)):
     def canvas_for(self, n_tokens: int) -> int:
         """The gen_length of whole blocks that holds n_tokens generated tokens: how a request's
         max_tokens (server, bench-serve) or max_gen_toks (lm-eval) becomes a canvas."""
-        # integer ceiling: a float division rounds (or overflows) past 2**53 tokens
-        return -(-n_tokens // self.block_length) * self.block_length
+        return whole_blocks(n_tokens, self.block_length)
 
     @property
     def spec(self) -> str:
@@ -147,6 +146,23 @@ class DecodeParams(*reversed(_KNOB_CLASSES)):
         written in the spec. explicit (values the user set outside the spec: a typed flag, a
         request field) win over the preset too, and a key set both there and in the spec to
         different values is an error: neither silently loses. None values are ignored."""
+        values, written = cls._resolve(spec, explicit, defaults)
+        _check_applies(values, written)
+        return cls(**values, name=spec.strip())
+
+    @classmethod
+    def block_length_of(cls, spec: str, **defaults: Any) -> int:
+        """The block_length `spec` resolves to under `defaults`, read before the keys that depend
+        on the canvas (steps) are checked against a gen_length: a server turns max_tokens into
+        a canvas of whole blocks first (`canvas_for`), then parses the spec for that canvas."""
+        values, _ = cls._resolve(spec, None, defaults)
+        return int(values.get("block_length", cls.block_length))
+
+    @classmethod
+    def _resolve(cls, spec: str, explicit: dict[str, Any] | None,
+                 defaults: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+        """(the field values `spec` names under `explicit` and `defaults`, as in `parse`; the keys
+        the user wrote), unchecked against each other."""
         if not isinstance(spec, str):
             raise SpecError(f"a decoder spec is a string NAME[,key=value]*, got {type(spec).__name__}")
         explicit = {k: v for k, v in (explicit or {}).items() if v is not None}
@@ -183,8 +199,13 @@ class DecodeParams(*reversed(_KNOB_CLASSES)):
                                 f"{explicit[key]} outside it; drop one")
             values[key] = value
         values.update(explicit)
-        _check_applies(values, written | set(explicit) | set(defaults))
-        return cls(**values, name=spec)
+        return values, written | set(explicit) | set(defaults)
+
+
+def whole_blocks(n_tokens: int, block_length: int) -> int:
+    """The fewest tokens in whole blocks that hold n_tokens."""
+    # integer ceiling: a float division rounds (or overflows) past 2**53 tokens
+    return -(-n_tokens // block_length) * block_length
 
 
 SPEC_KEYS = tuple(f.name for f in fields(DecodeParams) if f.name not in ("method", "name"))

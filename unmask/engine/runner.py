@@ -27,10 +27,11 @@ from unmask.suffix import SuffixPolicy
 # "Engine batching"): flash attention with the padding of its keys and queries, matrix products
 # with how many rows they get. So each row's attention runs at a shape of its own among rows of
 # that shape only (`shape_groups`), and every matrix product gets at least MIN_ROWS rows. The
-# shape is the row's exact one by default (`Runner.attention_shapes`, `ATTENTION_SHAPES`): no
-# padding key, so a row's attention is the plain forward's, bit for bit; "canonical" pads it
-# to `canonical_tokens` and `canonical_keys`, fewer shapes a call (both measured in
-# docs/engine.md, "Batch invariance").
+# shape (`ATTENTION_SHAPES`) is the row's exact one where a decode has a forward to match: no
+# padding key, so a row's attention is the plain forward's (or an exact cache's), bit for bit.
+# A cache that reads stale K/V (`Facts.stale_keys`) has no such forward, and there "canonical"
+# pads rows to `canonical_tokens` and `canonical_keys`: fewer shapes a call, faster at high
+# concurrency (docs/engine.md, "Batch invariance").
 MIN_ROWS = 16  # fp32 products of 1-3 rows rounded differently on an AVX2 EPYC, of < 8 on a Xeon
 TOKEN_STEP = 16  # canonical: forwarded tokens are padded to a multiple of this
 KEY_STEP = 16  # canonical: stored keys up to KEY_STEP * 4 to a multiple of this, then to 2^j
@@ -182,7 +183,8 @@ class Runner:
     pack_min_padding = 0.1
     # The shape each row's attention runs at (`ATTENTION_SHAPES`): "exact" (its own tokens and
     # keys, the plain forward's bits) or "canonical" (padded; docs/engine.md, "Batch invariance").
-    attention_shapes = "exact"
+    # None: by the cache policy, canonical for one that reads stale K/V, exact otherwise.
+    attention_shapes: str | None = None
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
@@ -191,6 +193,8 @@ class Runner:
         # Entropies are computed only for the policies that read them.
         self.with_entropy = any(entry(kind, getattr(params, kind)).facts.reads_entropy
                                 for kind in ("cache", "remasking", "method"))
+        stale = entry("cache", params.cache).facts.stale_keys
+        self.shapes = self.attention_shapes or ("canonical" if stale else "exact")
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
         # EOS leaves the distribution (LLaDA's logits_eos_inf); the mask token is only never chosen
@@ -221,7 +225,7 @@ class Runner:
             src[:, :-1] = predict[:, 1:]
             src[np.arange(r), np.maximum(block_start - 1, 0)] = True
             active = active | (src & visible)
-        token_shape, key_shape = ATTENTION_SHAPES[self.attention_shapes]
+        token_shape, key_shape = ATTENTION_SHAPES[self.shapes]
         # (R, T) the slots to forward, padded to the widest row's attention count
         idx, ok, n_tokens, t_hat = _compact(active, token_shape)
         rows_of = np.arange(r)[:, None]

@@ -8,7 +8,8 @@ it itself.)
 
 ``--model_args`` keys: ``pretrained`` (model folder; default the embedded model), ``decoder`` (a
 decoder spec NAME; its keys go in as further model args, e.g. ``decoder=threshold,threshold=0.8``),
-any decoder key (``gen_length``, ``block_length``, ``seed``, ...), ``dtype``, ``mc_num`` and
+any decoder key (``gen_length``, ``block_length``, ``seed``, ...), ``dtype``, ``quantize``
+(``int8``/``int4``, as ``--quantize``), ``compile`` (``true``: as ``--compile``), ``mc_num`` and
 ``mc_batch_size`` (the likelihood estimate), ``greedy_check``; ``--device``, ``--batch_size``
 and ``--max_batch_size`` (a cap on what ``batch_size=auto`` picks) come from lm-eval's own flags,
 or from ``--model_args``, which win. Every request is checked (empty context, the mask token,
@@ -27,6 +28,8 @@ lengths, ``steps`` against its canvas) before the first is decoded or scored.
 - ``loglikelihood_rolling``: the same bound for the whole document given only BOS, in one window.
   There is no rolling form of the bound (every position sees the whole window), so a document
   longer than the model's ``max_sequence_length`` is an error, not chunked.
+- Block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2) run ``generate_until`` in their own blocks;
+  both likelihoods are refused (the bound above is a bidirectional model's).
 """
 
 from __future__ import annotations
@@ -90,8 +93,8 @@ DEFAULT_GEN_LENGTH = 256
 DEFAULT_BLOCK_LENGTH = 32
 DEFAULT_MC_NUM = 128  # LLaDA's evaluation default
 AUTO_BATCH_SIZE = 8  # what batch_size=auto means: no memory probing, a fixed batch
-MODEL_KEYS = ("pretrained", "decoder", "device", "dtype", "batch_size", "max_batch_size", "mc_num",
-              "mc_batch_size", "greedy_check")
+MODEL_KEYS = ("pretrained", "decoder", "device", "dtype", "quantize", "compile", "batch_size",
+              "max_batch_size", "mc_num", "mc_batch_size", "greedy_check")
 # generate_until kwargs that are honoured; sampling ones are answered by the decoder spec.
 GEN_KWARGS = ("until", "max_gen_toks")
 SAMPLING_KWARGS = ("do_sample", "temperature", "top_p", "top_k")
@@ -127,7 +130,8 @@ class UnmaskLM(LM):
         return cls(**args)
 
     def __init__(self, pretrained: str | None = None, decoder: str = "static-1",
-                 device: str | None = None, dtype: str | None = None, batch_size: int | str = 1,
+                 device: str | None = None, dtype: str | None = None,
+                 quantize: str | None = None, compile: bool = False, batch_size: int | str = 1,
                  max_batch_size: int | None = None, mc_num: int = DEFAULT_MC_NUM,
                  mc_batch_size: int = 32, greedy_check: bool = True, **decoder_keys: Any) -> None:
         super().__init__()
@@ -145,10 +149,12 @@ class UnmaskLM(LM):
         self.batch_size = _positive_int("batch_size", batch_size, auto=auto)
         self.mc_num = _positive_int("mc_num", mc_num)
         self.mc_batch_size = _positive_int("mc_batch_size", mc_batch_size)
-        if not isinstance(greedy_check, bool):
-            raise InputError(f"greedy_check must be true or false, got {greedy_check!r}")
+        for key, flag in (("greedy_check", greedy_check), ("compile", compile)):
+            if not isinstance(flag, bool):
+                raise InputError(f"{key} must be true or false, got {flag!r}")
         self.greedy_check = greedy_check
-        self.llm = LLM(pretrained, device=_device(device), dtype=dtype)
+        self.llm = LLM(pretrained, device=_device(device), dtype=dtype, quantize=quantize,
+                       compile=compile)
         self._device = self.llm.device
         self._warned: set[str] = set()
 
@@ -271,6 +277,7 @@ class UnmaskLM(LM):
     def loglikelihood(self, requests: list[Instance],
                       disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         # All encoded and checked first: scoring is the slow part, a bad request is found at once.
+        self._refuse_block_model("loglikelihood")
         pairs = []
         for i, req in enumerate(requests):
             prompt, target = self._encode_pair(*req.args, which=_which(i, req))
@@ -286,6 +293,7 @@ class UnmaskLM(LM):
 
     def loglikelihood_rolling(self, requests: list[Instance],
                               disable_tqdm: bool = False) -> list[float]:
+        self._refuse_block_model("loglikelihood_rolling")
         prompt = self._bos()
         room = self.llm.config.max_sequence_length - len(prompt)
         targets = []
@@ -306,6 +314,16 @@ class UnmaskLM(LM):
             out.append(result)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, result)
         return out
+
+    def _refuse_block_model(self, kind: str) -> None:
+        """The bound masks tokens anywhere in the continuation and scores them from one forward:
+        a block-diffusion model was trained to see its earlier blocks clean, and its bound is
+        another one (per block, given the clean blocks before), which this does not compute."""
+        if self.llm.config.block_size is not None:
+            raise InputError(f"{kind} is not defined for block-diffusion models (this "
+                             f"{self.llm.config.model_type} model decodes in blocks of "
+                             f"{self.llm.config.block_size}): the masked-diffusion bound assumes "
+                             "bidirectional attention; run generate_until tasks")
 
     def _refuse_mask(self, kind: str, which: str, **parts: list[int]) -> None:
         """The mask token in a request's text would be scored (or decoded) as if it were a

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from unmask.api import LLM
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, whole_blocks
 from unmask.errors import SpecError, UnmaskError
 from unmask.server.engine_client import Submission
 from unmask.server.errors import APIError
@@ -98,10 +98,11 @@ def request_params(config: ServerConfig, body: _Common, defaults: dict | None = 
     # "" is an empty spec (a 400, as --decoder ''), not a request for the server's
     spec = config.decoder if body.decoder is None else body.decoder
     try:
-        base = DecodeParams.parse(spec, **defaults)
         fields: dict[str, Any] = {}
-        if body.max_tokens is not None:
-            fields["gen_length"] = base.canvas_for(body.max_tokens)
+        if body.max_tokens is not None:  # the canvas first: steps are checked against it
+            block = DecodeParams.block_length_of(spec, **defaults)
+            fields["gen_length"] = whole_blocks(body.max_tokens, block)
+        base = DecodeParams.parse(spec, **{**defaults, **fields})
         if body.temperature is not None:
             fields["temperature"] = body.temperature
         if body.seed is not None:
