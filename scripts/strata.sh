@@ -20,7 +20,8 @@
 # sum_list,off-template; off-template is add/sub/sum_list/sort asked in words the training
 # templates never use), one `unmask bench` per stage, same lengths and thread:
 #
-#   bash scripts/strata.sh balanced-prune   # every candidate, N_PRUNE problems (N_PRUNE/3 a bucket)
+#   bash scripts/strata.sh balanced-prune   # every candidate, N_PRUNE problems (N_PRUNE/3 a bucket):
+#                                           # ~6 min of one core at a load average of 4
 #   bash scripts/strata.sh balanced-final   # the finalists, N_FINAL problems; the first N_PRUNE are
 #                                           # the prune stage's (a bucket's list grows, unchanged)
 set -euo pipefail
@@ -58,7 +59,7 @@ BALANCED=(  # balanced's drafts against plain threshold 0.99, with and without e
 
 HARD="math-strata:digits-4,sum_list,off-template"
 N_PRUNE=${N_PRUNE:-24}
-N_FINAL=${N_FINAL:-90}
+N_FINAL=${N_FINAL:-120}
 entropy_safe="cache=entropy,entropy_tau=0.5,recent_k=8,refresh_on_block=true"
 wide_suffix="suffix=structured,suffix_local=64,suffix_middle=32,suffix_tail=8"
 PRUNE=(
@@ -68,15 +69,19 @@ PRUNE=(
   "threshold,threshold=0.95,$ee" "threshold,$ee" "threshold,threshold=0.8,$ee"
   "threshold,threshold=0.7,$ee"                   # lower thresholds (0.9 is the default)
   "entropy_bounded,$ee" "entropy_bounded,eb_threshold=1.0,$ee"  # a bound that adapts per step
+  "factor,$ee" "factor,factor=0.5,$ee" "factor,factor=0.25,$ee"  # a bar that rises with the rank
   "threshold,threshold=0.99,cache=dual,$ee"       # a cache, at balanced's threshold
   "threshold,threshold=0.99,$entropy_safe,$ee"    # a conservative EntropyCache
-  "threshold,$entropy_safe,$ee"
+  "threshold,threshold=0.95,$entropy_safe,$ee" "threshold,$entropy_safe,$ee"
   "threshold,threshold=0.99,$wide_suffix,$ee"     # the structured suffix with a wide window
   "freedave++,threshold=0.9,draft_conf=0.9,$ee"   # drafts at the lower threshold
 )
-FINAL=(
+FINAL=(  # the prune stage's candidates that lost at most one problem net on a bucket, fastest first
   "static-1" "static-1,$ee" "balanced" "threshold,threshold=0.99,$ee"
-  ${FINALISTS:-}
+  "threshold,threshold=0.95,$ee" "threshold,$ee" "threshold,threshold=0.8,$ee"
+  "threshold,threshold=0.7,$ee" "factor,$ee" "factor,factor=0.5,$ee"
+  "threshold,threshold=0.99,$entropy_safe,$ee" "threshold,threshold=0.95,$entropy_safe,$ee"
+  "threshold,$entropy_safe,$ee" "factor,$entropy_safe,$ee"
 )
 
 bench() {  # TASK NAME N DECODER...

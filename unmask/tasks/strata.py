@@ -46,19 +46,27 @@ _OPERANDS_RE = re.compile(r"^(?:Add (\d+) and (\d+)|Subtract (\d+) from (\d+)) c
 # The digit list of a sum_list / sort prompt: every template writes it as ", ".join(digits).
 _LIST_RE = re.compile(r"\d(?:, \d)+")
 
-# Phrasings that no training template (unmask.tasks.math's _*_TEMPLATES) uses; `{a}`, `{b}`:
-# the operands (a >= b for sub), `{xs}`: the list as the generators write it, `{plus}`: the list
-# joined by " + ". tests/test_strata.py checks that none renders to a training prompt.
+# Phrasings that no training template (unmask.tasks.math's _*_TEMPLATES) uses, half of them a
+# small step off one (a lost space, a contraction, two training phrases crossed), half far off;
+# `{a}`, `{b}`: the operands (a >= b for sub), `{xs}`: the list as the generators write it,
+# `{plus}`: the list joined by " + ". tests/test_strata.py checks that none renders to a
+# training prompt.
 OFF_TEMPLATES: dict[str, tuple[str, ...]] = {
-    "add": ("How much is {a} plus {b}?", "{a} + {b} = ?", "Please add {b} to {a}.",
-            "Find the total of {a} and {b}.", "Work out {a} + {b} for me.",
-            "What do you get if you add {a} and {b}?"),
-    "sub": ("How much is {a} take away {b}?", "{a} - {b} = ?", "Please take {b} away from {a}.",
-            "Find {a} less {b}.", "Work out {a} - {b} for me.",
-            "What do you get if you subtract {b} from {a}?"),
-    "sum_list": ("Find the total: {xs}.", "How much do {xs} add up to?", "Please sum {xs}.",
+    "add": ("What is {a}+{b}?", "what is {a} + {b}?", "What's {a} + {b}?", "Compute {a} plus {b}.",
+            "Calculate the sum of {a} and {b}.",
+            "How much is {a} plus {b}?", "{a} + {b} = ?", "Please add {b} to {a}.",
+            "Find the total of {a} and {b}.", "Work out {a} + {b} for me."),
+    "sub": ("What is {a}-{b}?", "what is {a} - {b}?", "What's {a} - {b}?",
+            "Compute {a} minus {b}.", "Calculate the difference between {a} and {b}.",
+            "How much is {a} take away {b}?", "{a} - {b} = ?", "Please take {b} away from {a}.",
+            "Find {a} less {b}.", "Work out {a} - {b} for me."),
+    "sum_list": ("what is the sum of {xs}?", "What's the sum of {xs}?", "Add up the numbers {xs}.",
+                 "Compute the total of {xs}.",
+                 "Find the total: {xs}.", "How much do {xs} add up to?", "Please sum {xs}.",
                  "{plus} = ?"),
-    "sort": ("Arrange {xs} in ascending order.", "Order {xs} from least to greatest.",
+    "sort": ("Sort {xs} from smallest to biggest.", "Sort the numbers {xs} from smallest to largest.",
+             "Put {xs} in increasing order.",
+             "Arrange {xs} in ascending order.", "Order {xs} from least to greatest.",
              "Please sort these: {xs}."),
 }
 
