@@ -109,7 +109,8 @@ def test_eval_code_parse_rate(tiny_model: Path, tmp_path: Path,
 def test_list_tasks(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--list-tasks"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [ln.split()[0] for ln in lines] == ["math", "math-strata", "code", "gsm8k:PATH", "humaneval"]
+    assert [ln.split()[0] for ln in lines] == ["math", "math-strata", "math-strata:B,...",
+                                               "code", "gsm8k:PATH", "humaneval"]
 
 
 @pytest.mark.parametrize("argv", [

@@ -136,6 +136,10 @@ def reference(fn: LogitFn, prompt: list[int], method: str, gen_length: int, bloc
                 k = schedule[step]
             elif method == "static-1":
                 k = 1
+            elif method == "factor":  # the n best commit when the n-th is >= 1 - f/(n+1)
+                k = max([1] + [n for n in range(1, len(order) + 1)
+                               if all(conf[order[j - 1]] >= 1 - tau / (j + 1)
+                                      for j in range(1, n + 1))])
             else:
                 k = max(1, sum(conf[i] >= tau for i in cand))
             for i in order[:k]:
@@ -156,12 +160,14 @@ PROMPT = [7, 8, 9, 10, 11]
     ("static,steps=16", "static", 16, 16, 4),
     ("threshold", "threshold", None, 16, 8),
     ("threshold,threshold=0.5", "threshold", None, 16, 16),
+    ("factor", "factor", None, 16, 8),
+    ("factor,factor=0.5", "factor", None, 16, 16),
 ])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_steps_match_reference(spec: str, method: str, steps: int | None, gen: int, block: int,
                                seed: int) -> None:
     fn = hashed_logits(seed)
-    tau = 0.5 if "0.5" in spec else 0.9
+    tau = 0.5 if "0.5" in spec else 1.0 if method == "factor" else 0.9  # threshold or factor
     out, model, res = decode(fn, spec, [PROMPT], gen, block)
     want, want_canvases = reference(fn, PROMPT, method, gen, block, steps, tau)
     assert canvases(model, PROMPT, out[0]) == want_canvases
@@ -322,6 +328,30 @@ def test_threshold_commits_exactly_confident_or_one(tau: float) -> None:
     assert n_fallback > 0 and (n_multi > 0 or tau == 0.99)  # both branches were exercised
 
 
+# --- factor --------------------------------------------------------------------------------------
+def test_factor_bar_rises_with_the_count() -> None:
+    """Sorted 0.95, 0.8, 0.7, 0.6: f = 1 takes two (0.8 >= 1 - 1/3, 0.7 < 1 - 1/4); f = 0.5 one
+    (0.8 < 1 - 0.5/3); a non-candidate never counts; a row of none commits none."""
+    from unmask.decoding.methods import Factor
+
+    knobs = np.array([1.0, 0.5, 1.0, 1.0], dtype=[("factor", "float32")])
+    conf = np.tile(np.array([0.95, 0.6, 0.8, 0.7], dtype=np.float32), (4, 1))
+    cand = np.ones((4, 4), dtype=bool)
+    cand[2, 0] = False  # without 0.95: 0.8, 0.7, 0.6 -> 0.8 >= 1/2, 0.7 >= 2/3, 0.6 < 3/4
+    cand[3] = False
+    assert Factor().count(conf, cand, None, knobs).tolist() == [2, 1, 2, 0]
+
+
+def test_factor_commits_several_and_one() -> None:
+    """On these logits the factor rule both commits several positions in a step and falls back
+    to one (so the reference test above sees both branches)."""
+    fn = hashed_logits(0)
+    _, seen = reference(fn, PROMPT, "factor", 16, 8, tau=1.0)
+    p = len(PROMPT)
+    added = [sum(a != b for a, b in zip(x[p:], y[p:], strict=True)) for x, y in pairwise(seen)]
+    assert max(added) > 1 and min(added) == 1
+
+
 # --- temperature ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["static-1", "threshold"])
 def test_temperature_seeded(method: str) -> None:
@@ -451,7 +481,8 @@ UNREAD = {
     "block_recompute": ("masked", "threshold"), "suffix_local": (8, "threshold,cache=dual"),
     "suffix_middle": (0, "threshold,suffix=window"), "suffix_tail": (0, "threshold"),
     "suffix_rule": ("grid", "threshold,suffix=window"), "inject": (0.5, "threshold,cache=dual"),
-    "eb_threshold": (1.0, "threshold"), "sub_block_length": (4, "threshold,cache=dual"),
+    "eb_threshold": (1.0, "threshold"), "factor": (0.5, "threshold"),
+    "sub_block_length": (4, "threshold,cache=dual"),
 }
 
 

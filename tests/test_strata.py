@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_buckets_are_balanced_interleaved_and_heldout() -> None:
 def test_bucket_digits_match_the_operands() -> None:
     for b, p in strata.make_heldout(100, seed=3):
         if b.startswith("digits"):
-            nums = [int(x) for x in __import__("re").findall(r"\d+", p.prompt)]
+            nums = [int(x) for x in re.findall(r"\d+", p.prompt)]
             top = max(len(str(x)) for x in nums)
             assert (top <= 2) if b == "digits-1-2" else top == int(b[-1])
             assert p.family in ("add", "sub", "word")
@@ -89,6 +90,82 @@ def test_task_registry_and_bench_task() -> None:
     assert load_task("math", 20, stratify=True).stratified
     with pytest.raises(InputError, match="--stratify"):
         load_task("code", 2, stratify=True)
+
+
+# The first two problems of each default bucket at seed 0: the committed tables
+# (benchmarks/strata/) were measured on these lists, so a change to a bucket's stream shows here.
+FIRST_PROMPTS = {
+    "digits-1-2": ["Ivan has 59 stickers and buys 79 more. How many stickers does Ivan have now?",
+                   "Leo has 5 cookies and buys 73 more. How many cookies does Leo have now?"],
+    "digits-3": ["What is 446 + 185?", "What is 306 - 30?"],
+    "digits-4": ["Add 5611 and 7.", "What is the sum of 8185 and 4?"],
+    "sum_list": ["Add up 7, 7, 9, 8, 2, 5.", "What is the total of 5, 3, 5, 7, 1, 7, 3?"],
+    "sort": ["Sort 8, 8, 4 from smallest to largest.",
+             "Put 6, 8, 0 in order from smallest to largest."],
+}
+
+
+def test_the_default_buckets_are_unchanged() -> None:
+    rows = strata.make_heldout(10, seed=0)
+    assert [b for b, _ in rows] == [*strata.BUCKETS] * 2  # the default interleave, 5 buckets
+    got = {b: [p.prompt for x, p in rows if x == b] for b in strata.BUCKETS}
+    assert got == FIRST_PROMPTS
+
+
+def _training_patterns() -> list[re.Pattern[str]]:
+    """Every training template of the families off-template re-words, as a regex."""
+    fields = {"{a}": r"\d+", "{b}": r"\d+", "{xs}": r"\d(?:, \d)+"}
+    out = []
+    for t in (*math_task._ADD_TEMPLATES, *math_task._SUB_TEMPLATES, *math_task._SUM_TEMPLATES,
+              *math_task._SORT_TEMPLATES):
+        pattern = re.escape(t)
+        for k, v in fields.items():
+            pattern = pattern.replace(re.escape(k), v)
+        out.append(re.compile(pattern))
+    return out
+
+
+def test_off_template_bucket() -> None:
+    probs = strata.make_strata(60, seed=0, buckets=(strata.OFF_TEMPLATE,))[strata.OFF_TEMPLATE]
+    training = _training_patterns()
+    assert training[0].fullmatch("What is 47 + 38?")  # the patterns do match training prompts
+    used = set()
+    for p in probs:
+        assert math_task.is_heldout(p.prompt) and math_task.check(p.response, p.answer)
+        assert not any(t.fullmatch(p.prompt) for t in training), p.prompt
+        nums = [int(x) for x in re.findall(r"\d+", p.prompt)]
+        # the prompt asks what the worked solution answers
+        want = {"add": str(sum(nums)), "sub": str(max(nums) - min(nums)),
+                "sum_list": str(sum(nums)), "sort": ", ".join(map(str, sorted(nums)))}[p.family]
+        assert p.answer == want, p.prompt
+        used.add(p.family)
+    assert used == set(strata.OFF_TEMPLATES)
+    assert len({p.prompt for p in probs}) == len(probs)
+
+
+def test_bucket_choice_keeps_each_buckets_problems() -> None:
+    """A bucket's problems do not depend on which other buckets are asked for."""
+    rows = strata.make_heldout(6, seed=0, buckets=("digits-4", strata.OFF_TEMPLATE))
+    assert [b for b, _ in rows] == ["digits-4", strata.OFF_TEMPLATE] * 3
+    assert [p.prompt for b, p in rows if b == "digits-4"][:2] == FIRST_PROMPTS["digits-4"]
+    off = strata.make_strata(3, seed=0, buckets=(strata.OFF_TEMPLATE,))[strata.OFF_TEMPLATE]
+    assert [p.prompt for b, p in rows if b == strata.OFF_TEMPLATE] == [p.prompt for p in off]
+
+
+def test_bench_task_picks_buckets(capsys: pytest.CaptureFixture[str]) -> None:
+    bt = load_task("math-strata:sum_list,off-template", 4)
+    assert bt.name == "math-strata:sum_list,off-template" and bt.stratified
+    assert bt.strata == ["sum_list", strata.OFF_TEMPLATE]
+    assert bt.examples[0].prompt == FIRST_PROMPTS["sum_list"][0]
+    assert bt.check(bt.examples[1], bt.examples[1].meta.response)
+    assert load_task("math-strata:", 5).strata == list(strata.BUCKETS)
+    with pytest.raises(InputError, match="unknown math-strata bucket 'digits-5'; valid: "):
+        load_task("math-strata:digits-4,digits-5", 4)
+    with pytest.raises(InputError, match="'sort' is named twice"):
+        strata.parse_buckets("sort, sort")
+    assert main(["bench", "--task", "math-strata:hard", "--decoder", "static-1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown math-strata bucket 'hard'" in err and len(err.strip().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------- statistics

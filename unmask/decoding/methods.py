@@ -45,6 +45,14 @@ class EntropyBoundKnobs(Knobs):
 
 
 @dataclass(frozen=True)
+class FactorKnobs(Knobs):
+    # Fast-dLLM's factor rule (its paper's default f = 1); float32: its thresholds are compared
+    # with the float32 confidences
+    factor: float = knob(1.0, "in (0, 1]", within(0, 1, open_low=True), per_row=True,
+                         dtype="float32")
+
+
+@dataclass(frozen=True)
 class FreeDaveKnobs(Knobs):
     draft_steps: int = knob(4, ">= 1", at_least(1))  # drafts a row forwards: the call's shape
     # FreeDave drafts only positions at least this confident: verification keeps the output
@@ -127,6 +135,20 @@ class EntropyBounded(Rule):
         return np.maximum(n, cand.any(-1))
 
 
+class Factor(Rule):
+    """Fast-dLLM's factor rule, a threshold that adapts to each position's rank: the n most
+    confident candidates commit when the n-th confidence is at least 1 - factor / (n + 1), at
+    least one. The more a step commits at once, the surer each must be: one confident position
+    passes at 1 - f/2, ten only above 1 - f/11 (f = 1: 0.5, 0.91). Confidences fall with the
+    rank while the bar rises, so the positions that pass are the best n."""
+
+    def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
+              knobs: np.ndarray) -> np.ndarray:
+        n = candidate_ranks(conf, cand) + 1  # (R, S) each candidate's place in the order, 1-based
+        bar = np.float32(1) - knobs["factor"][:, None] / (n + 1).astype(np.float32)
+        return np.maximum(((conf >= bar) & cand).sum(-1), cand.any(-1))
+
+
 register("method", "static", Static, (StaticKnobs,), Facts(uses_schedule=True))
 register("method", "static-1", OneToken)
 register("method", "threshold", Threshold, (ThresholdKnobs, StaticKnobs),
@@ -148,6 +170,7 @@ register_freedave("freedave", "static-1")
 register_freedave("freedave++", "threshold")
 register("method", "entropy_bounded", EntropyBounded, (EntropyBoundKnobs,),
          Facts(reads_entropy=True))
+register("method", "factor", Factor, (FactorKnobs,), Facts(needs_probability=True))
 
 METHODS = REGISTRY["method"]
 

@@ -10,6 +10,7 @@ Each task exposes the same two calls:
 ``math``: worked arithmetic, checked by the final ``#### answer`` line.
 ``math-strata``: held-out math problems in difficulty buckets (``unmask.tasks.strata``),
 interleaved round-robin so any ``n`` is balanced; each example's ``stratum`` names its bucket.
+:func:`strata_task` builds it over other buckets (the ``off-template`` one, or a few).
 ``code``: stdlib function bodies, checked by parsing the body under the prompt's signature.
 """
 
@@ -55,11 +56,21 @@ def _load_math(split: str, n: int | None, seed: int) -> list[Example]:
     return [Example(p.prompt, p.response, p.answer, p.family, _strata.bucket_of(p)) for p in ps]
 
 
-def _load_strata(split: str, n: int | None, seed: int) -> list[Example]:
-    if split != "heldout":
-        raise InputError("math-strata is an evaluation set: held-out split only")
-    rows = _strata.make_heldout(5 * 100 if n is None else n, seed=seed)
-    return [Example(p.prompt, p.response, p.answer, p.family, b) for b, p in rows]
+def _check_math(ex: Example, text: str) -> bool:
+    return _math.check(text, ex.answer or "")
+
+
+def strata_task(buckets: tuple[str, ...] = _strata.BUCKETS) -> Task:
+    """math-strata over ``buckets`` (``unmask.tasks.strata.parse_buckets`` reads a list),
+    interleaved in their order; 100 problems a bucket when no ``n`` is given."""
+
+    def load(split: str, n: int | None, seed: int) -> list[Example]:
+        if split != "heldout":
+            raise InputError("math-strata is an evaluation set: held-out split only")
+        rows = _strata.make_heldout(len(buckets) * 100 if n is None else n, seed, buckets)
+        return [Example(p.prompt, p.response, p.answer, p.family, b) for b, p in rows]
+
+    return Task("math-strata", load, _check_math)
 
 
 def _load_code(split: str, n: int | None, seed: int) -> list[Example]:
@@ -68,10 +79,9 @@ def _load_code(split: str, n: int | None, seed: int) -> list[Example]:
 
 
 TASKS: dict[str, Task] = {
-    "math": Task("math", _load_math, lambda ex, text: _math.check(text, ex.answer or "")),
-    "math-strata": Task("math-strata", _load_strata,
-                        lambda ex, text: _math.check(text, ex.answer or "")),
+    "math": Task("math", _load_math, _check_math),
+    "math-strata": strata_task(),
     "code": Task("code", _load_code, lambda ex, text: _code.check(ex.prompt, text)),
 }
 
-__all__ = ["Example", "Task", "TASKS"]
+__all__ = ["Example", "Task", "TASKS", "strata_task"]
