@@ -208,7 +208,8 @@ GENERATE_MODES = (("static-1", 1.0, 32), ("static,steps=16", 1.0, 8),
                   # FreeDave reproduces its rule: static-1's and threshold's tokens, fewer calls;
                   # the presets keep their rules and take the model's blocks
                   ("exact", 1.0, 32), ("freedave++,draft_steps=4,threshold=0.5", 0.5, 32),
-                  ("balanced", 0.99, 32), ("fast", 0.9, 32))
+                  ("freedave++,threshold=0.99,draft_conf=0.9,early_exit=true", 0.99, 32),
+                  ("fast", 0.9, 32))
 GEN_TOKENS = 64
 PEAK = 8.0  # the LM head's scale for the token comparison (a power of two: exact both ways)
 
@@ -279,7 +280,8 @@ FAST_MODES = (("static-1", "static", None, None), ("static,steps=16", "static", 
               ("threshold,threshold=0.9,steps=8", "dynamic", 2, 0.9),
               ("exact", "static", None, None), ("freedave++,draft_steps=4,threshold=0.5", "dynamic",
                                                 None, 0.5),
-              ("balanced", "dynamic", None, 0.99), ("fast", "dynamic", None, 0.9))
+              ("freedave++,threshold=0.99,draft_conf=0.9,early_exit=true", "dynamic", None, 0.99),
+              ("fast", "dynamic", None, 0.9))
 # Its published generate() (greedy, use_block_cache: the cache of the current block): (threshold,
 # small_block_size); its own tokens, compared with our threshold's at the same value.
 FAST_GENERATE = ((0.9, 8), (0.9, 4), (0.5, 8))
