@@ -17,6 +17,7 @@ cache: a finished block's store forward is counted, as the references run it, no
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -310,11 +311,23 @@ def answer(generated: list[int], eos: int, gen_length: int, mask_id: int) -> lis
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-# --- Fast-dLLM v2's generate() (use_block_cache=False), docs/fast-dllm-v2-reference-semantics.md --
+# --- Fast-dLLM v2's generate(), docs/fast-dllm-v2-reference-semantics.md ---------------------------
+# (1, T) token ids, (1, T) position ids, per layer stored (k, v) (1, H, K, D) or None ->
+# (1, T, V) logits and per layer the forwarded tokens' (k, v) (1, H, T, D). With stored K/V the
+# tokens attend to all of it and to each other with no mask (generate()'s block cache steps);
+# without, block-causally among themselves.
+KVForward = Callable[[Tensor, Tensor, "list[tuple[Tensor, Tensor]] | None"],
+                     "tuple[Tensor, list[tuple[Tensor, Tensor]]]"]
+
+
 def fast_dllm_v2(forward: Forward, prompt: list[int], mask_id: int, max_new_tokens: int,
-                 block_size: int, small_block_size: int, threshold: float, stop_id: int) -> Result:
+                 block_size: int, small_block_size: int, threshold: float, stop_id: int,
+                 kv_forward: KVForward | None = None) -> Result:
     """Greedy, one prompt: the generated tokens up to and including the first stop id (as
     generate() returns them), and its forwards. The model predicts slot i from logit i - 1.
+    kv_forward: generate()'s use_block_cache, its block cache emptied at each block (later
+    copies of modeling.py; the vendored one leaks it across blocks, "Where it is wrong");
+    None: use_block_cache=False.
     A prompt of exactly one block is prefilled here (generate() skips the prefill there and
     decodes without the prompt: docs/fast-dllm-v2-reference-semantics.md, "Where it is
     wrong")."""
@@ -330,8 +343,10 @@ def fast_dllm_v2(forward: Forward, prompt: list[int], mask_id: int, max_new_toke
             break
         start = len(x)  # generate()'s prompt_length: stops are looked for from here
         x += [mask_id] * (b - len(x) % b)
-        if not _decode_sub_blocks(forward, x, b, small_block_size, threshold, (mask_id, stop_id),
-                                  start, out):
+        step = (functools.partial(_block_step, forward, b=b) if kv_forward is None
+                else BlockCacheStep(kv_forward, x, b, small_block_size))
+        if not _decode_sub_blocks(x, b, small_block_size, threshold, (mask_id, stop_id), start,
+                                  out, step):
             break  # a stop with no mask before it
         out.forwarded(b)  # the store forward; its last logit is the next block's first token
         x.append(int(_logits(forward, x)[-1].argmax()))
@@ -354,8 +369,53 @@ def _stop_settled(x: list[int], start: int, stop_id: int, mask_id: int) -> bool:
     return stop_id in tail and mask_id not in tail[: tail.index(stop_id)]
 
 
-def _decode_sub_blocks(forward: Forward, x: list[int], b: int, s: int, threshold: float,
-                       ids: tuple[int, int], start: int, out: Result) -> bool:
+def _block_step(forward: Forward, x: list[int], sub: range, mask_id: int, out: Result,
+                b: int) -> Tensor:
+    """(s, V) the logits of the sub-block's slots from a forward of the block (no block cache)."""
+    out.forwarded(b)
+    # slot i from logit i - 1; generate() gives the canvas's slot 0 its own logit (a prompt
+    # token: never masked)
+    return _logits(forward, x)[[max(i - 1, 0) for i in sub]]
+
+
+class BlockCacheStep:
+    """generate()'s use_block_cache steps in one block (x's last b slots): the whole block is
+    forwarded when no K/V of it is kept yet or the sub-block's first slot is masked, and its K/V
+    kept; otherwise the sub-block alone, attending to the prefix's K/V and the kept K/V of the
+    block's other slots (their values at the last whole-block forward)."""
+
+    def __init__(self, kv_forward: KVForward, x: list[int], b: int, s: int) -> None:
+        self.kv_forward, self.b, self.s = kv_forward, b, s
+        self.lo = len(x) - b
+        # the prefix's K/V as generate()'s cache holds it (block-causal forwards of its blocks)
+        self.prefix = (kv_forward(torch.tensor([x[: self.lo]]), torch.arange(self.lo)[None],
+                                  None)[1] if self.lo else None)
+        self.block: list[tuple[Tensor, Tensor]] | None = None
+
+    def __call__(self, x: list[int], sub: range, mask_id: int, out: Result) -> Tensor:
+        lo = self.lo
+        if self.block is None or x[sub.start] == mask_id:
+            out.forwarded(self.b)
+            logits, self.block = self.kv_forward(torch.tensor([x[lo:]]),
+                                                 torch.arange(lo, len(x))[None], self.prefix)
+            # slot i from logit i - 1; the block's first slot from its own (never masked here)
+            return logits[0, [max(i - 1 - lo, 0) for i in sub]]
+        out.forwarded(self.s)
+        others = [i - lo for i in range(lo, len(x)) if i not in sub]
+        past = [(torch.cat(([p[0]] if p else []) + [k[:, :, others]], 2),
+                 torch.cat(([p[1]] if p else []) + [v[:, :, others]], 2))
+                for p, (k, v) in zip(self.prefix or [None] * len(self.block), self.block,
+                                     strict=True)]
+        logits = self.kv_forward(torch.tensor([x[sub.start : sub.stop]]),
+                                 torch.tensor([list(sub)]), past)[0]
+        # generate() shifts the sub-block's own logits: its first slot (never masked here)
+        # gets its own
+        return logits[0, [max(k - 1, 0) for k in range(len(sub))]]
+
+
+def _decode_sub_blocks(x: list[int], b: int, s: int, threshold: float,
+                       ids: tuple[int, int], start: int, out: Result,
+                       step: Callable[[list[int], range, int, Result], Tensor]) -> bool:
     """The current block (x's last b slots) in place, sub-block by sub-block (ids: the mask and
     stop ids); False once a stop is settled (generate() then stores nothing more)."""
     lo = len(x) - b
@@ -365,10 +425,7 @@ def _decode_sub_blocks(forward: Forward, x: list[int], b: int, s: int, threshold
         while any(x[i] == mask_id for i in sub):
             if _stop_settled(x, start, stop_id, mask_id):
                 return False
-            out.forwarded(b)  # a forward of the block
-            # slot i from logit i - 1; generate() gives the canvas's slot 0 its own logit (a
-            # prompt token: never masked)
-            logits = _logits(forward, x)[[max(i - 1, 0) for i in sub]]  # (s, V)
+            logits = step(x, sub, mask_id, out)  # (s, V)
             probs = torch.softmax(logits, dim=-1)
             token = probs.argmax(-1)
             conf = probs.gather(-1, token[:, None])[:, 0]

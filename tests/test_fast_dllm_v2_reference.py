@@ -26,6 +26,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, decode
 from unmask.engine.layout import SubBlockLayout
 from unmask.errors import DecoderMismatch, SpecError
+from unmask.kv import Frame, PastKV
 
 VOCAB, MASK, EOS, BS = 64, 63, 1, 4
 # lengths around the block (4): shorter, one short of it, one block (generate() ignores such a
@@ -50,30 +51,48 @@ def spec(threshold: float, sub: int) -> str:
     return f"{rule},sub_block_length={sub}"
 
 
-def params(text: str, gen: int = 24, **kw) -> DecodeParams:
-    return DecodeParams.parse(text, gen_length=gen, block_length=BS, cache="block", **kw)
+def params(text: str, gen: int = 24, cache: str = "block", **kw) -> DecodeParams:
+    return DecodeParams.parse(text, gen_length=gen, block_length=BS, cache=cache, **kw)
 
 
-def reference(model, prompt: list[int], gen: int, threshold: float, sub: int, eos: int):
+def kv_forward(model):
+    """tests/block_reference.py's KVForward through our model: stored K/V attended with no
+    mask (generate()'s block cache steps), or none and block-causal attention."""
+
+    def forward(ids: torch.Tensor, pos: torch.Tensor, past):
+        if past is None:
+            frame = Frame(blocks=pos // BS)
+        else:  # the frame's stored keys are position-major
+            frame = Frame(past=PastKV([k.transpose(1, 2) for k, _ in past],
+                                      [v.transpose(1, 2) for _, v in past]),
+                          past_mask=torch.ones(1, past[0][0].shape[2], dtype=torch.bool))
+        return model(ids, pos, frame=frame), frame.fresh
+
+    return forward
+
+
+def reference(model, prompt: list[int], gen: int, threshold: float, sub: int, eos: int,
+              block_cache: bool = False):
     """The re-implementation on the same canvas as ours: generate()'s max_new_tokens counts
     whole blocks from the prompt's last whole block, ours gen_length from the prompt's end."""
     p = len(prompt)
     budget = -(-(p + gen) // BS) * BS - p // BS * BS
     return fast_dllm_v2(lambda ids, pos: model(ids, pos), prompt, MASK, budget, BS, sub,
-                        threshold, eos)
+                        threshold, eos, kv_forward(model) if block_cache else None)
 
 
 def check_against_reference(model, prompts, gen: int, threshold: float, sub: int,
-                            eos: int) -> int:
+                            eos: int, cache: str = "block") -> int:
     """Tokens equal to the reference loop's up to its stop, and the cost it saves exactly:
     the prefill forward where the prompt's tail opens the first block (fused with that block's
     first step; a prompt of whole blocks is forwarded alone in both, its last logit giving the
     first token), and the last block's store forward (a finished row stores nothing), which a
     row that stops at EOS does not run in either. Returns the rows that stopped mid-block."""
-    reqs = decode(model, params(spec(threshold, sub), gen), prompts, mask_id=MASK, eos_id=eos)
+    reqs = decode(model, params(spec(threshold, sub), gen, cache=cache), prompts, mask_id=MASK,
+                  eos_id=eos)
     mid_block = 0
     for p, req in zip(prompts, reqs, strict=True):
-        ref = reference(model, p, gen, threshold, sub, eos)
+        ref = reference(model, p, gen, threshold, sub, eos, cache == "sub_block")
         n = min(len(ref.canvas), gen)  # generate() returns up to its stop; we cut at gen
         assert req.token_ids[:n] == ref.canvas[:n], p
         # an EOS on our canvas (the loop's last store forward may predict one past it)
@@ -89,6 +108,15 @@ def check_against_reference(model, prompts, gen: int, threshold: float, sub: int
 @pytest.mark.parametrize("threshold", [1.0, 0.9, 0.5])
 def test_tokens_and_cost_against_the_reference_loop(threshold: float, sub: int) -> None:
     check_against_reference(fd2(), PROMPTS, 24, threshold, sub, EOS)
+
+
+@pytest.mark.parametrize("sub", [1, 2, 4])
+@pytest.mark.parametrize("threshold", [1.0, 0.9, 0.5])
+def test_the_sub_block_cache_against_the_reference_loop_with_its_block_cache(threshold: float,
+                                                                            sub: int) -> None:
+    """cache=sub_block is generate()'s use_block_cache (emptied at each block): same tokens, and
+    the same cost but for the forwards check_against_reference names."""
+    check_against_reference(fd2(), PROMPTS, 24, threshold, sub, EOS, "sub_block")
 
 
 @pytest.mark.parametrize("sub", [1, 2, 4])

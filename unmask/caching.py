@@ -15,6 +15,12 @@ K/V store (unmask.kv). The model and the decoding rules know nothing of this.
   first step, the block just finished after it), and only final K/V is stored. Its knob
   `sub_block_length` decodes each block in Fast-dLLM v2's sub-blocks (the layout reads it:
   unmask.engine.layout.SubBlockLayout; docs/fast-dllm-v2-reference-semantics.md).
+- sub_block (block-causal models, with `sub_block_length`): Fast-dLLM v2's `use_block_cache`, its
+  block cache emptied at each block (docs/fast-dllm-v2-reference-semantics.md, item 7). A
+  sub-block's steps forward the whole current block until the sub-block's first slot is
+  committed (and at the block's first step), keeping that forward's K/V of the block; its later
+  steps forward the sub-block alone, attending to the kept K/V of the block's other slots, stale
+  since. Approximate: a slot's K/V depends on every slot of its block.
 - entropy (EntropyCache): forward the block plus the `recent_k` most recently committed positions;
   when the maximum entropy of the tokens committed by the last step exceeds `entropy_tau`, the
   step is a full refresh (and, optionally, at each block start). The decision is O(V) per step:
@@ -154,6 +160,49 @@ class BlockCache(CachePolicy):
         return idx < block_start[:, None]
 
 
+class SubBlockCache(CachePolicy):
+    """Fast-dLLM v2's block cache. Every forwarded K/V is stored: a finished block's once the
+    forward that ends with it (the next block's first slot, SubBlockLayout) recomputes it, the
+    current block's as the block cache its later sub-block steps read."""
+
+    def __init__(self, params: DecodeParams) -> None:
+        super().__init__(params)
+        from unmask.engine.layout import SubBlockLayout  # params (which layout imports) imports us
+
+        self.layout = SubBlockLayout(params.block_length, params.sub_block_length)
+
+    @property
+    def reads_stale(self) -> bool:
+        return True
+
+    def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.layout.window(v.masked, v.block_start)
+        first = lo == v.block_start  # (R,) the block's first slot alone: the forward ends before
+        # the block, so the previous block, stale in the store, is recomputed (generate()'s store
+        # forward)
+        previous = (v.slots >= v.block_start[:, None] - self.params.block_length) & (
+            v.slots < v.block_start[:, None])
+        sub = hi - self.params.sub_block_length  # (R,) the sub-block's first slot
+        in_sub = (v.slots >= sub[:, None]) & (v.slots < hi[:, None])
+        # generate() forwards the whole block while the sub-block's first slot is masked, or when
+        # no K/V of the block is kept yet: a slot of the block outside the sub-block whose stored
+        # K/V is of another token (none stored: -1)
+        at_sub = v.slots == sub[:, None]
+        whole = (at_sub & v.masked).any(-1) | (v.in_block & ~in_sub & v.stale).any(-1)
+        recompute = np.where(first[:, None], previous,
+                             np.where(whole[:, None], v.in_block, in_sub))
+        return np.zeros(v.block_start.shape, dtype=bool), recompute
+
+
+@dataclass(frozen=True)
+class SubBlockCacheKnobs(Knobs):
+    def check(self) -> None:
+        if getattr(self, "cache", None) == "sub_block" and getattr(self, "sub_block_length",
+                                                                   None) is None:
+            raise SpecError("cache=sub_block needs sub_block_length (the sub-blocks whose steps "
+                            "it caches): set sub_block_length", "sub_block_length")
+
+
 class EntropyCache(CachePolicy):
     def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         tau, recent_k = v.knobs["entropy_tau"], v.knobs["recent_k"]
@@ -178,6 +227,8 @@ register("cache", "dual", DualCache, (StoreKnobs,), Facts(uses_store=True, stale
 register("cache", "entropy", EntropyCache, (EntropyKnobs, StoreKnobs),
          Facts(uses_store=True, reads_entropy=True, stale_keys=True))
 register("cache", "block", BlockCache, (SubBlockKnobs,), Facts(uses_store=True, block_causal=True))
+register("cache", "sub_block", SubBlockCache, (SubBlockKnobs, SubBlockCacheKnobs),
+         Facts(uses_store=True, block_causal=True, stale_keys=True))
 
 # name -> policy class, the registry's view
 POLICIES = {name: e.impl for name, e in REGISTRY["cache"].items()}
