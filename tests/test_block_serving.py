@@ -63,6 +63,7 @@ def test_openai_client_streams_the_offline_tokens(server: LiveServer, llm: LLM, 
     ("threshold,suffix=structured", "suffix=structured cannot apply"),
     ("threshold,sub_block_length=3", "sub_block_length (3) must divide block_length (4)"),
     ("threshold,sub_block_length=2", "sub_block_length cannot apply"),  # SDAR: no logit shift
+    ("threshold,cache=sub_block", "cache=sub_block needs sub_block_length"),
 ])
 def test_a_key_that_cannot_apply_is_a_400(server: LiveServer, decoder: str, needle: str) -> None:
     r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={

@@ -168,6 +168,21 @@ def test_batch_invariance_with_sub_blocks(method, sub, temperature, target, othe
                            join_at, abort_at, MASK, EOS)
 
 
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(method=st.sampled_from(["static-1", "threshold,threshold=0.5", "freedave++,draft_steps=3,"
+                               "threshold=0.5"]),
+       sub=st.sampled_from([1, 2, 4]), temperature=st.sampled_from([0.0, 0.8]), target=prompt_st,
+       others=st.lists(st.tuples(prompt_st, st.sampled_from([8, 16, 24])), min_size=1, max_size=3),
+       join_at=st.integers(0, 6), abort_at=st.integers(1, 8))
+def test_batch_invariance_with_the_sub_block_cache(method, sub, temperature, target, others,
+                                                   join_at, abort_at) -> None:
+    """As above under cache=sub_block: the kept K/V of a row's block is its own, whoever
+    shares the call (canonical attention shapes: it reads stale keys)."""
+    text = f"{method},temperature={temperature},sub_block_length={sub}"
+    assert_batch_invariant(fd2(), lambda gen, seed: params(text, gen, "sub_block", seed=seed),
+                           target, others, join_at, abort_at, MASK, EOS)
+
+
 def test_freedave_is_exact_with_sub_blocks() -> None:
     model = fd2()
     for sub in (2, 4):
@@ -187,8 +202,24 @@ def test_a_sub_block_that_does_not_divide_the_block_is_refused() -> None:
 
 def test_sub_blocks_mean_nothing_without_the_block_cache() -> None:
     """On a bidirectional model's spec (cache none) the key is refused by name at parse time."""
-    with pytest.raises(SpecError, match="^sub_block_length is read by cache block only"):
+    with pytest.raises(SpecError, match="^sub_block_length is read by cache block / sub_block only"):
         DecodeParams.parse("threshold,sub_block_length=4", gen_length=32, block_length=8)
+
+
+def test_the_sub_block_cache_needs_sub_blocks() -> None:
+    with pytest.raises(SpecError, match=r"^cache=sub_block needs sub_block_length .*: set "
+                                        r"sub_block_length$") as e:
+        params("threshold", cache="sub_block")
+    assert e.value.key == "sub_block_length"
+
+
+def test_the_sub_block_cache_is_refused_on_a_bidirectional_model() -> None:
+    m = peaky_model("llada", 0, 4.0, VOCAB, MASK, EOS)
+    eng = Engine(m, mask_id=MASK, eos_id=EOS)
+    with pytest.raises(DecoderMismatch, match="^cache=sub_block applies to block-causal") as e:
+        eng.add_request([5], params("threshold,sub_block_length=2", 8, cache="sub_block"))
+    assert e.value.key == "cache" and "\n" not in str(e.value)
+    assert not eng.has_unfinished
 
 
 def test_sub_blocks_on_a_model_predicting_at_its_own_position_are_refused() -> None:
@@ -211,6 +242,7 @@ def folder(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("decoder, needle", [
     ("threshold,sub_block_length=3", "sub_block_length (3) must divide block_length (4)"),
     ("threshold,sub_block_length=2", "sub_block_length cannot apply"),
+    ("threshold,cache=sub_block", "cache=sub_block needs sub_block_length"),
 ])
 def test_cli_refuses_with_exit_2(folder: Path, capsys, decoder: str, needle: str) -> None:
     code = main(["generate", "1 + 1 =", "--model", str(folder), "--decoder", decoder,

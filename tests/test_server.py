@@ -380,6 +380,14 @@ def test_bad_chat_requests(server: LiveServer) -> None:
         assert param in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
 
 
+def test_a_block_causal_cache_on_a_bidirectional_model_is_a_400(server: LiveServer) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+        "decoder": "threshold,cache=sub_block,sub_block_length=4"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("cache=sub_block applies to block-causal")
+
+
 def test_chat_content_parts_and_developer_role(server: LiveServer) -> None:
     """OpenAI clients send content as a list of parts and system instructions as `developer`:
     text parts read as their text joined by newlines, developer as system (both were 400s)."""
