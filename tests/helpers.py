@@ -271,3 +271,21 @@ def edit_config(folder: Path, **change: Any) -> None:
         else:
             raw[k] = v
     (folder / "config.json").write_text(json.dumps(raw))
+
+
+def kv_forward(model: torch.nn.Module, block_size: int):
+    """tests/block_reference.py's KVForward through our model (blocks of block_size): stored
+    K/V attended with no mask (generate()'s block cache steps), or none and block-causal
+    attention among the forwarded tokens."""
+    from unmask.kv import Frame, PastKV
+
+    def forward(ids: torch.Tensor, pos: torch.Tensor, past):
+        if past is None:
+            frame = Frame(blocks=pos // block_size)
+        else:  # the frame's stored keys are position-major
+            frame = Frame(past=PastKV([k.transpose(1, 2) for k, _ in past],
+                                      [v.transpose(1, 2) for _, v in past]),
+                          past_mask=torch.ones(1, past[0][0].shape[2], dtype=torch.bool))
+        return model(ids, pos, frame=frame), frame.fresh
+
+    return forward

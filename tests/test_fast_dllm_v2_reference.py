@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from block_reference import fast_dllm_v2
-from helpers import assert_batch_invariant, peaky_model, tiny_model_dir
+from helpers import assert_batch_invariant, kv_forward, peaky_model, tiny_model_dir
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +26,6 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, decode
 from unmask.engine.layout import SubBlockLayout
 from unmask.errors import DecoderMismatch, SpecError
-from unmask.kv import Frame, PastKV
 
 VOCAB, MASK, EOS, BS = 64, 63, 1, 4
 # lengths around the block (4): shorter, one short of it, one block (generate() ignores such a
@@ -55,22 +54,6 @@ def params(text: str, gen: int = 24, cache: str = "block", **kw) -> DecodeParams
     return DecodeParams.parse(text, gen_length=gen, block_length=BS, cache=cache, **kw)
 
 
-def kv_forward(model):
-    """tests/block_reference.py's KVForward through our model: stored K/V attended with no
-    mask (generate()'s block cache steps), or none and block-causal attention."""
-
-    def forward(ids: torch.Tensor, pos: torch.Tensor, past):
-        if past is None:
-            frame = Frame(blocks=pos // BS)
-        else:  # the frame's stored keys are position-major
-            frame = Frame(past=PastKV([k.transpose(1, 2) for k, _ in past],
-                                      [v.transpose(1, 2) for _, v in past]),
-                          past_mask=torch.ones(1, past[0][0].shape[2], dtype=torch.bool))
-        return model(ids, pos, frame=frame), frame.fresh
-
-    return forward
-
-
 def reference(model, prompt: list[int], gen: int, threshold: float, sub: int, eos: int,
               block_cache: bool = False):
     """The re-implementation on the same canvas as ours: generate()'s max_new_tokens counts
@@ -78,7 +61,7 @@ def reference(model, prompt: list[int], gen: int, threshold: float, sub: int, eo
     p = len(prompt)
     budget = -(-(p + gen) // BS) * BS - p // BS * BS
     return fast_dllm_v2(lambda ids, pos: model(ids, pos), prompt, MASK, budget, BS, sub,
-                        threshold, eos, kv_forward(model) if block_cache else None)
+                        threshold, eos, kv_forward(model, BS) if block_cache else None)
 
 
 def check_against_reference(model, prompts, gen: int, threshold: float, sub: int,
