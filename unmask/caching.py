@@ -171,10 +171,6 @@ class SubBlockCache(CachePolicy):
 
         self.layout = SubBlockLayout(params.block_length, params.sub_block_length)
 
-    @property
-    def reads_stale(self) -> bool:
-        return True
-
     def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
         lo, hi = self.layout.window(v.masked, v.block_start)
         first = lo == v.block_start  # (R,) the block's first slot alone: the forward ends before
@@ -185,10 +181,9 @@ class SubBlockCache(CachePolicy):
         sub = hi - self.params.sub_block_length  # (R,) the sub-block's first slot
         in_sub = (v.slots >= sub[:, None]) & (v.slots < hi[:, None])
         # generate() forwards the whole block while the sub-block's first slot is masked, or when
-        # no K/V of the block is kept yet: a slot of the block outside the sub-block whose stored
-        # K/V is of another token (none stored: -1)
-        at_sub = v.slots == sub[:, None]
-        whole = (at_sub & v.masked).any(-1) | (v.in_block & ~in_sub & v.stale).any(-1)
+        # no K/V of the block is kept yet: then the store holds none for the block's slots, and
+        # the decoder forwards every visible slot without stored K/V whatever the plan says
+        whole = ((v.slots == sub[:, None]) & v.masked).any(-1)
         recompute = np.where(first[:, None], previous,
                              np.where(whole[:, None], v.in_block, in_sub))
         return np.zeros(v.block_start.shape, dtype=bool), recompute
