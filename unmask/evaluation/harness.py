@@ -55,7 +55,7 @@ from unmask.api import LLM, Generation, check_text
 from unmask.decoding.params import SPEC_KEYS, DecodeParams, whole_blocks
 from unmask.errors import InputError, UnmaskError
 from unmask.evaluation.block_likelihood import estimate_block_bound
-from unmask.evaluation.likelihood import estimate_bound
+from unmask.evaluation.likelihood import Bound, estimate_bound
 
 log = logging.getLogger(__name__)
 
@@ -330,12 +330,14 @@ class UnmaskLM(LM):
                                  "it from the text")
 
     def _logprob(self, prompt: list[int], target: list[int]) -> float:
-        if not target:
-            return 0.0
+        return self.bound(prompt, target).logprob if target else 0.0
+
+    def bound(self, prompt: list[int], target: list[int]) -> Bound:
+        """The estimate of log p(target | prompt) (token ids) by the bound the model is trained
+        on: masked-diffusion, or block-diffusion for a model with blocks."""
         estimate = estimate_bound if self.llm.config.block_size is None else estimate_block_bound
         return estimate(self.llm.model, prompt, target, self.llm.config.mask_token_id,
-                        mc_num=self.mc_num, batch_size=self.mc_batch_size,
-                        seed=self.params.seed).logprob
+                        mc_num=self.mc_num, batch_size=self.mc_batch_size, seed=self.params.seed)
 
     def _is_greedy(self, prompt: list[int], target: list[int]) -> bool:
         if not self.greedy_check:
