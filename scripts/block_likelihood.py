@@ -8,7 +8,8 @@ Accuracy: the first N held-out math problems, each as 1 true + up to 3 wrong con
 worked solution ending in the true `#### answer` or a wrong one; tests/helpers.py
 math_choice_wins), a problem right when the true one scores highest. Spread: for the true
 continuation of the first K problems, the estimate's reported stderr and its std over seeds,
-per mc_num, medians over problems.
+per mc_num, medians over problems. Cost: CPU seconds per request of the one-forward form against
+the naive loop of tests/test_block_likelihood.py.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # helpers
 
 from helpers import math_choice_wins  # noqa: E402
+from test_block_likelihood import naive_block_losses  # noqa: E402
 
+from unmask.evaluation.block_likelihood import target_blocks  # noqa: E402
 from unmask.evaluation.harness import UnmaskLM  # noqa: E402
 from unmask.tasks import TASKS  # noqa: E402
 
@@ -70,6 +73,28 @@ def spread_rows(k: int, seeds: int, mc_nums: list[int]) -> list[str]:
     return rows
 
 
+def cost_rows(k: int, mc: int) -> list[str]:
+    """CPU seconds per request, unmask-sdar's true continuations: the one-forward estimate (one
+    forward of mc rows x 2T) against the naive loop the tests check it with (a forward per draw
+    and target block)."""
+    lm = UnmaskLM(pretrained="unmask-sdar", device="cpu", mc_num=mc, mc_batch_size=mc)
+    fast, naive, blocks = [], [], []
+    for ex in TASKS["math"].load("heldout", k):
+        context = lm.apply_chat_template([{"role": "user", "content": ex.prompt}])
+        prompt, target = lm._encode_pair(context, ex.response)
+        blocks.append(len(target_blocks(len(prompt), len(target), lm.llm.config.block_size)))
+        start = time.process_time()
+        lm.bound(prompt, target)
+        fast.append(time.process_time() - start)
+        start = time.process_time()
+        with torch.no_grad():
+            naive_block_losses(lm.llm.model, prompt, target, mc, seed=0)
+        naive.append(time.process_time() - start)
+    return [f"| {mc} | {statistics.median(blocks)} | 1 | {mc * statistics.median(blocks)} | "
+            f"{statistics.median(fast):.3f} | {statistics.median(naive):.3f} | "
+            f"{statistics.median(n / f for n, f in zip(naive, fast, strict=True)):.1f} |"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--problems", type=int, default=200)
@@ -77,6 +102,7 @@ def main() -> None:
     ap.add_argument("--spread-problems", type=int, default=16)
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--spread-mc", type=int, nargs="+", default=[4, 16, 32, 128])
+    ap.add_argument("--cost-problems", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -85,7 +111,10 @@ def main() -> None:
              "|---|---|---|---|---|---|", *accuracy_rows(args.problems, args.accuracy_mc), "",
              "| model | bound | mc_num | median log-lik | median stderr | median std over "
              f"{args.seeds} seeds |", "|---|---|---|---|---|---|",
-             *spread_rows(args.spread_problems, args.seeds, args.spread_mc)]
+             *spread_rows(args.spread_problems, args.seeds, args.spread_mc), "",
+             "| mc_num | target blocks | forwards | naive forwards | CPU s | naive CPU s | "
+             "naive / one-forward |", "|---|---|---|---|---|---|---|",
+             *cost_rows(args.cost_problems, 32)]
     text = "\n".join(lines) + "\n"
     if args.out:
         args.out.write_text(text)

@@ -13,6 +13,10 @@ than independent draws. The log-likelihood reported is -mean(loss).
 
 Everything random comes from one ``torch.Generator`` seeded from (seed, prompt, target), so an
 estimate does not depend on which other requests share a run, or in which order they come.
+
+`score_draws` turns drawn masks into the estimate for any bound of this form (per-position
+weights, a layout of the forward); the block-diffusion bound (unmask.evaluation.block_likelihood)
+is the other one.
 """
 
 from __future__ import annotations
