@@ -60,6 +60,8 @@ def draw_masks(length: int, mc_num: int, generator: torch.Generator) -> tuple[to
 
 
 def check_draws(target: list[int], mc_num: int, batch_size: int) -> None:
+    """A ValueError for a request no bound can score (a caller's bug: the adapter scores an
+    empty continuation as 0 without asking)."""
     if not target:
         raise ValueError("target is empty: there is nothing to score")
     if mc_num < 1 or batch_size < 1:
