@@ -289,3 +289,36 @@ def kv_forward(model: torch.nn.Module, block_size: int):
         return model(ids, pos, frame=frame), frame.fresh
 
     return forward
+
+
+def wrong_answers(answer: str) -> list[str]:
+    """Up to three wrong answers of the same family as a held-out math answer."""
+    if answer.isdigit():
+        n = int(answer)
+        return [str(n + 1), str(n + 10), str(n - 1) if n > 0 else str(n + 2)]
+    parts = answer.split(", ")
+    wrong = [", ".join(reversed(parts)), ", ".join(parts[1:] + parts[:1]),
+             ", ".join(parts[:-1] + [str((int(parts[-1]) + 1) % 10)])]
+    return [w for w in dict.fromkeys(wrong) if w != answer]
+
+
+def math_choice_wins(lm: Any, n: int) -> tuple[int, int, float]:
+    """The first n held-out math problems as multiple choice through an UnmaskLM's loglikelihood:
+    context the prompt (chat template), continuations its worked solution ending in the true
+    `#### answer` or in a wrong one (`wrong_answers`). Returns (problems whose true continuation
+    scores above every wrong one, n, chance: the mean of 1 / choices)."""
+    from lm_eval.api.instance import Instance
+
+    from unmask.tasks import TASKS
+
+    args, groups = [], []
+    for ex in TASKS["math"].load("heldout", n):
+        context = lm.apply_chat_template([{"role": "user", "content": ex.prompt}])
+        body = ex.response[: ex.response.rindex("####") + 4]
+        choices = [ex.answer, *wrong_answers(ex.answer)]
+        groups.append(range(len(args), len(args) + len(choices)))
+        args += [(context, f"{body} {a}") for a in choices]
+    scores = [lp for lp, _ in lm.loglikelihood([Instance("loglikelihood", {}, a, i)
+                                                for i, a in enumerate(args)])]
+    wins = sum(all(scores[g[0]] > scores[j] for j in g[1:]) for g in groups)
+    return wins, n, sum(1 / len(g) for g in groups) / n

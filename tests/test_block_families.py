@@ -24,7 +24,7 @@ from unmask.api import LLM
 from unmask.checkpoint import save_checkpoint
 from unmask.cli import main
 from unmask.config import ModelConfig
-from unmask.errors import InputError
+from unmask.evaluation.block_likelihood import estimate_block_bound
 from unmask.evaluation.harness import UnmaskLM
 from unmask.models import build_model
 from unmask.server.app import ServerConfig, build_app
@@ -150,19 +150,23 @@ def _requests(kind: str, args: list[tuple]) -> list[Instance]:
     return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
 
 
-def test_lm_eval_generates_in_blocks_and_refuses_likelihood(folder: Path, llm: LLM) -> None:
+def test_lm_eval_generates_in_blocks_and_scores_by_the_block_bound(folder: Path, llm: LLM) -> None:
     bs = llm.config.block_size
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lm = UnmaskLM(pretrained=str(folder), decoder="threshold", device="cpu")
+        lm = UnmaskLM(pretrained=str(folder), decoder="threshold", device="cpu", mc_num=4)
     got = lm.generate_until(_requests("generate_until", [(PROMPT, {"max_gen_toks": bs + 1})]))
     (want,) = llm.generate(PROMPT, "threshold", chat=False, gen_length=2 * bs)
     ids = want.token_ids[: bs + 1]
     assert got == [llm.tokenizer.decode(ids, skip_special_tokens=True)] and got[0]
-    for kind, args in (("loglikelihood", (PROMPT, " 46")), ("loglikelihood_rolling", (PROMPT,))):
-        with pytest.raises(InputError, match=f"^{kind} is not defined for block-diffusion") as e:
-            getattr(lm, kind)(_requests(kind, [args]))
-        assert "\n" not in str(e.value)
+    # the likelihoods: the block-diffusion bound (its own tests: test_block_likelihood.py)
+    prompt, target = lm._encode_pair(PROMPT, " 46")
+    mask = llm.config.mask_token_id
+    ((scored, _),) = lm.loglikelihood(_requests("loglikelihood", [(PROMPT, " 46")]))
+    assert scored == estimate_block_bound(llm.model, prompt, target, mask, mc_num=4).logprob
+    (rolling,) = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(PROMPT,)]))
+    assert rolling == estimate_block_bound(llm.model, lm._bos(), lm._encode(PROMPT), mask,
+                                           mc_num=4).logprob
 
 
 def test_show_names_the_families_facts(folder: Path, llm: LLM,

@@ -144,7 +144,13 @@ def forced(policy: str, mode: str, params: DecodeParams):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("decoder", list(DECODERS))
-def test_forced_refresh_equals_no_cache(kind: str, decoder: str) -> None:
+def test_forced_refresh_equals_no_cache(kind: str, decoder: str, monkeypatch) -> None:
+    """A cache forced to refresh (or recompute) everything is no cache: same tokens, NFE and
+    logits. Both sides at one attention shape (a stale cache runs canonical shapes by default,
+    the no-cache decode exact ones: docs/engine.md, "Batch invariance")."""
+    from unmask.engine import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod.Runner, "attention_shapes", "exact")
     model = tiny_model(kind)
     with Recorder(model) as ref:
         expected = decode(model, DECODERS[decoder])

@@ -20,7 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_lm_eval_equals_unmask_eval, tiny_model, tiny_model_dir
+from helpers import (
+    assert_lm_eval_equals_unmask_eval,
+    math_choice_wins,
+    tiny_model,
+    tiny_model_dir,
+)
 
 pytest.importorskip("lm_eval")
 
@@ -352,31 +357,12 @@ def test_apply_chat_template_matches_unmask_prompts(embedded: UnmaskLM) -> None:
 # --------------------------------------------------------------------------- loglikelihood
 
 
-def _corrupt(answer: str) -> list[str]:
-    """Three wrong answers of the same family."""
-    if answer.isdigit():
-        n = int(answer)
-        return [str(n + 1), str(n + 10), str(n - 1) if n > 0 else str(n + 2)]
-    parts = answer.split(", ")
-    wrong = [", ".join(reversed(parts)), ", ".join(parts[1:] + parts[:1]),
-             ", ".join(parts[:-1] + [str((int(parts[-1]) + 1) % 10)])]
-    return [w for w in dict.fromkeys(wrong) if w != answer]
-
-
 def test_loglikelihood_prefers_the_true_answer(embedded: UnmaskLM) -> None:
     """Context: a held-out prompt (chat template); continuations: its worked solution ending in
     the true `#### answer`, or the same solution ending in a wrong one. The true one should win
     far more often than chance (1 in 4)."""
-    args, groups = [], []
-    for ex in TASKS["math"].load("heldout", 12):
-        context = embedded.apply_chat_template([{"role": "user", "content": ex.prompt}])
-        body = ex.response[: ex.response.rindex("####") + 4]
-        groups.append([len(args) + i for i in range(1 + len(_corrupt(ex.answer)))])
-        args += [(context, f"{body} {a}") for a in [ex.answer, *_corrupt(ex.answer)]]
-    scores = [lp for lp, _ in embedded.loglikelihood(requests("loglikelihood", args))]
-    wins = sum(all(scores[g[0]] > scores[j] for j in g[1:]) for g in groups)
-    chance = statistics.mean(1 / len(g) for g in groups)
-    assert wins / len(groups) >= 0.75 > 2 * chance
+    wins, n, chance = math_choice_wins(embedded, 12)
+    assert wins / n >= 0.75 > 2 * chance
 
 
 def test_loglikelihood_is_deterministic_and_order_free(embedded: UnmaskLM) -> None:

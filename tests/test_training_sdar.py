@@ -14,13 +14,13 @@ from torch import nn
 
 from unmask.errors import InputError
 from unmask.kv import Frame
+from unmask.models.sdar import training_mask
 from unmask.training.args import add_train_arguments, check_train_args
 from unmask.training.block_diffusion import (
     BlockDiffusion,
     greedy_block_decode,
     pad_to_blocks,
     sdar_state_from_llada,
-    training_mask,
 )
 from unmask.training.train import Batch, run_train
 

@@ -21,15 +21,18 @@ lengths, ``steps`` against its canvas) before the first is decoded or scored.
   first ``until`` string. Prompts are used as lm-eval gives them (``chat=False``): with
   ``--apply_chat_template`` lm-eval has already formatted them with the checkpoint's template.
   Sampling follows the decoder spec (``temperature``, ``seed``), not the task's ``do_sample``.
-- ``loglikelihood``: the Monte Carlo masked-diffusion bound (``unmask.evaluation.likelihood``),
-  ``mc_num`` samples per request. ``is_greedy``: static-1 decoding of a canvas as long as the
-  continuation, after the context, reproduces the continuation token for token
-  (``greedy_check=false`` skips it and reports False; an empty continuation is greedy).
+- ``loglikelihood``: the Monte Carlo bound the model is trained on, ``mc_num`` samples per
+  request: the masked-diffusion bound (``unmask.evaluation.likelihood``), or for a
+  block-diffusion model (SDAR, LLaDA2, Fast-dLLM v2) the block-diffusion bound, each of its blocks
+  noised given the clean ones before (``unmask.evaluation.block_likelihood``). ``is_greedy``:
+  static-1 decoding after the context reproduces the continuation token for token, on a canvas
+  as long as the continuation (a block model: in its own blocks, up to the end of the one
+  holding the continuation's last token) (``greedy_check=false`` skips it and reports False; an
+  empty continuation is greedy).
 - ``loglikelihood_rolling``: the same bound for the whole document given only BOS, in one window.
-  There is no rolling form of the bound (every position sees the whole window), so a document
-  longer than the model's ``max_sequence_length`` is an error, not chunked.
-- Block-diffusion models (SDAR, LLaDA2, Fast-dLLM v2) run ``generate_until`` in their own blocks;
-  both likelihoods are refused (the bound above is a bidirectional model's).
+  Neither bound is computed in rolling windows (a bidirectional model's positions see the whole
+  window), so a document longer than the model's ``max_sequence_length`` is an error, not
+  chunked.
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ from lm_eval.utils import simple_parse_args_string
 from tqdm import tqdm
 
 from unmask.api import LLM, Generation, check_text
-from unmask.decoding.params import SPEC_KEYS, DecodeParams
+from unmask.decoding.params import SPEC_KEYS, DecodeParams, whole_blocks
 from unmask.errors import InputError, UnmaskError
-from unmask.evaluation.likelihood import estimate_bound
+from unmask.evaluation.block_likelihood import estimate_block_bound
+from unmask.evaluation.likelihood import Bound, estimate_bound
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +281,6 @@ class UnmaskLM(LM):
     def loglikelihood(self, requests: list[Instance],
                       disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         # All encoded and checked first: scoring is the slow part, a bad request is found at once.
-        self._refuse_block_model("loglikelihood")
         pairs = []
         for i, req in enumerate(requests):
             prompt, target = self._encode_pair(*req.args, which=_which(i, req))
@@ -293,7 +296,6 @@ class UnmaskLM(LM):
 
     def loglikelihood_rolling(self, requests: list[Instance],
                               disable_tqdm: bool = False) -> list[float]:
-        self._refuse_block_model("loglikelihood_rolling")
         prompt = self._bos()
         room = self.llm.config.max_sequence_length - len(prompt)
         targets = []
@@ -303,7 +305,7 @@ class UnmaskLM(LM):
             if len(target) > room:
                 raise InputError(
                     f"loglikelihood_rolling {_which(i, req)}: a document of {len(target)} tokens "
-                    f"exceeds the model's window ({room} after BOS); the masked-diffusion bound "
+                    f"exceeds the model's window ({room} after BOS); the likelihood bound "
                     "scores a document in one window and has no rolling (chunked) form")
             self._refuse_mask("loglikelihood_rolling", _which(i, req), document=target)
             targets.append(target)
@@ -314,16 +316,6 @@ class UnmaskLM(LM):
             out.append(result)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, result)
         return out
-
-    def _refuse_block_model(self, kind: str) -> None:
-        """The bound masks tokens anywhere in the continuation and scores them from one forward:
-        a block-diffusion model was trained to see its earlier blocks clean, and its bound is
-        another one (per block, given the clean blocks before), which this does not compute."""
-        if self.llm.config.block_size is not None:
-            raise InputError(f"{kind} is not defined for block-diffusion models (this "
-                             f"{self.llm.config.model_type} model decodes in blocks of "
-                             f"{self.llm.config.block_size}): the masked-diffusion bound assumes "
-                             "bidirectional attention; run generate_until tasks")
 
     def _refuse_mask(self, kind: str, which: str, **parts: list[int]) -> None:
         """The mask token in a request's text would be scored (or decoded) as if it were a
@@ -338,19 +330,26 @@ class UnmaskLM(LM):
                                  "it from the text")
 
     def _logprob(self, prompt: list[int], target: list[int]) -> float:
-        if not target:
-            return 0.0
-        return estimate_bound(self.llm.model, prompt, target, self.llm.config.mask_token_id,
-                              mc_num=self.mc_num, batch_size=self.mc_batch_size,
-                              seed=self.params.seed).logprob
+        return self.bound(prompt, target).logprob if target else 0.0
+
+    def bound(self, prompt: list[int], target: list[int]) -> Bound:
+        """The estimate of log p(target | prompt) (token ids) by the bound the model is trained
+        on: masked-diffusion, or block-diffusion for a model with blocks."""
+        estimate = estimate_bound if self.llm.config.block_size is None else estimate_block_bound
+        return estimate(self.llm.model, prompt, target, self.llm.config.mask_token_id,
+                        mc_num=self.mc_num, batch_size=self.mc_batch_size, seed=self.params.seed)
 
     def _is_greedy(self, prompt: list[int], target: list[int]) -> bool:
         if not self.greedy_check:
             return False
         if not target:  # nothing to reproduce: as lm-eval's own models answer (an empty match)
             return True
-        params = DecodeParams(method="static-1", gen_length=len(target), block_length=len(target))
-        return self.llm.generate_ids([prompt], params)[0].token_ids == target
+        # A block model decodes in its own blocks: a canvas of whole blocks holding the target,
+        # its last block decoded whole, as generation would decode it.
+        block = self.llm.config.block_size or len(target)
+        params = DecodeParams(method="static-1", gen_length=whole_blocks(len(target), block),
+                              block_length=block)
+        return self.llm.generate_ids([prompt], params)[0].token_ids[: len(target)] == target
 
     def _encode(self, text: str, which: str | None = None) -> list[int]:
         """Token ids of text; with `which` (the request), checked first: the tokenizer raises a

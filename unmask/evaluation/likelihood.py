@@ -13,16 +13,23 @@ than independent draws. The log-likelihood reported is -mean(loss).
 
 Everything random comes from one ``torch.Generator`` seeded from (seed, prompt, target), so an
 estimate does not depend on which other requests share a run, or in which order they come.
+
+`score_draws` turns drawn masks into the estimate for any bound of this form (per-position
+weights, a layout of the forward); the block-diffusion bound (unmask.evaluation.block_likelihood)
+is the other one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from unmask.kv import Frame
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,56 @@ def draw_masks(length: int, mc_num: int, generator: torch.Generator) -> tuple[to
     return ranks < count[:, None], count
 
 
+def check_draws(target: list[int], mc_num: int, batch_size: int) -> None:
+    """A ValueError for a request no bound can score (a caller's bug: the adapter scores an
+    empty continuation as 0 without asking)."""
+    if not target:
+        raise ValueError("target is empty: there is nothing to score")
+    if mc_num < 1 or batch_size < 1:
+        raise ValueError(f"mc_num and batch_size must be >= 1, got {mc_num} and {batch_size}")
+
+
+# (clean (T,) prompt + target ids, noisy (B, T) the same with the draws' masks, at (N,) the
+# sequence index of each masked target token) -> the forward's (input ids, position ids, frame,
+# the input column holding each masked token's prediction (N,)): how one bound lays out a batch.
+Layout = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Frame | None, Tensor]]
+
+
+def score_draws(model: nn.Module, prompt: list[int], target: list[int], mask_id: int,
+                masked: Tensor, weight: Tensor, batch_size: int, layout: Layout) -> Bound:
+    """The bound from draws: masked (mc_num, L) bool, the target positions each draw masks;
+    weight (mc_num, L) float64, what a masked position's -log p counts for in its draw's loss.
+    ``batch_size`` draws a forward, laid out by ``layout``."""
+    device = next(model.parameters()).device
+    seq = torch.tensor(prompt + target, dtype=torch.long, device=device)
+    want = seq[len(prompt):]
+    losses = []
+    for start in range(0, len(masked), batch_size):
+        m = masked[start : start + batch_size].to(device)  # (B, L)
+        noisy = seq.repeat(len(m), 1)
+        noisy[:, len(prompt):][m] = mask_id
+        rows, cols = m.nonzero(as_tuple=True)  # cols: index into the target
+        ids, positions, frame, read_at = layout(seq, noisy, cols + len(prompt))
+        logits = model(ids, positions, frame, logits_at=(rows, read_at))  # (N, V)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        nll = -logp.gather(1, want[cols][:, None]).squeeze(1)  # (N,)
+        w = weight[start : start + batch_size].to(device)[rows, cols]  # (N,)
+        per_sample = torch.zeros(len(m), dtype=torch.float64, device=device)
+        losses.append(per_sample.index_add_(0, rows, nll.double() * w).cpu())
+    loss = torch.cat(losses)
+    stderr = loss.std().item() / math.sqrt(len(loss)) if len(loss) > 1 else math.inf
+    return Bound(logprob=-loss.mean().item(), stderr=stderr, mc_num=len(loss))
+
+
+def whole_sequence(shift: int) -> Layout:
+    """One row per draw, the noisy sequence alone, at positions 0..T-1; a masked token's
+    prediction read at its own column less the model's logit shift."""
+    def layout(seq: Tensor, noisy: Tensor, at: Tensor) -> tuple[Tensor, Tensor, None, Tensor]:
+        positions = torch.arange(len(seq), device=seq.device).expand(len(noisy), -1)
+        return noisy, positions, None, (at - shift).clamp(min=0)
+    return layout
+
+
 @torch.no_grad()
 def estimate_bound(model: nn.Module, prompt: list[int], target: list[int], mask_id: int,
                    mc_num: int = 128, batch_size: int = 32, seed: int = 0) -> Bound:
@@ -62,32 +119,9 @@ def estimate_bound(model: nn.Module, prompt: list[int], target: list[int], mask_
     Rows of one batch are samples of this one request: they share a length, so no padding
     (the model's attention is bidirectional and has no padding mask).
     """
-    if not target:
-        raise ValueError("target is empty: there is nothing to score")
-    if mc_num < 1 or batch_size < 1:
-        raise ValueError(f"mc_num and batch_size must be >= 1, got {mc_num} and {batch_size}")
+    check_draws(target, mc_num, batch_size)
     generator = torch.Generator().manual_seed(sample_seed(seed, prompt, target))
     masked, count = draw_masks(len(target), mc_num, generator)
-    device = next(model.parameters()).device
-    seq = torch.tensor(prompt + target, dtype=torch.long)
-    want = torch.tensor(target, dtype=torch.long, device=device)
-    shift = int(getattr(model, "logit_shift", 0))
-    p = len(prompt)
-    losses = []
-    for start in range(0, mc_num, batch_size):
-        m = masked[start : start + batch_size]
-        ids = seq.repeat(len(m), 1)
-        ids[:, p:][m] = mask_id
-        rows, cols = m.nonzero(as_tuple=True)  # cols: index into the target
-        positions = torch.arange(len(seq)).expand(len(m), -1)
-        read_at = (cols + p - shift).clamp(min=0)
-        logits = model(ids.to(device), positions.to(device),
-                       logits_at=(rows.to(device), read_at.to(device)))
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        nll = -logp.gather(1, want[cols.to(device)][:, None]).squeeze(1)  # (N,)
-        per_sample = torch.zeros(len(m), dtype=torch.float64, device=device)
-        per_sample.index_add_(0, rows.to(device), nll.double())
-        losses.append(per_sample.cpu() * len(target) / count[start : start + batch_size])
-    loss = torch.cat(losses)
-    stderr = loss.std().item() / math.sqrt(mc_num) if mc_num > 1 else math.inf
-    return Bound(logprob=-loss.mean().item(), stderr=stderr, mc_num=mc_num)
+    weight = (len(target) / count.double())[:, None].expand(-1, len(target))  # (mc_num, L)
+    layout = whole_sequence(int(getattr(model, "logit_shift", 0)))
+    return score_draws(model, prompt, target, mask_id, masked, weight, batch_size, layout)

@@ -45,6 +45,21 @@ def block_causal_mask(position_ids: Tensor, block_size: int) -> Tensor:
     return (block[:, :, None] >= block[:, None, :])[:, None]
 
 
+def training_mask(t_len: int, block_size: int, device: torch.device | None = None) -> Tensor:
+    """(1, 1, 2T, 2T) bool: query i sees key j, over [x_t (T positions) ; x_0 (T positions)] at
+    position ids 0..T-1 each: a noisy position sees its own noisy block and the clean earlier
+    blocks, a clean one the clean blocks up to its own (block_causal_mask). The block-diffusion
+    objective's layout, shared by training (unmask.training.block_diffusion) and the likelihood
+    bound (unmask.evaluation.block_likelihood)."""
+    pos = torch.arange(t_len, device=device)
+    seen = block_causal_mask(pos[None], block_size)[0, 0]  # (T, T): j's block <= i's block
+    block = torch.div(pos, block_size, rounding_mode="floor")
+    same = block[:, None] == block[None, :]  # (T, T)
+    noisy_rows = torch.cat([same, seen & ~same], dim=1)  # own noisy block, clean earlier blocks
+    clean_rows = torch.cat([torch.zeros_like(seen), seen], dim=1)  # clean only, block-causally
+    return torch.cat([noisy_rows, clean_rows], dim=0)[None, None]
+
+
 class SDARAttention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from unmask.errors import InputError
 from unmask.kv import Frame
-from unmask.models.sdar import block_causal_mask
+from unmask.models.sdar import training_mask
 from unmask.training.train import (
     Batch,
     Decode,
@@ -37,17 +37,6 @@ from unmask.training.train import (
     same_config,
     weighted_ce,
 )
-
-
-def training_mask(t_len: int, block_size: int, device: torch.device | None = None) -> Tensor:
-    """(1, 1, 2T, 2T) bool: query i sees key j, over [x_t (T positions) ; x_0 (T positions)]."""
-    pos = torch.arange(t_len, device=device)
-    seen = block_causal_mask(pos[None], block_size)[0, 0]  # (T, T): j's block <= i's block
-    block = torch.div(pos, block_size, rounding_mode="floor")
-    same = block[:, None] == block[None, :]  # (T, T)
-    noisy_rows = torch.cat([same, seen & ~same], dim=1)  # own noisy block, clean earlier blocks
-    clean_rows = torch.cat([torch.zeros_like(seen), seen], dim=1)  # clean only, block-causally
-    return torch.cat([noisy_rows, clean_rows], dim=0)[None, None]
 
 
 def pad_to_blocks(batch: Batch, block_size: int, eos_id: int) -> Batch:
