@@ -123,9 +123,9 @@ such as \`fast\`.
 **\`balanced\` changed on 2026-12-04** (§ Balanced on hard problems): it was
 \`freedave++,threshold=0.99,draft_conf=0.9,early_exit=true\` (token-identical to threshold 0.99)
 and is now \`threshold,threshold=0.95,cache=entropy,entropy_tau=0.5,recent_k=8,refresh_on_block=true,early_exit=true\`.
-The math-256 and code-256 Results tables were rerun with the new one, and § Balanced on hard
-problems measures both; every other table with a \`balanced\` row (the Results tables at 512 and
-1024, and the sections after them) was measured with the previous preset.
+The Results tables were rerun with the new one, and § Balanced on hard problems measures both;
+every other table with a \`balanced\` row (the sections after Results) was measured with the
+previous preset.
 
 ## Machine
 
