@@ -136,34 +136,22 @@ def test_the_windows_change_the_tokens() -> None:
 prompt_st = st.lists(st.integers(3, VOCAB - 3), min_size=1, max_size=19)
 
 
+@pytest.mark.parametrize("cache", ["block", "sub_block"])
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(method=st.sampled_from(["static-1", "threshold,threshold=0.5", "freedave++,draft_steps=3,"
                                "threshold=0.5"]),
        sub=st.sampled_from([1, 2, 4]), temperature=st.sampled_from([0.0, 0.8]), target=prompt_st,
        others=st.lists(st.tuples(prompt_st, st.sampled_from([8, 16, 24])), min_size=1, max_size=3),
        join_at=st.integers(0, 6), abort_at=st.integers(1, 8))
-def test_batch_invariance_with_sub_blocks(method, sub, temperature, target, others, join_at,
-                                          abort_at) -> None:
+def test_batch_invariance_with_sub_blocks(cache, method, sub, temperature, target, others,
+                                          join_at, abort_at) -> None:
     """Alone == in a batch == joining at step k beside rows at other blocks and sub-blocks,
-    one of them aborted, a request of another decoder beside."""
+    one of them aborted, a request of another decoder beside; under cache=sub_block the kept
+    K/V of a row's block is its own too, whoever shares the call (canonical attention shapes:
+    it reads stale keys)."""
     text = f"{method},temperature={temperature},sub_block_length={sub}"
-    assert_batch_invariant(fd2(), lambda gen, seed: params(text, gen, seed=seed), target, others,
-                           join_at, abort_at, MASK, EOS)
-
-
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(method=st.sampled_from(["static-1", "threshold,threshold=0.5", "freedave++,draft_steps=3,"
-                               "threshold=0.5"]),
-       sub=st.sampled_from([1, 2, 4]), temperature=st.sampled_from([0.0, 0.8]), target=prompt_st,
-       others=st.lists(st.tuples(prompt_st, st.sampled_from([8, 16, 24])), min_size=1, max_size=3),
-       join_at=st.integers(0, 6), abort_at=st.integers(1, 8))
-def test_batch_invariance_with_the_sub_block_cache(method, sub, temperature, target, others,
-                                                   join_at, abort_at) -> None:
-    """As above under cache=sub_block: the kept K/V of a row's block is its own, whoever
-    shares the call (canonical attention shapes: it reads stale keys)."""
-    text = f"{method},temperature={temperature},sub_block_length={sub}"
-    assert_batch_invariant(fd2(), lambda gen, seed: params(text, gen, "sub_block", seed=seed),
-                           target, others, join_at, abort_at, MASK, EOS)
+    assert_batch_invariant(fd2(), lambda gen, seed: params(text, gen, cache, seed=seed), target,
+                           others, join_at, abort_at, MASK, EOS)
 
 
 def test_freedave_is_exact_with_sub_blocks() -> None:

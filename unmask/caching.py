@@ -64,6 +64,8 @@ class StepView:
     masked: np.ndarray  # (R, S) bool slots still [MASK]
     stale: np.ndarray  # (R, S) bool slots whose stored K/V was computed from another token
     knobs: np.ndarray  # (R,) the rows' per-row knobs (unmask.engine.batch)
+    window_lo: np.ndarray  # (R,) first slot the step may commit in (unmask.engine.layout.window)
+    window_hi: np.ndarray  # (R,) one past its last
 
     @cached_property
     def in_block(self) -> np.ndarray:  # (R, S)
@@ -165,14 +167,8 @@ class SubBlockCache(CachePolicy):
     forward that ends with it (the next block's first slot, SubBlockLayout) recomputes it, the
     current block's as the block cache its later sub-block steps read."""
 
-    def __init__(self, params: DecodeParams) -> None:
-        super().__init__(params)
-        from unmask.engine.layout import SubBlockLayout  # params (which layout imports) imports us
-
-        self.layout = SubBlockLayout(params.block_length, params.sub_block_length)
-
     def plan(self, v: StepView) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = self.layout.window(v.masked, v.block_start)
+        lo, hi = v.window_lo, v.window_hi  # SubBlockLayout's: the step's sub-block
         first = lo == v.block_start  # (R,) the block's first slot alone: the forward ends before
         # the block, so the previous block, stale in the store, is recomputed (generate()'s store
         # forward)

@@ -224,10 +224,10 @@ class Decoder:
         # Only policies that read staleness pay for the (D, S) comparison.
         stale = (stored != x) if self.cache.reads_stale else np.zeros_like(masked)
         knobs = b.rows.knobs[parent]
-        view = StepView(slots, start, end, d.new_entropy, commit_step, b.rows.store_block[parent],
-                        masked, stale, knobs)
-        pad = b.rows.pad[parent]
         lo, hi = self.layout.window(masked, start)
+        view = StepView(slots, start, end, d.new_entropy, commit_step, b.rows.store_block[parent],
+                        masked, stale, knobs, lo, hi)
+        pad = b.rows.pad[parent]
         horizon = self.layout.horizon(start, lo, end, b.rows.end[parent])
         visible = (slots >= pad[:, None]) & self.suffix.keep(slots, pad, end, horizon)
         refresh, recompute = self.cache.plan(view)

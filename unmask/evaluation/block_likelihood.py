@@ -73,11 +73,15 @@ def noisy_beside_clean(block_size: int, shift: int) -> Layout:
     """Each draw's row is [noisy (T) ; clean (T)] at positions 0..T-1 twice, under
     `training_mask`; a masked token's prediction is read in the noisy copy, or in the clean copy
     where the logit shift reaches into the block before (module docstring)."""
+    masks: dict[int, Tensor] = {}  # T -> its (2T, 2T) attention, built once per request
+
     def layout(seq: Tensor, noisy: Tensor, at: Tensor) -> tuple[Tensor, Tensor, Frame, Tensor]:
         b, t_len = noisy.shape
         ids = torch.cat([noisy, seq.expand(b, -1)], dim=1)  # (B, 2T)
         positions = torch.arange(t_len, device=seq.device).repeat(2).expand(b, -1)  # (B, 2T)
-        frame = Frame(attn_mask=training_mask(t_len, block_size, seq.device))
+        if t_len not in masks:
+            masks[t_len] = training_mask(t_len, block_size, seq.device)
+        frame = Frame(attn_mask=masks[t_len])
         src = (at - shift).clamp(min=0)  # (N,)
         same_block = torch.div(src, block_size, rounding_mode="floor") == torch.div(
             at, block_size, rounding_mode="floor")
