@@ -3,7 +3,7 @@
 # same prompts, static-1 first as the baseline), then the header, the machine and the sections
 # concatenated into one file.
 #
-#   bash scripts/sweeps.sh && bash scripts/benchmarks.sh   # the documented run (~1 h on 2 cores)
+#   bash scripts/bench/sweeps.sh && bash scripts/benchmarks.sh   # the documented run (~1 h on 2 cores)
 #   ASSEMBLE_ONLY=1 bash scripts/benchmarks.sh           # rebuild the file from benchmarks/
 #   LANE1="a:math:32:1:LONG" LANE2="b:math:32:1:ABLATION" OUT=/tmp/B.md ARTIFACTS=/tmp/b \
 #     bash scripts/benchmarks.sh                        # a smoke run
@@ -29,7 +29,7 @@ PYTHON=${PYTHON:-python}
 # vanilla static-1, no cache. `exact` is FreeDave at its default draft_steps (the bench refuses
 # the same decoder twice, so plain `freedave` has no row of its own).
 MAIN=(  # FreeDave (issue 5) and caches (issue 6) side by side; FreeDave's K = 2/4/8 side by
-  # side is the `drafts` sweep (scripts/sweeps.sh)
+  # side is the `drafts` sweep (scripts/bench/sweeps.sh)
   "static-1" "static-1,early_exit=true" "threshold" "freedave++"
   "static-1,cache=dual" "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy"
   "threshold,suffix=structured" "exact" "balanced" "fast"
@@ -153,7 +153,7 @@ print(machine_markdown(json.load(open(sys.argv[1]))["machine"]))' "$ARTIFACTS/$f
   evals=("$ARTIFACTS"/eval/*.json)
   if [[ -e "${evals[0]}" ]]; then
     echo
-    echo "## Accuracy on more prompts (\`unmask eval\`, \`bash scripts/evals.sh\`)"
+    echo "## Accuracy on more prompts (\`unmask eval\`, \`bash scripts/bench/evals.sh\`)"
     echo
     echo "Held-out prompts (seed 0), block_length 32, one thread; each file's command is in its JSON"
     echo "and each prompt's output in the \`.jsonl\` next to it (\`$ARTIFACTS/eval/\`)."

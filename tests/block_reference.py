@@ -2,7 +2,7 @@
 (without eager acceptance) at temperature 0, re-implemented in plain torch from
 docs/sdar-reference-semantics.md (our code, written from that description): the loops
 tests/test_sdar_reference.py holds unmask's block decoding to, and which
-scripts/check_sdar_generate.py checks against the real references (tokens, NFE and
+scripts/check/sdar_generate.py checks against the real references (tokens, NFE and
 token-forwards equal).
 
 Greedy as FreeDave's temperature-0 sampler: the argmax over the whole vocabulary (the mask token

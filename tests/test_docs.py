@@ -146,7 +146,7 @@ def test_relative_links_and_anchors_resolve(page: Path) -> None:
 
 
 SOURCES = [*(ROOT / "unmask").rglob("*.py"), *(ROOT / "unmask").rglob("*.js"),
-           *(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").glob("*"), ROOT / "pyproject.toml",
+           *(ROOT / "tests").glob("*.py"), *(ROOT / "scripts").rglob("*"), ROOT / "pyproject.toml",
            *PAGES, *(ROOT / "benchmarks" / "extra").glob("*.md")]
 CITATION = re.compile(r"(README|docs/[\w-]+\.md)(?:'s)?,?\s+(?:§\s+)?\"([^\"]+)\"")
 

@@ -2,9 +2,9 @@
 a block's first token from the previous block's last logit, the stop inside a block) as the
 spec `threshold,threshold=T,sub_block_length=S` (`static-1,sub_block_length=S` for its default
 threshold 1), against tests/block_reference.py's plain-torch re-implementation of that loop
-(docs/fast-dllm-v2-reference-semantics.md). scripts/check_block_references.py holds the
+(docs/fast-dllm-v2-reference-semantics.md). scripts/check/block_references.py holds the
 re-implementation and unmask against the published generate() itself
-(benchmarks/fast-dllm-v2-reference.md).
+(benchmarks/check/fast-dllm-v2-reference.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ code's inference path (fused q/k/v, per-head q/k RMSNorm, RoPE on the leading ha
 with rotate_half, eager attention under generate()'s additive block mask, the sigmoid router with
 group-limited top-k, moe_infer's float32 weighted sum, shared experts); inconsistent MoE keys
 are one line naming the key (exit 2 on the CLI). The published code itself runs in
-scripts/check_block_references.py (benchmarks/llada2-reference.md).
+scripts/check/block_references.py (benchmarks/check/llada2-reference.md).
 
 Fast-dLLM v2: its layers are transformers' Qwen2 under its eval_block_diff_mask, and it reads
 position i's prediction at i - 1.

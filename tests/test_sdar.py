@@ -4,7 +4,7 @@ without a frame is block-causal by position id, and a folder generates through L
 (block-diffusion decoding itself: tests/test_block_decoding.py).
 
 SDAR's own modeling code (JetAstra/SDAR) needs flash-attn and a fetched snapshot; it is checked
-by scripts/check_sdar_reference.py (benchmarks/sdar-reference.md), not here.
+by scripts/check/sdar_reference.py (benchmarks/check/sdar-reference.md), not here.
 """
 
 from __future__ import annotations

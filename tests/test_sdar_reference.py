@@ -1,7 +1,7 @@
 """Block-diffusion decoding against the references' loops: SDAR's `block_diffusion_generate` and
 FreeDave's base block decoder, re-implemented in tests/block_reference.py from
-docs/sdar-reference-semantics.md (the CI has neither repository; scripts/check_sdar_generate.py
-runs the real ones, and the re-implementation beside them, benchmarks/sdar-generate.md).
+docs/sdar-reference-semantics.md (the CI has neither repository; scripts/check/sdar_generate.py
+runs the real ones, and the re-implementation beside them, benchmarks/check/sdar-generate.md).
 
 First the re-implementation itself: the behaviours of the references that their names do not
 say, each pinned on hand-made confidences, and its forward and store accounting on a model.

@@ -181,7 +181,7 @@ def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")
 
 # Below this many parameters a decode runs on one thread by default: on the embedded model (1.4M)
 # a second thread gained 17% on free cores and lost 15-100x while another process held one, as
-# it waits for a busy core every step (benchmarks/threads-dd1c48b.md, docs/cli.md "Threads").
+# it waits for a busy core every step (benchmarks/bench/threads.md, docs/cli.md "Threads").
 TINY_MODEL_PARAMS = 10_000_000
 
 
