@@ -28,7 +28,7 @@ PYTHON=${PYTHON:-python}
 # Decoder sets. The first decoder of each set is the baseline (speedup 1x, exact-match reference):
 # vanilla static-1, no cache. `exact` is FreeDave at its default draft_steps (the bench refuses
 # the same decoder twice, so plain `freedave` has no row of its own).
-MAIN=(  # FreeDave (issue 5) and caches (issue 6) side by side; FreeDave's K = 2/4/8 side by
+MAIN=(  # FreeDave and the caches side by side; FreeDave's K = 2/4/8 side by
   # side is the `drafts` sweep (scripts/bench/sweeps.sh)
   "static-1" "static-1,early_exit=true" "threshold" "freedave++"
   "static-1,cache=dual" "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy"
@@ -39,7 +39,7 @@ LONG=(  # the same at 512
   "threshold,cache=dual" "threshold,cache=entropy" "freedave++,cache=entropy" "exact" "balanced"
   "fast"
 )
-ABLATION=(  # issue 7: each method alone, each pair, all three, the fast preset and exact
+ABLATION=(  # the ablation: each method alone, each pair, all three, the fast preset and exact
   "static-1" "static-1,early_exit=true"
   "freedave++" "threshold,cache=entropy" "threshold,suffix=structured"
   "freedave++,cache=entropy" "freedave++,suffix=structured" "threshold,cache=entropy,suffix=structured"

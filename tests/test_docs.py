@@ -1,6 +1,7 @@
 """The documentation stays true: docs/architecture.md cites files and names that exist and maps
-every module, relative links and their anchors resolve, and a citation of a page's section
-("docs/serving.md, "Ray Serve"") names text that page holds."""
+every module, relative links and their anchors resolve, a citation of a page's section
+("docs/serving.md, "Ray Serve"") names text that page holds, every script a text cites exists,
+scripts and results are named after what they measure, and no text cites an issue number."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from unmask.training.model_card import ISSUE_CITATION
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCH = ROOT / "docs" / "architecture.md"
@@ -165,4 +168,46 @@ def test_quoted_section_citations_name_text_the_page_holds() -> None:
                 bad.append(f"{src.relative_to(ROOT)}: {page}, \"{quote}\"")
             cited += 1
     assert cited >= 8
+    assert not bad, bad
+
+
+def tracked(folder: str) -> list[Path]:
+    """The files under ROOT/folder, bytecode caches and logs (git-ignored) left out."""
+    return sorted(p for p in (ROOT / folder).rglob("*")
+                  if p.is_file() and "__pycache__" not in p.parts and p.suffix not in {".pyc", ".log"})
+
+
+RESULT_TEXTS = [p for p in tracked("benchmarks") if p.suffix in {".md", ".txt"}]
+CARDS = [*(ROOT / "unmask" / "assets").glob("*/MODEL_CARD.md"),
+         *(ROOT / "unmask" / "training").glob("*.template")]
+TEXTS = [p for p in dict.fromkeys([*SOURCES, *RESULT_TEXTS, *CARDS]) if p.is_file()]
+# A word of a file name that is a work session or an abbreviated commit (hex, a digit and a
+# letter, 7-40 long): `ab-session18-f367e22.md` says when it ran, not what it measures.
+SESSION_OR_COMMIT = re.compile(r"session\d+|(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}", re.I)
+SCRIPT_PATH = re.compile(r"(?<![\w/.-])scripts/[\w/.-]*\w\.(?:py|sh)\b")
+
+
+def test_scripts_and_results_are_named_after_what_they_measure() -> None:
+    files = [*tracked("scripts"), *tracked("benchmarks")]
+    assert len(files) > 100
+    bad = [str(f.relative_to(ROOT)) for f in files
+           if any(SESSION_OR_COMMIT.fullmatch(word) for part in f.relative_to(ROOT).parts
+                  for word in re.split(r"[-_.\s]+", part))]
+    assert not bad, f"named after a session or a commit: {bad}"
+
+
+def test_cited_scripts_exist() -> None:
+    """`scripts/bench/serving.sh` in a page, a result's command or a docstring: the file is there
+    (scripts/ is laid out by purpose, docs/benchmarking.md; a move takes its citations along)."""
+    cited = {(str(src.relative_to(ROOT)), path)
+             for src in TEXTS for path in SCRIPT_PATH.findall(src.read_text())}
+    assert len(cited) > 100
+    missing = sorted(f"{src}: {path}" for src, path in cited if not (ROOT / path).is_file())
+    assert not missing, missing
+
+
+def test_no_text_cites_an_issue_number() -> None:
+    """An issue number means nothing to a reader without the tracker: say what it stood for."""
+    bad = [f"{src.relative_to(ROOT)}: {m.group()!r}" for src in TEXTS if src.suffix != ".png"
+           for m in ISSUE_CITATION.finditer(src.read_text())]
     assert not bad, bad

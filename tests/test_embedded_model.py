@@ -59,7 +59,7 @@ def test_default_model_solves_at_long_canvases() -> None:
 
 def test_default_model_completes_a_heldout_function() -> None:
     """Code: the first held-out stdlib function gets a body that parses under its signature (the
-    code bar of issue 3 is this, over many functions; a random init writes no Python)."""
+    model card's code bar is this, over many functions; a random init writes no Python)."""
     ex = TASKS["code"].load("heldout", 1, seed=0)[0]
     g = llm().generate([ex.prompt], "static-1,early_exit=true", gen_length=256, block_length=32)[0]
     assert g.text.strip(), "empty body"

@@ -413,16 +413,22 @@ def test_run_train_resume_and_init(tok_dir: Path, tmp_path: Path, one_thread: No
         run_train(args("--out", str(tmp_path / "c"), "--d-model", "64", "--init", str(a / "final")))
 
 
-def test_model_card_renders_the_run() -> None:
-    from unmask.training.model_card import render_model_card
-
+def card_summary() -> dict:
+    """A run's summary.json as `run_train` writes it, for the model card."""
     args = {"weight_decay": 0.1, "lr": 1e-3, "grad_clip": 1.0, "batch_tokens": 4096, "code_frac": 0.25,
             "pad_weight": 0.1, "digit_weight": 5.0, "init": "some/model"}
     cfg = {"d_model": 256, "n_layers": 4, "n_heads": 4, "mlp_hidden_size": 768, "vocab_size": 2048,
            "max_sequence_length": 2048}
-    summary = {"config": cfg, "args": args, "params": 4458752, "command": "unmask train --out x",
-               "steps": 10, "tokens": 12345, "train_minutes": 1.5, "final_train_loss": 0.5,
-               "final_heldout_loss": 0.6}
+    return {"config": cfg, "args": args, "params": 4458752, "command": "unmask train --out x",
+            "steps": 10, "tokens": 12345, "train_minutes": 1.5, "final_train_loss": 0.5,
+            "final_heldout_loss": 0.6}
+
+
+def test_model_card_renders_the_run() -> None:
+    from unmask.training.model_card import render_model_card
+
+    summary = card_summary()
+    args = summary["args"]
     card = render_model_card(summary, scores="| math | 1% |")
     for text in ("`unmask train --out x`", "digit tokens 5.0", "padding after", "longest answer +",
                  "12,345", "| math | 1% |", "`some/model` (`--init`)"):
@@ -436,6 +442,24 @@ def test_model_card_renders_the_run() -> None:
     assert "50% of rows are instead masked as semi-autoregressive" in card
     assert "0.9" in card and "0.25" in card and "0.375" in card
     assert "at most 48 tokens (`--code-max-tokens`)" in card
+
+
+@pytest.mark.parametrize("flag", ["--scores", "--lineage"])
+def test_model_card_refuses_an_issue_number(tmp_path: Path, flag: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The hand-written parts of a card say what a number stood for: the card is read where the
+    tracker is not. One line, exit 2, no card written."""
+    from unmask.training.model_card import main
+
+    (tmp_path / "summary.json").write_text(json.dumps(card_summary()))
+    number = 3  # not in the source's text, which tests/test_docs.py holds to the same rule
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path), str(tmp_path), flag, f"| task | score | bar (issue {number}) |"])
+    assert e.value.code == 2
+    assert f"cites 'issue {number}': say what it stood for" in capsys.readouterr().err
+    assert not (tmp_path / "MODEL_CARD.md").exists()
+    main([str(tmp_path), str(tmp_path), flag, "| task | score | quality bar |"])
+    assert "quality bar" in (tmp_path / "MODEL_CARD.md").read_text()
 
 
 def test_parse_buckets() -> None:

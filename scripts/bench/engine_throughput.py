@@ -1,4 +1,4 @@
-"""Engine throughput without HTTP, and where a step's time goes (issue #14).
+"""Engine throughput without HTTP, and where a step's time goes (BENCHMARKS.md, "Host overhead").
 
     python scripts/bench/engine_throughput.py [--n 32] [--gen-length 256] [--decoder fast ...]
         [--concurrency 1,4,16] [--rounds 3] [--profile 1,16 --profile-gen-length 64]

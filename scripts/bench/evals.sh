@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The embedded model's held-out scores (issue 3's quality bars: static-1, temperature 0,
+# The embedded model's held-out scores (the quality bars of its MODEL_CARD.md: static-1, temperature 0,
 # block_length 32) and the approximate decoders' accuracy on more prompts than BENCHMARKS.md's
 # tables hold. One `unmask eval` per file in $OUT: NAME.json (scores), NAME.jsonl (each prompt's
 # output and verdict), NAME.txt (the printed line). Two lanes, one per core (~15 min on 2 cores).

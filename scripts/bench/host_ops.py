@@ -1,4 +1,4 @@
-"""Where an engine step's time goes outside the model (issue #14: host overhead per step), by
+"""Where an engine step's time goes outside the model (BENCHMARKS.md, "Host overhead"), by
 engine function, and how many torch calls it makes there (each one a kernel launch on a GPU).
 
     .venv/bin/python scripts/bench/host_ops.py [--decoder fast] [--batch 1] [--n 16] [--gen-length 64]

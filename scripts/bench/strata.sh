@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21: accuracy by difficulty (task math-strata: held-out math in buckets — operand digits
+# Accuracy by difficulty (task math-strata: held-out math in buckets — operand digits
 # 1-2, 3, 4, and the list families sum_list and sort) and where the approximate decoders' loss
 # comes from. Two `unmask bench` runs, one per core, each writing .md/.json/.jsonl/.txt under $OUT:
 #
@@ -15,7 +15,7 @@
 #                                               # (took ~20 min at a load average of 7)
 #   N_ACC=20 N_SPEED=5 OUT=/tmp/s bash scripts/bench/strata.sh   # a smoke run
 #
-# Issue 41, point 3 (which decoder `balanced` should be where the model is unsure): candidates
+# Which decoder `balanced` should be where the model is unsure: candidates
 # against static-1 and static-1,early_exit=true on the hard buckets only (math-strata:digits-4,
 # sum_list,off-template; off-template is add/sub/sum_list/sort asked in words the training
 # templates never use), one `unmask bench` per stage, same lengths and thread:
@@ -30,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-MODE=${1:-issue21}
+MODE=${1:-difficulty}
 N_ACC=${N_ACC:-100}
 N_SPEED=${N_SPEED:-20}
 GEN_LENGTH=${GEN_LENGTH:-256}
@@ -41,7 +41,7 @@ mkdir -p "$OUT"
 ee="early_exit=true"
 fast_suffix="suffix=structured,suffix_rule=grid,suffix_local=16,suffix_middle=16,suffix_tail=4"
 fast_cache="cache=entropy,block_recompute=masked,recent_k=0"
-# `balanced` before issue 41; the committed files ran with it and name it `balanced` (the preset
+# `balanced` before 2026-12-04; the committed files ran with it and name it `balanced` (the preset
 # is now threshold 0.95 with a conservative EntropyCache, a finalist of the balanced-* stages).
 old_balanced="freedave++,threshold=0.99,draft_conf=0.9,$ee"
 ACCURACY=(
@@ -70,7 +70,7 @@ entropy_safe="cache=entropy,entropy_tau=0.5,recent_k=8,refresh_on_block=true"
 wide_suffix="suffix=structured,suffix_local=64,suffix_middle=32,suffix_tail=8"
 PRUNE=(
   "static-1" "static-1,$ee"                       # the baselines
-  "$old_balanced"                                 # balanced before issue 41 (the files: `balanced`)
+  "$old_balanced"                                 # balanced before 2026-12-04 (the files: `balanced`)
   "threshold,threshold=0.99,$ee"                  # balanced's tokens without its drafts
   "threshold,threshold=0.95,$ee" "threshold,$ee" "threshold,threshold=0.8,$ee"
   "threshold,threshold=0.7,$ee"                   # lower thresholds (0.9 is the default)
@@ -109,7 +109,7 @@ bench() {  # TASK NAME N DECODER...
 }
 
 case "$MODE" in
-  issue21)
+  difficulty)
     bench math-strata "strata-accuracy-$GEN_LENGTH" "$N_ACC" "${ACCURACY[@]}" &
     pid=$!
     bench math-strata "strata-speed-$GEN_LENGTH" "$N_SPEED" "${SPEED[@]}"
@@ -121,6 +121,6 @@ case "$MODE" in
     bench "math-strata:digits-1-2,digits-3,sort" "balanced-check-easy-$GEN_LENGTH" "$N_CHECK" \
       "${CHECK[@]}"
     bench code "balanced-check-code-$GEN_LENGTH" "$((N_CHECK / 4))" "${CHECK[@]}" ;;
-  *) echo "unknown mode $MODE: issue21 (the default), balanced-prune or balanced-final" >&2
+  *) echo "unknown mode $MODE: difficulty (the default), balanced-prune, balanced-final or balanced-check" >&2
      exit 2 ;;
 esac

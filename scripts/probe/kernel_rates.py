@@ -1,6 +1,6 @@
 """The CPU kernels under a forward of the embedded model, on one thread: matrix products (its
 projection, MLP and LM-head shapes) by rows, and attention per row by batch size. Why batching
-rows gains little on this CPU (issue #14; BENCHMARKS.md, "Host overhead"): a product that runs
+rows gains little on this CPU (BENCHMARKS.md, "Host overhead"): a product that runs
 near the core's peak at 16 rows has no per-row saving left for a larger batch to take.
 
     .venv/bin/python scripts/probe/kernel_rates.py

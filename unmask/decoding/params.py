@@ -245,15 +245,16 @@ PRESETS: dict[str, dict[str, Any]] = {
              "block_recompute": "masked", "recent_k": 0, "suffix": "structured",
              "suffix_rule": "grid", "suffix_local": 16, "suffix_middle": 16, "suffix_tail": 4,
              "early_exit": True},
-    # Issue 41 (BENCHMARKS.md § Balanced on hard problems: the hard buckets of math-strata,
-    # 4-digit operands, sum_list and off-template phrasings, 40 problems each, 14 decoders side
-    # by side): the fastest decoder within one problem of static-1 on every hard bucket.
+    # Which decoder `balanced` should be where the model is unsure (BENCHMARKS.md § Balanced on
+    # hard problems: the hard buckets of math-strata, 4-digit operands, sum_list and
+    # off-template phrasings, 40 problems each, 14 decoders side by side): the fastest decoder
+    # within one problem of static-1 on every hard bucket.
     # Threshold 0.95 with an EntropyCache that refreshes the whole canvas whenever a committed
     # token's entropy passes 0.5 nats and at each block start, and recomputes the 8 latest
     # commits: 34.1x static-1 there (30.4x on 4 digits), 22 -> 21, 27 -> 26 and 13 -> 14
     # problems right. The previous balanced (FreeDave++ at 0.99, token-identical to threshold
     # 0.99) was 9.5x: its drafts cost a forward each on a CPU; threshold 0.99 without them 15.0x.
-    # EntropyCache at its default knobs lost 2-5 problems on 4 digits and sum_list (issue 21);
+    # EntropyCache at its default knobs lost 2-5 problems on 4 digits and sum_list (§ By difficulty);
     # at these it lost one net on each and won one on off-template.
     "balanced": {"method": "threshold", "threshold": 0.95, "cache": "entropy", "entropy_tau": 0.5,
                  "recent_k": 8, "refresh_on_block": True, "early_exit": True},

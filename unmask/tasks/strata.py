@@ -1,4 +1,4 @@
-"""Held-out math problems stratified by difficulty (issue #21).
+"""Held-out math problems stratified by difficulty (BENCHMARKS.md § By difficulty).
 
 The ``math`` task's held-out set is mostly 1-2 digit operands, where the embedded model is
 confident; approximate decoders lose accuracy where it is not. This module draws held-out

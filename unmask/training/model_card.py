@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from unmask.errors import InputError
+
 TEMPLATE = Path(__file__).with_name("MODEL_CARD.md.template")
+# An issue number ("issue" and a number, or a hash and one to three digits): a card is read where
+# the tracker is not, so it says what the number stood for instead (tests/test_docs.py holds the
+# repository's text to the same rule).
+ISSUE_CITATION = re.compile(r"\b[Ii]ssues?\s?#?\d+|(?<![#&\w])#\d{1,3}(?![\w])")
 # One card per model family (the run's config.json model_type)
 TEMPLATES = {"llada": TEMPLATE, "sdar": Path(__file__).with_name("SDAR_MODEL_CARD.md.template")}
 
@@ -26,8 +33,13 @@ def _buckets_text(buckets: list[dict[str, Any]] | None) -> str:
 
 def render_model_card(summary: dict[str, Any], scores: str = "To be added by the eval command.",
                       hardware: str | None = None, lineage: str = "") -> str:
-    """lineage: a paragraph on where an ``--init`` run's starting weights came from."""
+    """lineage: a paragraph on where an ``--init`` run's starting weights came from. scores and
+    lineage are written by hand: an issue number in either is refused (InputError)."""
     from unmask.tasks import code
+
+    for name, text in (("scores", scores), ("lineage", lineage)):
+        if m := ISSUE_CITATION.search(text):
+            raise InputError(f"{name} cites {m.group()!r}: say what it stood for")
 
     cfg, args = summary["config"], summary["args"]
     if args.get("init") and not lineage:
@@ -87,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lineage", default="", help="paragraph on the --init weights' own training")
     a = ap.parse_args(argv)
     summary = json.loads((Path(a.run_dir) / "summary.json").read_text())
-    card = render_model_card(summary, a.scores, a.hardware, a.lineage)
+    try:
+        card = render_model_card(summary, a.scores, a.hardware, a.lineage)
+    except InputError as e:
+        ap.error(str(e))
     (Path(a.model_dir) / "MODEL_CARD.md").write_text(card)
     print(f"wrote {Path(a.model_dir) / 'MODEL_CARD.md'}", file=sys.stderr)
 

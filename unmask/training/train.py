@@ -486,9 +486,10 @@ def solve_rate(model: nn.Module, enc: TextEncoder, problems: list, gen_length: i
                on_event: Callable[[Any], None] | None = None, decode: Decode | None = None) -> float:
     """Share of held-out ``problems`` whose greedy decode (``decode``; default the engine's
     static-1 with early exit, temperature 0) ``check(text, problem)`` accepts (default: the math
-    checker on the problem's answer): the quality bars of issue 3, on a shorter canvas so they
-    are cheap enough to log. ``on_event`` receives the decode's step events (a progress bar
-    counts the finished ones).
+    checker on the problem's answer): the embedded model's quality bars (its MODEL_CARD.md: math
+    >= 60% at 256, code bodies that parse >= 50%), on a shorter canvas so they are cheap enough
+    to log. ``on_event`` receives the decode's step events (a progress bar counts the finished
+    ones).
 
     Why: digit recall scores one digit with the rest of the answer visible, where most digits have
     a copy elsewhere (``write 5`` ... ``= 85`` ... ``#### 85``); decoding from a blank canvas is what
