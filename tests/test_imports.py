@@ -1,6 +1,6 @@
 """The package's import graph, read from the source (every import statement, those inside
-functions too): the `unmask` command is imported by no module of the package, and the server's
-modules import each other one way only."""
+functions and under `if TYPE_CHECKING:` too): the `unmask` command is imported by no module of the
+package, and no two modules import each other, directly or around a circle."""
 
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ def test_no_module_imports_the_command() -> None:
     assert [m for m, deps in graph.items() if "unmask.cli" in deps] == []
 
 
-def test_the_server_modules_import_each_other_one_way() -> None:
+def test_the_package_imports_one_way() -> None:
+    """A circle hides which module is the lower one (a name shared by two modules belongs in a
+    third that both import), and a function-level import that closes one only defers it."""
     graph = import_graph()
-    server = {m: {d for d in deps if d.startswith("unmask.server")}
-              for m, deps in graph.items() if m.startswith("unmask.server")}
+    assert len(graph) > 80 and "unmask.server.app" in graph
     try:
-        tuple(TopologicalSorter(server).static_order())
+        tuple(TopologicalSorter(graph).static_order())
     except CycleError as e:
         raise AssertionError(f"an import circle: {' -> '.join(e.args[1])}") from None

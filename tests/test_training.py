@@ -18,16 +18,9 @@ from unmask.errors import CheckpointError, InputError
 from unmask.tasks import TASKS
 from unmask.tasks import code as code_task
 from unmask.tasks import math as math_task
+from unmask.training.objective import SEMI_AR_BLOCK, TextEncoder, mask_batch
 from unmask.training.tokenizer import BOS, EOS, MASK, SPECIAL_TOKENS, build_tokenizer, save_tokenizer
-from unmask.training.train import (
-    SEMI_AR_BLOCK,
-    CanvasBucket,
-    DataStream,
-    TextEncoder,
-    _model_config,
-    mask_batch,
-    sft_loss,
-)
+from unmask.training.train import CanvasBucket, DataStream, _model_config, sft_loss
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +181,7 @@ def test_tight_batches_fit_their_longest_answer(enc: TextEncoder) -> None:
 
 
 def test_pad_weight(enc: TextEncoder) -> None:
-    from unmask.training.train import Batch, LossWeights, position_weights
+    from unmask.training.objective import Batch, LossWeights, position_weights
 
     data = DataStream(enc, batch_tokens=2048, seed=0, code_frac=0.0)
     b = data.next_batch()

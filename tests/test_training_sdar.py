@@ -22,7 +22,8 @@ from unmask.training.block_diffusion import (
     pad_to_blocks,
     sdar_state_from_llada,
 )
-from unmask.training.train import Batch, run_train
+from unmask.training.objective import Batch
+from unmask.training.train import run_train
 
 
 def test_training_mask_by_rule() -> None:

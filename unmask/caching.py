@@ -39,16 +39,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from unmask.decoding.knobs import REGISTRY, Facts, Knobs, at_least, choice, knob, register
 from unmask.decoding.rules import rank
 from unmask.errors import SpecError
-
-if TYPE_CHECKING:
-    from unmask.decoding.params import DecodeParams
 
 
 @dataclass
@@ -107,10 +104,20 @@ class SubBlockKnobs(Knobs):
                             "sub_block_length")
 
 
+class CacheParams(Protocol):
+    """What a cache policy reads of the decode parameters (a DecodeParams, which composes the knob
+    classes above with every other policy's: unmask/decoding/params.py)."""
+
+    cache: str
+    block_length: int
+    block_recompute: str
+    sub_block_length: int | None
+
+
 class CachePolicy:
     """Interface: `plan` -> (refresh (R,) bool, recompute (R, S) bool for non-refresh rows)."""
 
-    def __init__(self, params: DecodeParams) -> None:
+    def __init__(self, params: CacheParams) -> None:
         self.params = params
         self.uses_store = REGISTRY["cache"][params.cache].facts.uses_store
 
@@ -228,5 +235,5 @@ BIDIRECTIONAL = {name: impl for name, impl in POLICIES.items()
                  if not REGISTRY["cache"][name].facts.block_causal}
 
 
-def make_cache_policy(params: DecodeParams) -> CachePolicy:
+def make_cache_policy(params: CacheParams) -> CachePolicy:
     return REGISTRY["cache"][params.cache].impl(params)

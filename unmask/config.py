@@ -1,8 +1,9 @@
 """Model configuration: one dataclass for every checkpoint format, validated on construction.
 
-The field names are LLaDA's config.json keys. Each model file says how its format's config.json
-maps onto them (a `JsonKeys`): which keys are renamed (Dream's and SDAR's Qwen names), which keys name an
-architecture variant unmask builds only one value of, and which keys do not change inference.
+The field names are LLaDA's config.json keys. Each family's format module (unmask/formats/) says
+how its config.json maps onto them (a `JsonKeys`): which keys are renamed (Dream's and SDAR's Qwen
+names), which keys name an architecture variant unmask builds only one value of, and which keys do
+not change inference.
 Every key of a config.json is one of those or a field; any other key is refused, so nothing a
 checkpoint asks for is silently ignored. (`dtype`, transformers 5's name for `torch_dtype`, is read
 as that field.)
@@ -12,21 +13,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from unmask.errors import ConfigError  # noqa: F401  (re-exported)
+from unmask.formats import FORMATS
+from unmask.formats.keys import MOE_FIELDS, JsonKeys, show
 
-MODEL_TYPES = ("llada", "Dream", "sdar", "llada2_moe", "Fast_dLLM_Qwen")
+MODEL_TYPES = tuple(FORMATS)
 # The block-diffusion families: block-causal, their config names (or fixes) the trained block size.
 BLOCK_TYPES = ("sdar", "llada2_moe", "Fast_dLLM_Qwen")
-# The mixture-of-experts fields: LLaDA2's config.json keys of the same names. Every other family
-# leaves them None (its JsonKeys omits them).
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "num_shared_experts", "moe_intermediate_size",
-              "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
-              "partial_rotary_factor")
 # Fields only some families' config.json has a key for; the others leave them None.
 FAMILY_FIELDS = ("head_size", "block_size", *MOE_FIELDS)
 # The Qwen2-layout families, whose q/k/v projections carry biases.
@@ -47,39 +44,6 @@ MAX_POSITIONS = 1 << 28
 # Absent LLaDA n_kv_heads / mlp_hidden_size are derived by the model file's `prepare`.
 REQUIRED = ("d_model", "n_heads", "n_kv_heads", "n_layers", "mlp_hidden_size", "vocab_size",
             "mask_token_id", "eos_token_id", "head_size", "block_size", *MOE_FIELDS)
-
-
-@dataclass(frozen=True)
-class JsonKeys:
-    """How one model_type's config.json keys map onto ModelConfig; each model file has one."""
-
-    # config.json key -> ModelConfig field, where the names differ.
-    renamed: dict[str, str]
-    # key -> (the values unmask builds, what the key asks for). Any other value is refused;
-    # the first value is written on save so the public modeling file builds the same model.
-    variants: dict[str, tuple[tuple[Any, ...], str]]
-    # Keys with no effect on inference (training setup, dropout, packaging, token ids the
-    # tokenizer owns); kept and written back unchanged.
-    inert: frozenset[str]
-    # ModelConfig fields this format's config.json has no key for.
-    omitted: frozenset[str] = frozenset()
-    # Fields this format's config.json has no key for, at the value the family's published code
-    # uses instead (LLaDA2's mask and EOS ids are its generate()'s defaults); never written.
-    fixed: dict[str, Any] = field(default_factory=dict)
-    # Variant keys a config.json may leave out: the reference's default is the value unmask
-    # builds, so an absent one is not written on save either.
-    implied: frozenset[str] = frozenset()
-    # Written on save when the config did not come with them.
-    written: dict[str, Any] = field(default_factory=dict)
-    # Fills what the reference derives from other keys or nulls (e.g. LLaDA's mlp_ratio).
-    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-
-    def json_fields(self) -> dict[str, str]:
-        """config.json key -> field, for every field this format's config.json carries."""
-        inverse = {v: k for k, v in self.renamed.items()}
-        skip = ("extra", *self.omitted, *self.fixed)
-        names = [f.name for f in fields(ModelConfig) if f.name not in skip]
-        return {inverse.get(n, n): n for n in names}
 
 
 @dataclass
@@ -217,7 +181,7 @@ class ModelConfig:
 
     def _check_choices(self) -> None:
         if self.torch_dtype not in TORCH_DTYPES:
-            raise ConfigError(f"config key 'torch_dtype' = {_show(self.torch_dtype)} is not supported; "
+            raise ConfigError(f"config key 'torch_dtype' = {show(self.torch_dtype)} is not supported; "
                               f"valid: {', '.join(TORCH_DTYPES)}")
         if self.include_bias:
             raise ConfigError("config key 'include_bias' = true (biases on every linear, the LM "
@@ -235,7 +199,7 @@ class ModelConfig:
                               "must be set")
         if self.model_type == "llada":
             if self.rope_scaling is not None:
-                raise ConfigError(f"config key 'rope_scaling' = {_show(self.rope_scaling)} is not "
+                raise ConfigError(f"config key 'rope_scaling' = {show(self.rope_scaling)} is not "
                                   "a LLaDA key; unmask builds LLaDA without RoPE scaling")
             return
         name = self.model_type
@@ -306,11 +270,11 @@ class ModelConfig:
                 allowed, what = keys.variants[key]
                 if not any(value == a and type(value) is type(a) or value is a for a in allowed):
                     raise ConfigError(
-                        f"config key {key!r} = {_show(value)} ({what}) is not supported; unmask "
-                        f"builds {key} = {' or '.join(_show(a) for a in allowed)}")
+                        f"config key {key!r} = {show(value)} ({what}) is not supported; unmask "
+                        f"builds {key} = {' or '.join(show(a) for a in allowed)}")
             elif key not in keys.inert:
                 raise ConfigError(
-                    f"config key {key!r} = {_show(value)} is not one unmask knows for model_type "
+                    f"config key {key!r} = {show(value)} is not one unmask knows for model_type "
                     f"{self.model_type}; refused rather than ignored (docs/checkpoints.md)")
 
     @property
@@ -330,7 +294,7 @@ class ModelConfig:
             return 1.0
         if kind != "linear" or isinstance(factor, bool) or not isinstance(factor, (int, float)) \
                 or not 0 < factor < math.inf:
-            raise ConfigError(f"config key 'rope_scaling' = {_show(s)} is not supported; unmask "
+            raise ConfigError(f"config key 'rope_scaling' = {show(s)} is not supported; unmask "
                               "builds null, default, or linear with a positive factor (written)")
         return float(factor)
 
@@ -347,7 +311,7 @@ class ModelConfig:
         keys = json_keys(model_type)
         raw = _dtype_alias(dict(raw))
         raw = keys.prepare(raw) if keys.prepare else raw
-        to_field = keys.json_fields()
+        to_field = keys.json_fields(FIELD_NAMES)
         required = [k for k, f in to_field.items() if f in REQUIRED]
         absent = [k for k in required if k not in raw]
         if absent:
@@ -365,7 +329,7 @@ class ModelConfig:
         variant key at the value built, and the inert keys it was loaded with."""
         keys = json_keys(self.model_type)
         values = asdict(self)
-        out = {k: values[f] for k, f in keys.json_fields().items()}
+        out = {k: values[f] for k, f in keys.json_fields(FIELD_NAMES).items()}
         out.update({k: allowed[0] for k, (allowed, _) in keys.variants.items()
                     if k not in keys.implied})
         out.update(keys.written)
@@ -394,10 +358,12 @@ class ModelConfig:
 
 
 def json_keys(model_type: str) -> JsonKeys:
-    """The config.json mapping of `model_type`, owned by its model file."""
-    from unmask.models import REGISTRY  # the model files import this module
+    """The config.json mapping of `model_type` (unmask/formats/)."""
+    return FORMATS[model_type]
 
-    return REGISTRY[model_type].json_keys
+
+# ModelConfig's fields, in order: what a format's keys map onto.
+FIELD_NAMES = tuple(f.name for f in fields(ModelConfig))
 
 
 def _dtype_alias(raw: dict[str, Any]) -> dict[str, Any]:
@@ -407,16 +373,12 @@ def _dtype_alias(raw: dict[str, Any]) -> dict[str, Any]:
         return raw
     value = raw.pop("dtype")
     if "torch_dtype" in raw and raw["torch_dtype"] != value:
-        raise ConfigError(f"config keys 'dtype' = {_show(value)} and 'torch_dtype' = "
-                          f"{_show(raw['torch_dtype'])} disagree; they name the same setting")
+        raise ConfigError(f"config keys 'dtype' = {show(value)} and 'torch_dtype' = "
+                          f"{show(raw['torch_dtype'])} disagree; they name the same setting")
     if value not in TORCH_DTYPES:
-        raise ConfigError(f"config key 'dtype' = {_show(value)} is not supported; "
+        raise ConfigError(f"config key 'dtype' = {show(value)} is not supported; "
                           f"valid: {', '.join(TORCH_DTYPES)}")
     raw["torch_dtype"] = value
     return raw
 
 
-def _show(value: Any) -> str:
-    """A config value as it reads in config.json, cut to one short line."""
-    text = json.dumps(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -25,8 +25,6 @@ from unmask.decoding.knobs import REGISTRY, Knobs, at_least, choice, knob, regis
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
-
-    from unmask.decoding.params import DecodeParams
 
 
 @dataclass(frozen=True)
@@ -46,11 +44,23 @@ class InjectKnobs(Knobs):
     inject: float = knob(0.0, "in [0, 1]", within(0, 1))
 
 
+class SuffixParams(Protocol):
+    """What a suffix policy reads of the decode parameters (a DecodeParams, which composes the
+    knob classes above with every other policy's: unmask/decoding/params.py)."""
+
+    suffix: str
+    suffix_local: int
+    suffix_middle: int
+    suffix_tail: int
+    suffix_rule: str
+    inject: float
+
+
 class SuffixPolicy:
     """Interface: `keep` -> (R, S) slots in this step's forward (host arrays); `embeds` -> input
     embeddings on the model's device (None: plain lookup)."""
 
-    def __init__(self, params: DecodeParams) -> None:
+    def __init__(self, params: SuffixParams) -> None:
         self.params = params
 
     def keep(self, slots: np.ndarray, row_start: np.ndarray, block_end: np.ndarray,
@@ -115,7 +125,7 @@ class Structured(SuffixPolicy):
         return keep & (s < row_end[:, None])
 
 
-def grid(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start: np.ndarray,
+def grid(p: SuffixParams, slots: np.ndarray, row_start: np.ndarray, mid_start: np.ndarray,
          mid_end: np.ndarray) -> np.ndarray:
     """The middle's share of a fixed grid: slots mid_end-1, mid_end-1-stride, ... (N_mid of them,
     stride = the row's positions before the tail // N_mid). The picks do not move with the block,
@@ -128,7 +138,7 @@ def grid(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start: n
     return on_grid & (slots[None, :] >= mid_start[:, None])
 
 
-def spread(p: DecodeParams, slots: np.ndarray, row_start: np.ndarray, mid_start: np.ndarray,
+def spread(p: SuffixParams, slots: np.ndarray, row_start: np.ndarray, mid_start: np.ndarray,
            mid_end: np.ndarray) -> np.ndarray:
     """Exactly min(N_mid, width) distinct positions of [mid_start, mid_end) per row.
 
@@ -162,5 +172,5 @@ register("suffix", "structured", Structured, (LocalKnobs, MiddleKnobs, InjectKno
 POLICIES = {name: e.impl for name, e in REGISTRY["suffix"].items()}
 
 
-def make_suffix_policy(params: DecodeParams) -> SuffixPolicy:
+def make_suffix_policy(params: SuffixParams) -> SuffixPolicy:
     return REGISTRY["suffix"][params.suffix].impl(params)

@@ -20,7 +20,7 @@ import torch
 from unmask.checkpoint import load_model
 from unmask.tasks import TASKS
 from unmask.training.block_diffusion import greedy_block_decode
-from unmask.training.train import TextEncoder
+from unmask.training.objective import TextEncoder
 
 
 def main() -> None:

@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from unmask.bench.markdown import aligned_table
+from unmask.bench.strata import strata_tables
+
 # (key, header, format) in table order; names and definitions: docs/design.md § Metrics.
 COLUMNS: list[tuple[str, str, str]] = [
     ("accuracy", "accuracy", "pct"),
@@ -91,7 +94,7 @@ def markdown_table(results: Sequence[dict[str, Any]], metric: str = "accuracy") 
                                   for key, head, _ in COLUMNS]
     rows = [[f"`{r['decoder']}`", str(r["n"])] + [_cell(r.get(key), fmt) for key, _, fmt in COLUMNS]
             for r in results]
-    return _aligned(headers, rows, left={0})
+    return aligned_table(headers, rows, left={0})
 
 
 def eval_summary_table(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
@@ -106,20 +109,7 @@ def eval_summary_table(docs: Sequence[tuple[str, dict[str, Any]]]) -> str:
                          str(r["n"]), f"{label} {_cell(r['accuracy'], 'pct')} "
                          f"({round(r['accuracy'] * r['n'])}/{r['n']})",
                          _cell(r.get("useful_tokens"), "{:.1f}")])
-    return _aligned(headers, rows, left={0, 1, 3, 5})
-
-
-def _aligned(headers: Sequence[str], rows: Sequence[Sequence[str]], left: set[int]) -> str:
-    """Columns padded to their widest cell; ``left`` columns left-aligned, the rest right."""
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i in left else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(cells, widths, strict=True))) + " |"
-
-    rule = "|" + "|".join((":" + "-" * (w + 1)) if i in left else ("-" * (w + 1) + ":")
-                          for i, w in enumerate(widths)) + "|"
-    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+    return aligned_table(headers, rows, left={0, 1, 3, 5})
 
 
 def markdown_section(doc: dict[str, Any], command: str, metric: str = "accuracy") -> str:
@@ -133,7 +123,5 @@ def markdown_section(doc: dict[str, Any], command: str, metric: str = "accuracy"
             f"Baseline (speedup 1x, exact-match reference): `{doc['results'][0]['decoder']}`.")
     parts = [head, meta, f"Command: `{command}`", markdown_table(doc["results"], metric)]
     if doc["results"] and doc["results"][0].get("strata"):
-        from unmask.bench.strata import strata_tables
-
         parts.append(strata_tables(doc["results"]))
     return "\n\n".join(parts) + "\n"

@@ -16,6 +16,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from unmask.bench.markdown import aligned_table
+
 Z95 = 1.959963984540054
 
 
@@ -137,8 +139,6 @@ def delta_cell(s: dict[str, Any], is_baseline: bool = False) -> str:
 def strata_tables(results: Sequence[dict[str, Any]], baseline: int = 0) -> str:
     """Two markdown tables from results carrying ``strata``: accuracy per bucket (Wilson 95%),
     then the difference against the baseline per bucket (paired 95%, problems won/lost)."""
-    from unmask.bench.report import _aligned
-
     rows = [r for r in results if r.get("strata")]
     if not rows:
         return ""
@@ -151,12 +151,12 @@ def strata_tables(results: Sequence[dict[str, Any]], baseline: int = 0) -> str:
     base = results[baseline]["decoder"]
     return "\n\n".join([
         "Accuracy per bucket, % (correct/n) [Wilson 95% interval]:",
-        _aligned(heads, acc, left={0}),
+        aligned_table(heads, acc, left={0}),
         f"Difference against `{base}` per bucket, points (problems won/lost on the same problems) "
         "[Newcombe paired 95% interval]; `*`: the net difference is one problem or none:",
-        _aligned(heads, delta, left={0}),
+        aligned_table(heads, delta, left={0}),
         f"Speedup against `{base}` per bucket (median over problems of the TPS ratio):",
-        _aligned(heads, speed, left={0}),
+        aligned_table(heads, speed, left={0}),
     ])
 
 

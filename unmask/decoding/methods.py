@@ -11,15 +11,12 @@ rule declares its knobs and registers once; a FreeDave method registers as the r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from unmask.decoding.knobs import REGISTRY, Facts, Knobs, at_least, entry, knob, register, within
 from unmask.decoding.rules import candidate_ranks, static_count, threshold_count
-
-if TYPE_CHECKING:
-    from unmask.decoding.params import DecodeParams
 
 
 # --- knobs ---------------------------------------------------------------------------------------
@@ -196,7 +193,15 @@ class Method:
         return self.n_drafts > 1
 
 
-def make_method(params: DecodeParams) -> Method:
+class MethodParams(Protocol):
+    """What `make_method` reads of the decode parameters (a DecodeParams, which composes the knob
+    classes above with every other policy's: unmask/decoding/params.py)."""
+
+    method: str
+    draft_steps: int
+
+
+def make_method(params: MethodParams) -> Method:
     e = METHODS[params.method]
     return Method(e.impl(), n_drafts=params.draft_steps if e.facts.drafts else 1,
                   uses_schedule=e.facts.uses_schedule, reads_entropy=e.facts.reads_entropy)

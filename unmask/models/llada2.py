@@ -14,7 +14,7 @@ names, so state_dict() keys are the safetensors keys.
 Block-causal as SDAR: without a frame a position attends to its own block (position //
 block_size) and earlier ones. The folders carry no block size, mask or EOS id; the published
 generate() defaults (block_length 32, mask 156895, EOS 156892) stand for them (`JsonKeys.fixed`).
-Predictions are unshifted. `LLaDA2Model.json_keys` says what each key of config.json does here.
+Predictions are unshifted. `LLADA2` (unmask/formats/llada2.py) says what each key of config.json does here.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unmask.config import JsonKeys, ModelConfig
+from unmask.config import ModelConfig
 from unmask.kv import Frame
 from unmask.models.layers import RMSNorm, attention
 from unmask.models.qwen import QwenLM
-from unmask.models.sdar import SDARModel, block_causal_mask
+from unmask.models.sdar import block_causal_mask
 
 # An expert runs on its tokens padded with zero rows to a multiple of this: on the CPU torch
 # takes other kernels for other row counts (the matmuls below 12 rows, the elementwise SiLU and
@@ -175,7 +175,6 @@ class LLaDA2Model(QwenLM):
 
     layer_class = LLaDA2Layer
     embed_name = "word_embeddings"
-    json_keys: JsonKeys  # set below the class
 
     def attention_mask(self, position_ids: Tensor) -> Tensor:
         return block_causal_mask(position_ids, self.config.block_size)
@@ -183,46 +182,3 @@ class LLaDA2Model(QwenLM):
     def residual_outputs(self) -> list[nn.Linear]:
         mlps = [m for m in self.modules() if isinstance(m, LLaDA2MLP)]
         return [ly.attention.dense for ly in self.model.layers] + [m.down_proj for m in mlps]
-
-
-# Key names and meanings are those of the published configuration_llada2_moe.py. The variant
-# keys below are ones the published modeling code does not read: it always computes the value
-# listed, so a config asking for another is refused rather than run as that.
-LLaDA2Model.json_keys = JsonKeys(
-    renamed=SDARModel.json_keys.renamed,  # Qwen3's names, head_dim included
-    variants={
-        "hidden_act": (("silu",), "the MLP activation"),
-        "use_qkv_bias": ((False,), "biases on the q/k/v projection"),
-        "use_bias": ((False,), "biases on the attention output projection"),
-        "use_qk_norm": ((True,), "RMSNorm of each q and k head"),
-        "use_rmsnorm": ((True,), "RMSNorm layer norms"),
-        "norm_head": ((False,), "a normalised LM head"),
-        "norm_softmax": ((False,), "a normalised softmax"),
-        "use_sliding_window": ((False,), "sliding-window attention"),
-        "using_split_qkv_in_self_attention": ((False,), "separate q/k/v projections"),
-        "score_function": (("sigmoid",), "the router's expert scores"),
-        "norm_topk_prob": ((True,), "the chosen experts' weights renormalised to sum 1"),
-        "moe_router_enable_expert_bias": ((True,), "the router's selection bias"),
-        "router_dtype": (("fp32",), "the router's dtype"),
-    },
-    inert=frozenset({
-        # read only with use_sliding_window, refused above
-        "sliding_window", "max_window_layers",
-        # the rotated width is head_dim * partial_rotary_factor; the modeling code never reads this
-        "rotary_dim",
-        # dropout is off at inference in the reference too
-        "attention_dropout", "embedding_dropout", "output_dropout",
-        # training: initialisation, the router's auxiliary outputs
-        "initializer_range", "output_router_logits",
-        # the tokenizer's and the engine's business; no weight depends on them
-        "bos_token_id", "pad_token_id",
-        # packaging
-        "architectures", "auto_map", "transformers_version", "use_cache", "_name_or_path",
-    }),
-    omitted=frozenset({"embedding_size", "include_bias", "qkv_bias", "rope_full_precision"}),
-    fixed={"mask_token_id": 156895, "eos_token_id": 156892, "block_size": 32},
-    # the first published configuration file applies q/k norm without a key; the later one
-    # reads use_qk_norm, default true
-    implied=frozenset({"use_qk_norm"}),
-    written={"architectures": ["LLaDA2MoeModelLM"]},
-)

@@ -10,7 +10,7 @@ into blocks of `block_size` positions by position id, and a position attends to 
 and every earlier one, never a later one. Without a frame the forward builds that mask from the
 position ids; a `Frame` passed by the engine decides instead what a call attends to (stored K/V
 of finished blocks plus the forwarded block). Predictions are unshifted: position i's is read
-at i, as SDAR's generate.py reads them. `SDARModel.json_keys` says what each key of SDAR's
+at i, as SDAR's generate.py reads them. `SDAR` (unmask/formats/sdar.py) says what each key of SDAR's
 config.json does here.
 """
 
@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from unmask.config import MOE_FIELDS, JsonKeys, ModelConfig
-from unmask.models.dream import DreamModel
+from unmask.config import ModelConfig
 from unmask.models.layers import RMSNorm
 from unmask.models.qwen import QwenLayer, QwenLM
 
@@ -90,28 +89,6 @@ class SDARModel(QwenLM):
 
     layer_class = SDARLayer
     norm_class = FusedRMSNorm
-    json_keys: JsonKeys  # set below the class
 
     def attention_mask(self, position_ids: Tensor) -> Tensor:
         return block_causal_mask(position_ids, self.config.block_size)
-
-
-# Key names and meanings are those of SDAR's configuration file (JetAstra/SDAR,
-# training/model/SDAR-*-Chat/configuration_sdar.py): Qwen3's keys, which are Qwen2's as Dream reads
-# them plus head_dim and attention_bias, and SDAR's block_size and mask_token_id.
-_QWEN = DreamModel.json_keys
-SDARModel.json_keys = JsonKeys(
-    renamed={**_QWEN.renamed, "head_dim": "head_size"},
-    variants={**_QWEN.variants, "attention_bias": ((False,), "biases on the q/k/v/o projections")},
-    inert=_QWEN.inert | {
-        # training: the training attention kernel (inference attends by the mask it is given,
-        # whatever this says), the fused training loss, expert parallelism (MoE variants only),
-        # and settings SDAR's modeling file never reads
-        "attn_implementation", "fuse_cross_entropy", "ep_size", "use_deepep", "debug",
-        "micro_forward", "skip_checkpoint",
-    },
-    omitted=frozenset({"embedding_size", "include_bias", "qkv_bias", "rope_full_precision",
-                       *MOE_FIELDS}),
-    written={"architectures": ["SDARForCausalLM"]},
-    prepare=_QWEN.prepare,  # Qwen's: null num_key_value_heads = num_attention_heads
-)

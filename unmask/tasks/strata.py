@@ -31,8 +31,8 @@ import dataclasses
 import random
 import re
 
+import unmask.tasks.math as _math
 from unmask.errors import InputError
-from unmask.tasks import math as _math
 
 # The default interleave: the problems of every committed math-strata table.
 BUCKETS: tuple[str, ...] = ("digits-1-2", "digits-3", "digits-4", "sum_list", "sort")

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from unmask.errors import InputError
 from unmask.kv import Frame
 from unmask.models.sdar import training_mask
-from unmask.training.train import (
+from unmask.training.objective import (
     Batch,
     Decode,
     LossWeights,

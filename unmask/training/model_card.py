@@ -81,7 +81,7 @@ def _code_cut_text(cap: int) -> str:
 def _semi_ar_text(share: float) -> str:
     if share <= 0:
         return ""
-    from unmask.training.train import SEMI_AR_BLOCK
+    from unmask.training.objective import SEMI_AR_BLOCK
 
     return (f"\n  {share:.0%} of rows are instead masked as semi-autoregressive decoding sees its "
             f"canvas\n  (`--semi-ar`): clean response before a cut at a {SEMI_AR_BLOCK}-token block "
