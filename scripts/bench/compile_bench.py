@@ -1,6 +1,6 @@
 """`--compile` against eager, side by side in one process (BENCHMARKS.md, "Compiled forward").
 
-    python scripts/bench/compile_bench.py [--out benchmarks/compile-cpu.md] [--n 32] [--rounds 3]
+    python scripts/bench/compile_bench.py [--out benchmarks/bench/compile-cpu.md] [--n 32] [--rounds 3]
         [--device cpu] [--dtype float32] [--mode default] [--models shipped,large]
         [--large-n 16] [--large-batch1-n 4] [--gen-length 64] [--large-gen-length 16] [--example]
 

@@ -12,7 +12,7 @@
    in a fresh process), the median forward time at two sizes, and decode TPS of `threshold`
    and `fast` (random weights: speed, not accuracy).
 
-    python scripts/bench/quantize_bench.py [--n 16] [--gen-length 256] [--out benchmarks/quantize-X.md]
+    python scripts/bench/quantize_bench.py [--n 16] [--gen-length 256] [--out benchmarks/bench/quantize.md]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Decode speed at 1 thread against 2, side by side in one process: the rule behind the CLI's
 default --threads (unmask.api.default_threads; docs/cli.md, "Threads").
 
-    python scripts/bench/threads_bench.py [--out benchmarks/threads.md] [--rounds 5] [--n 4]
+    python scripts/bench/threads_bench.py [--out benchmarks/bench/threads.md] [--rounds 5] [--n 4]
 
 Models: `shipped`, the embedded model on its held-out math prompts; `medium`, random weights of
 LLaDA's layout at 60M parameters (compile_bench.py's `large` at d_model 512, 8 layers; half of
