@@ -41,6 +41,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         DecodeParams.parse(self.decoder)  # a bad default spec fails at startup, not per request
+        name = self.model_name
+        if name is not None and not (isinstance(name, str) and name.strip()):
+            raise InputError(f"--model-name {name!r}: the id clients send as `model` must not be "
+                             f"empty; drop --model-name for the model's own name")
         n = self.max_body_bytes
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):  # True is no size
             raise InputError(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
