@@ -577,3 +577,16 @@ def test_no_final_eval_skips_it(tok_dir: Path, tmp_path: Path, one_thread: None,
                                           "--solve-every", "5", "--no-final-eval"))
     assert summary["final_heldout_loss"] is None and summary["final_solve_rate"] is None
     assert _strict_json(out / "summary.json")["steps"] == 1
+
+
+def test_a_missing_tokenizer_folder_is_refused_unless_asked_to_train_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A mistyped --tokenizer trained a new tokenizer into a folder it created."""
+    from unmask.cli import main
+
+    typo = tmp_path / "tokenzier"
+    assert main(["train", "--out", str(tmp_path / "run"), "--tokenizer", str(typo),
+                 "--threads", "1", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--tokenizer {typo}: no tokenizer.json there" in err
+    assert "--train-tokenizer" in err and not typo.exists()

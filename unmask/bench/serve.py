@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import shlex
 import sys
@@ -37,6 +38,7 @@ from unmask.errors import InputError, SpecError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_MAX_TOKENS = 256
+KEY_ENV = "OPENAI_API_KEY"  # what OpenAI's own clients read
 
 
 # --------------------------------------------------------------------------- arguments
@@ -102,6 +104,9 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="selects prompts, the max_tokens order and arrival times (default: 0)")
     p.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds a request may take before it counts as an error (default: 300)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"sent as a Bearer token, for a server started with --api-key "
+                        f"(default: ${KEY_ENV}, else none)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write the report (cells and every request) as JSON")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -484,8 +489,15 @@ async def check_servers(client: Any, servers: list[Server]) -> dict[str, Any]:
     for s in servers:
         try:
             r = await client.get(s.url + "/v1/models", timeout=10.0)
+            if r.status_code == 401:
+                why = ("it refused the key given" if "Authorization" in client.headers
+                       else "it needs an API key")
+                raise InputError(f"--url {s.url}: the server answers 401 Unauthorized: {why}; "
+                                 f"pass --api-key KEY or set ${KEY_ENV}")
             r.raise_for_status()
             models[s.name] = [m.get("id") for m in r.json().get("data", [])]
+        except InputError:
+            raise
         except Exception as e:  # noqa: BLE001 - reported as bad input: nothing was measured
             why = (str(e).strip().splitlines() or ["no message"])[0]  # httpx adds a help line
             hint = ("give the server's root URL, without /v1" if s.url.rstrip("/").endswith("/v1")
@@ -521,7 +533,9 @@ async def bench(args: argparse.Namespace, cells: list[Cell], prompts: list[str],
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         models = await check_servers(client, sorted({c.server for c in cells},
                                                      key=lambda s: s.name))
         await warm_up(client, cells, prompts, args)

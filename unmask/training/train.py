@@ -653,6 +653,9 @@ class Trainer:
         enc = TextEncoder(tok_file) if tok_file.is_file() else None
         if enc is not None:
             _check_vocab(args, tok_dir, enc)
+        elif args.tokenizer and not args.train_tokenizer:
+            raise InputError(f"--tokenizer {tok_dir}: no tokenizer.json there; give a folder that "
+                             f"holds one, or add --train-tokenizer to train one into it")
         _check_out_paths(self.out, tok_dir, Path(args.export) if args.export else None)
         if enc is None:
             asked = args.vocab_size or DEFAULT_VOCAB
