@@ -299,6 +299,8 @@ def test_a_server_with_an_api_key_is_loaded_with_one(tmp_path, monkeypatch, caps
         assert len(err.splitlines()) == 1 and "401 Unauthorized: it needs an API key" in err, err
         assert main(["bench-serve", *argv, "--api-key", "wrong"]) == 2
         assert "401 Unauthorized: it refused the key given" in capsys.readouterr().err
+        assert main(["bench-serve", *argv, "--api-key", "cl\u00e9"]) == 2  # was a traceback
+        assert "--api-key: an API key is sent as an HTTP header" in capsys.readouterr().err
         assert _run(tmp_path, *argv, "--api-key", "s3cret")["cells"][0]["completed"] == 1
         monkeypatch.setenv("OPENAI_API_KEY", "s3cret")
         assert _run(tmp_path, *argv)["cells"][0]["completed"] == 1

@@ -80,3 +80,11 @@ def test_a_typed_block_length_other_than_the_models_is_refused(
     with pytest.raises(DecoderMismatch, match=f"^block_length={block} cannot apply"):
         llm.generate("hi", DecodeParams.parse("static-1", gen_length=32).replace(
             block_length=int(block)))
+
+
+@pytest.mark.parametrize("chosen", [5, "cache", {"nope"}])
+def test_chosen_is_a_set_of_decoder_keys(chosen: object) -> None:
+    from unmask.errors import SpecError
+
+    with pytest.raises(SpecError, match="^chosen must be None or a set of decoder keys"):
+        DecodeParams(chosen=chosen)

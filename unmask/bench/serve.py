@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from unmask.errors import InputError, SpecError
+from unmask.errors import InputError, SpecError, is_bearer_token
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_MAX_TOKENS = 256
@@ -325,6 +325,19 @@ def request_body(job: Job, endpoint: str) -> dict[str, Any]:
     return body
 
 
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    """The Authorization header of --api-key, else of $OPENAI_API_KEY (none when neither is
+    set, or set empty); a key that cannot be a header value is refused."""
+    key, where = ((args.api_key, "--api-key") if args.api_key is not None
+                  else (os.environ.get(KEY_ENV), f"${KEY_ENV}"))
+    if not key:
+        return {}
+    if not is_bearer_token(key):
+        raise InputError(f"{where}: an API key is sent as an HTTP header, so it must be "
+                         "printable ASCII without spaces")
+    return {"Authorization": f"Bearer {key}"}
+
+
 def endpoint_path(endpoint: str) -> str:
     return "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
 
@@ -533,8 +546,7 @@ async def bench(args: argparse.Namespace, cells: list[Cell], prompts: list[str],
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=10.0)
-    key = args.api_key if args.api_key is not None else os.environ.get(KEY_ENV)
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = auth_headers(args)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         models = await check_servers(client, sorted({c.server for c in cells},
                                                      key=lambda s: s.name))

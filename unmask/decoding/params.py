@@ -384,6 +384,7 @@ def _check_types(p: DecodeParams) -> None:
     computed with numpy) become Python's, which the spec, reports and JSON expect."""
     for f in fields(p):
         if f.name == "chosen":  # not a knob: set by parse and replace
+            _check_chosen(p.chosen)
             continue
         value, kind = getattr(p, f.name), _type_text(f.type).replace(" ", "")
         if value is None and "None" in kind:
@@ -398,6 +399,12 @@ def _check_types(p: DecodeParams) -> None:
         if not ok:
             raise SpecError(f"{f.name} must be {'an' if base == 'int' else 'a'} {base}, "
                             f"got {value!r} ({type(value).__name__})")
+
+
+def _check_chosen(chosen: Any) -> None:
+    if chosen is not None and not (isinstance(chosen, (set, frozenset))
+                                   and chosen <= set(SPEC_KEYS) | {"method"}):
+        raise SpecError(f"chosen must be None or a set of decoder keys, got {chosen!r}")
 
 
 def _type_text(typ: Any) -> str:

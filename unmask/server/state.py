@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 from unmask.api import LLM
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
 from unmask.engine.layout import model_defaults
-from unmask.errors import InputError
+from unmask.errors import InputError, is_bearer_token
 from unmask.server.engine_client import EngineClient
 from unmask.server.metrics import ServerMetrics
 
@@ -53,9 +53,7 @@ class ServerConfig:
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
             raise InputError(f"--shutdown-timeout must be a number of seconds >= 0, got {t!r}")
         key = self.api_key
-        # a header value: printable ASCII without spaces (a Bearer token)
-        if key is not None and not (key and key.isascii() and key.isprintable()
-                                    and not any(c.isspace() for c in key)):
+        if key is not None and not (isinstance(key, str) and is_bearer_token(key)):
             raise InputError("the API key (--api-key or $UNMASK_API_KEY) must be non-empty "
                              "printable ASCII without spaces")
         for origin in self.cors_origins:
