@@ -177,8 +177,8 @@ def test_sub_blocks_mean_nothing_without_the_block_cache() -> None:
     its cache is refused at parse time."""
     spec = DecodeParams.parse("threshold,sub_block_length=4", gen_length=32, block_length=8)
     eng = Engine(peaky_model("llada", 0, 4.0, VOCAB, MASK, EOS), mask_id=MASK, eos_id=EOS)
-    with pytest.raises(DecoderMismatch, match="^sub_block_length is read by cache block / "
-                                              "sub_block only") as e:
+    with pytest.raises(DecoderMismatch, match="^sub_block_length applies to block-causal models "
+                                              "\\(config block_size\\) only") as e:
         eng.add_request([5], spec)
     assert e.value.key == "sub_block_length"
     with pytest.raises(SpecError, match="^sub_block_length is read by cache block / sub_block only"):

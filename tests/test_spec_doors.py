@@ -6,6 +6,7 @@ family")."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -38,12 +39,13 @@ def test_a_preset_parsed_before_the_model_decodes_as_one_parsed_after(preset: st
 
 def test_the_fast_dllm_v2_spec_parses_before_its_model_is_known() -> None:
     p = DecodeParams.parse("threshold,threshold=0.9,sub_block_length=8")
-    fd2 = peaky_model("Fast_dLLM_Qwen", 0, 4.0, VOCAB, MASK, EOS)
-    fd2.config.block_size = 32  # the published model's blocks (decoding never reads the weights)
+    # the published model's blocks, on a copy (peaky_model's models are shared)
+    fd2 = copy.deepcopy(peaky_model("Fast_dLLM_Qwen", 0, 4.0, VOCAB, MASK, EOS))
+    fd2.config.block_size = 32
     got = for_model(p, fd2)
     assert (got.cache, got.block_length, got.sub_block_length) == ("block", 32, 8)
     llada = peaky_model("llada", 0, 4.0, VOCAB, MASK, EOS)
-    with pytest.raises(DecoderMismatch, match="^sub_block_length is read by cache block"):
+    with pytest.raises(DecoderMismatch, match="^sub_block_length applies to block-causal models"):
         Engine(llada, mask_id=MASK, eos_id=EOS).add_request([5], p)
 
 

@@ -397,6 +397,9 @@ def test_run_train_resume_and_init(tok_dir: Path, tmp_path: Path, one_thread: No
     a = tmp_path / "a"
     s1 = run_train(args("--out", str(a), "--max-steps", "3"))
     assert s1["steps"] == 3 and (a / "final" / "model.safetensors").is_file()
+    from unmask.catalog import trained_on_single_turns
+
+    assert trained_on_single_turns(a / "final")  # its data: single questions (chat reads it)
     s2 = run_train(args("--out", str(a), "--max-steps", "5", "--resume"))
     assert s2["steps"] == 5 and s2["tokens"] > s1["tokens"]  # continued, not restarted
     # resumed with nothing left to train: the loss the run last logged, not NaN

@@ -263,6 +263,11 @@ def _left_to_the_model(values: dict[str, Any], keys: set[str]) -> set[str]:
     `threshold,sub_block_length=8` parses before its model is known."""
     if "cache" in keys or values.get("cache", DecodeParams.cache) != DecodeParams.cache:
         return set()
+    return block_causal_keys(keys)
+
+
+def block_causal_keys(keys: set[str] | frozenset[str]) -> set[str]:
+    """Those of `keys` that only the caches of block-causal models read (`sub_block_length`)."""
     table = applies_to()
     return {k for k in keys & set(table) if table[k][0] == "cache"
             and all(entry("cache", r).facts.block_causal for r in table[k][1])}

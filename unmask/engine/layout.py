@@ -23,7 +23,7 @@ import numpy as np
 from torch import nn
 
 from unmask.decoding.knobs import entry
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, block_causal_keys
 from unmask.errors import DecoderMismatch, SpecError
 
 
@@ -165,6 +165,9 @@ def for_model(params: DecodeParams, model: nn.Module) -> DecodeParams:
             raise DecoderMismatch(f"cache={params.cache} applies to block-causal models (config "
                                   f"block_size) only; this model is bidirectional: drop cache",
                                   "cache")
+        for key in sorted(block_causal_keys(params.chosen_keys)):
+            raise DecoderMismatch(f"{key} applies to block-causal models (config block_size) "
+                                  f"only; this model is bidirectional: drop {key}", key)
         return _read(params)
     return _read(_in_blocks(params, model))
 

@@ -581,12 +581,16 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def _export(model: nn.Module, folder: Path, tok_dir: Path) -> None:
+    from unmask.catalog import SINGLE_TURN_KEY
     from unmask.checkpoint import save_checkpoint
 
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     save_checkpoint(model, tmp, tokenizer_dir=tok_dir)
+    # its data holds single questions: chat answers each message alone (unmask.catalog)
+    (tmp / "generation_config.json").write_text(json.dumps({SINGLE_TURN_KEY: True}, indent=2)
+                                                 + "\n")
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)
