@@ -325,8 +325,9 @@ def fast_dllm_v2(forward: Forward, prompt: list[int], mask_id: int, max_new_toke
                  kv_forward: KVForward | None = None) -> Result:
     """Greedy, one prompt: the generated tokens up to and including the first stop id (as
     generate() returns them), and its forwards. The model predicts slot i from logit i - 1.
-    kv_forward: generate()'s use_block_cache, its block cache emptied at each block (later
-    copies of modeling.py; the vendored one leaks it across blocks, "Where it is wrong");
+    kv_forward: generate()'s use_block_cache, its block cache emptied at each block (as
+    Satgoy152/DualDiffusion added modeling.py at 189fa7a; its commit b919117 carries the cache
+    across blocks: docs/fast-dllm-v2-reference-semantics.md, "Where it is wrong or odd");
     None: use_block_cache=False.
     A prompt of exactly one block is prefilled here (generate() skips the prefill there and
     decodes without the prompt: docs/fast-dllm-v2-reference-semantics.md, "Where it is

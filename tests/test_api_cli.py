@@ -16,7 +16,8 @@ from unmask.decoding.params import DecodeParams, SpecError
 
 PROMPTS = ["hello", "what is 12 + 34?", "sort the list [3, 1, 2] to get a sorted list of numbers",
            "def"]
-JSON_KEYS = {"text", "token_ids", "nfe", "token_forwards", "tpf", "tps", "seconds", "finish_reason"}
+JSON_KEYS = {"text", "token_ids", "nfe", "token_forwards", "tpf", "tps", "seconds", "finish_reason",
+             "useful"}
 
 
 @pytest.fixture(scope="module")
@@ -583,3 +584,28 @@ def test_an_empty_spec_is_an_error_not_the_default(llms: dict[str, LLM]) -> None
     """LLM.generate(p, "") decoded with the default decoder, where --decoder '' is an error."""
     with pytest.raises(SpecError, match="empty decoder spec"):
         llms["llada"].generate(["hi"], "", gen_length=8, block_length=8)
+
+
+def test_chat_must_be_a_bool(llms: dict[str, LLM]) -> None:
+    """chat="no" (from a config file, say) was truthy: the template was applied."""
+    llm = next(iter(llms.values()))
+    for bad in ("no", "false", 0, None):
+        with pytest.raises(InputError, match=f"^chat must be True or False, got {bad!r}$"):
+            llm.generate("hello", "static-1", chat=bad, gen_length=8, block_length=8)
+        with pytest.raises(InputError, match="^chat must be True or False"):
+            llm.encode_prompt("hello", chat=bad)
+
+
+def test_json_says_which_token_ids_are_the_answer(capsys) -> None:
+    """token_ids is the whole canvas; `useful` says how many of them the answer is."""
+    import json
+
+    from unmask.cli import main
+
+    assert main(["generate", "What is 2 + 3?", "--decoder", "static-1", "--gen-length", "64",
+                 "--threads", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    llm = LLM()
+    assert d["finish_reason"] == "eos" and len(d["token_ids"]) == 64
+    assert d["token_ids"][d["useful"]] == llm.config.eos_token_id
+    assert d["text"] == llm.detokenize(d["token_ids"][: d["useful"]])

@@ -285,3 +285,22 @@ def test_a_url_ending_in_v1_is_one_line_with_a_hint(url, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "404" in err and "give the server's root URL, without /v1" in err
+
+
+def test_a_server_with_an_api_key_is_loaded_with_one(tmp_path, monkeypatch, capsys):
+    """Without the key the 401 is reported as a 401, not as no server; --api-key or
+    $OPENAI_API_KEY sends it."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    app = build_app(LLM(), ServerConfig(decoder="threshold", max_running=4, api_key="s3cret"))
+    with LiveServer(app) as s:
+        argv = ["--url", s.url, "--n", "1", "--max-tokens", "32", "--warmup", "0"]
+        assert main(["bench-serve", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "401 Unauthorized: it needs an API key" in err, err
+        assert main(["bench-serve", *argv, "--api-key", "wrong"]) == 2
+        assert "401 Unauthorized: it refused the key given" in capsys.readouterr().err
+        assert main(["bench-serve", *argv, "--api-key", "cl\u00e9"]) == 2  # was a traceback
+        assert "--api-key: an API key is sent as an HTTP header" in capsys.readouterr().err
+        assert _run(tmp_path, *argv, "--api-key", "s3cret")["cells"][0]["completed"] == 1
+        monkeypatch.setenv("OPENAI_API_KEY", "s3cret")
+        assert _run(tmp_path, *argv)["cells"][0]["completed"] == 1

@@ -283,7 +283,7 @@ def test_defaults_resolve_to_the_models_blocks_and_cache() -> None:
 @pytest.mark.parametrize("spec, key", [
     ("threshold,cache=dual", "cache"), ("threshold,cache=entropy", "cache"),
     ("threshold,cache=prefix", "cache"), ("threshold,suffix=window", "suffix"),
-    ("threshold,suffix=structured,inject=0.5", "suffix"), ("fast", "suffix"),
+    ("threshold,suffix=structured,inject=0.5", "suffix"), ("fast,suffix=structured", "suffix"),
 ])
 def test_keys_that_cannot_apply_are_refused(spec: str, key: str) -> None:
     eng = Engine(sdar(), mask_id=MASK, eos_id=EOS)

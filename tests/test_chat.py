@@ -46,7 +46,7 @@ def test_a_piped_session_answers_as_generate_does(llm: LLM) -> None:
         "/decoder static-1", "/length 64", second, "/reset", f"/decoder {SAMPLED}", "/seed 3",
         "/watch", "/watch", third,
     ]).encode() + b"\n\xff bad bytes\n/bye\nnot read\n"
-    r = run_chat(stdin)
+    r = run_chat(stdin, "--history")  # the shipped model's own default is no history (below)
     assert r.returncode == 0, r.stderr
 
     a1 = llm.generate(first, DEFAULT_DECODER)[0]
@@ -75,6 +75,49 @@ def test_a_piped_session_answers_as_generate_does(llm: LLM) -> None:
     assert "unknown command '/foo'" in errors[1] and "/decoder" in errors[1]
     assert "unknown decoder 'nope'" in errors[2]
     assert "not valid UTF-8" in errors[3]
+
+
+def test_a_model_trained_on_single_questions_answers_each_message_alone(llm: LLM) -> None:
+    """The shipped models were trained on single questions: with its history a second message
+    got an empty answer (or the first question's). Chat says so once and answers each alone;
+    --history keeps the conversation."""
+    first, second = "What is 2 + 3?", "What is 7 + 8?"
+    r = run_chat(f"{first}\n{second}\n".encode(), "--decoder", "static-1", "--gen-length", "64")
+    assert r.returncode == 0, r.stderr
+    alone = [llm.generate(q, "static-1", gen_length=64)[0].text for q in (first, second)]
+    assert r.stdout.decode() == "".join(a + "\n" for a in alone)
+    assert "15" in alone[1]
+    (note,) = r.stderr.decode().splitlines()
+    assert note == ("note: unmask-llada was trained on single questions (generation_config.json: "
+                    "trained_on_single_turns), so each message is answered alone; --history "
+                    "sends the conversation anyway")
+    kept = run_chat(f"{first}\n{second}\n".encode(), "--decoder", "static-1", "--gen-length",
+                    "64", "--history")
+    assert kept.returncode == 0 and kept.stderr == b"", kept.stderr
+    assert kept.stdout.decode().startswith(alone[0] + "\n")
+    assert kept.stdout.decode() != r.stdout.decode()
+
+
+def test_a_model_without_the_key_keeps_its_history(tmp_path: Path) -> None:
+    import shutil
+
+    from unmask.api import DEFAULT_MODEL
+    from unmask.chat import keeps_history
+
+    plain = tmp_path / "plain"
+    shutil.copytree(DEFAULT_MODEL, plain)
+    (plain / "generation_config.json").unlink()
+    assert keeps_history(LLM(plain), None) and not keeps_history(LLM(plain), False)
+    assert not keeps_history(LLM(DEFAULT_MODEL), None) and keeps_history(LLM(DEFAULT_MODEL), True)
+
+
+def test_a_decoder_the_model_cannot_run_exits_2_at_start() -> None:
+    """It printed an error per line and exited 0; generate refuses it with exit 2."""
+    r = run_chat(b"hi\nhello\n", "--decoder", "threshold,cache=block")
+    assert r.returncode == 2 and r.stdout == b"", r.stdout
+    assert r.stderr.decode().strip() == (
+        "unmask: error: --decoder 'threshold,cache=block': cache=block applies to block-causal "
+        "models (config block_size) only; this model is bidirectional: drop cache")
 
 
 def test_eof_in_the_middle_of_a_line_is_answered(llm: LLM) -> None:

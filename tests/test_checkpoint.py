@@ -527,3 +527,26 @@ def test_linear_rope_scaling_needs_its_factor() -> None:
         assert dataclasses.replace(base, rope_scaling=scaling).rope_factor() == factor
     with pytest.raises(ConfigError, match="rope_scaling.*linear with a positive factor"):
         dataclasses.replace(base, rope_scaling={"type": "linear"})
+
+
+def test_a_broken_weights_file_or_shape_names_the_folder(tmp_path) -> None:
+    """The safetensors and shape errors named a file or a tensor, not which folder holds it."""
+    import json
+    import shutil
+
+    from helpers import tiny_model_dir
+
+    from unmask.checkpoint import CheckpointError, load_model
+
+    good = tiny_model_dir(tmp_path, "llada")
+    corrupt, shaped = tmp_path / "corrupt", tmp_path / "shaped"
+    for folder in (corrupt, shaped):
+        shutil.copytree(good, folder)
+    (corrupt / "model.safetensors").write_bytes(b"\0" * 100)
+    config = json.loads((shaped / "config.json").read_text())
+    (shaped / "config.json").write_text(json.dumps({**config, "mlp_hidden_size": 2 * config[
+        "mlp_hidden_size"]}))
+    with pytest.raises(CheckpointError, match=f"^{corrupt}: model.safetensors is not a readable"):
+        load_model(corrupt)
+    with pytest.raises(CheckpointError, match=f"^{shaped}: tensor '.*' has shape"):
+        load_model(shaped)

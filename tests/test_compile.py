@@ -186,3 +186,20 @@ def test_llm_compiles_an_int8_model_to_its_tokens(tmp_path):
         assert [g.token_ids for g in fast.generate(prompts, spec, gen_length=16,
                                                    block_length=8)] == want, spec
     assert counters["frames"]["ok"] > compiled_frames  # compiled code ran
+
+
+def test_compile_says_it_is_compiling(monkeypatch, capsys):
+    """The first calls compile for 15-30 s with nothing on the screen."""
+    import argparse
+
+    from unmask import api
+    from unmask.cli_args import load_llm
+
+    made, real = [], api.LLM
+    monkeypatch.setattr(api, "LLM", lambda *a, **k: made.append(k) or real.__new__(real))
+    args = argparse.Namespace(threads=1, model=None, device=None, dtype=None, quantize=None,
+                              compile=True, verbose=False)
+    load_llm(args)
+    assert made[0]["compile"] is True
+    assert "note: --compile: compiling the model's layers on their first calls" in \
+        capsys.readouterr().err

@@ -172,9 +172,17 @@ def test_a_sub_block_that_does_not_divide_the_block_is_refused() -> None:
 
 
 def test_sub_blocks_mean_nothing_without_the_block_cache() -> None:
-    """On a bidirectional model's spec (cache none) the key is refused by name at parse time."""
+    """A spec that leaves the cache to the model parses (a block-causal model takes the block
+    cache), and the key is refused by name once a bidirectional model is known; a spec that sets
+    its cache is refused at parse time."""
+    spec = DecodeParams.parse("threshold,sub_block_length=4", gen_length=32, block_length=8)
+    eng = Engine(peaky_model("llada", 0, 4.0, VOCAB, MASK, EOS), mask_id=MASK, eos_id=EOS)
+    with pytest.raises(DecoderMismatch, match="^sub_block_length applies to block-causal models "
+                                              "\\(config block_size\\) only") as e:
+        eng.add_request([5], spec)
+    assert e.value.key == "sub_block_length"
     with pytest.raises(SpecError, match="^sub_block_length is read by cache block / sub_block only"):
-        DecodeParams.parse("threshold,sub_block_length=4", gen_length=32, block_length=8)
+        DecodeParams.parse("threshold,cache=none,sub_block_length=4", gen_length=32, block_length=8)
 
 
 def test_the_sub_block_cache_needs_sub_blocks() -> None:

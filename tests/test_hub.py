@@ -126,8 +126,9 @@ def test_a_hub_id_downloads_the_loaders_files_and_generates_as_the_folder_does(h
     folder, text = got.stdout.split("\n", 1)
     snapshot = tmp_path / "hub" / "models--unmask-test--toy" / "snapshots" / COMMIT
     assert Path(folder) == snapshot
-    assert sorted(p.name for p in snapshot.iterdir()) == [
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(p.name for p in snapshot.iterdir()) == [  # generation_config.json: chat's
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]
     assert f"GET /{REPO}/resolve/{COMMIT}/model.safetensors" in FakeHub.requested
     assert not any("MODEL_CARD" in r for r in FakeHub.requested)  # only what the loader reads
     import unmask

@@ -631,3 +631,17 @@ def test_python_m_lm_eval_fails_in_one_line(tmp_path: Path) -> None:
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert run.stderr.strip().splitlines()[-1].startswith("lm_eval: error: unknown --model_args "
                                                           "key 'badkey'")
+
+
+@pytest.mark.parametrize("preset", ["fast", "balanced"])
+def test_a_preset_runs_on_a_block_diffusion_model(tmp_path: Path, preset: str) -> None:
+    """`--model_args pretrained=unmask-sdar,decoder=fast` failed mid-run ("suffix=structured
+    cannot apply"): the spec was parsed before the model was known. It decodes as `unmask
+    generate` decodes it (the model's blocks and cache)."""
+    folder = tiny_model_dir(tmp_path, "sdar")
+    lm = UnmaskLM(pretrained=str(folder), decoder=preset, gen_length=16, device="cpu")
+    assert (lm.params.block_length, lm.params.cache, lm.params.suffix) == (4, "block", "full")
+    (got,) = lm.generate_until(requests("generate_until", [("hello", {"until": []})]))
+    assert got == lm.llm.generate("hello", preset, chat=False, gen_length=16)[0].text
+    with pytest.raises(InputError, match="block_length=32 cannot apply"):
+        UnmaskLM(pretrained=str(folder), decoder=preset, block_length=32, device="cpu")

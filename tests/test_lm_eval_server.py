@@ -36,7 +36,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS":
 
 
 def model_args(server: LiveServer, llm: LLM) -> str:
-    return (f"model={llm.path.name},base_url={server.url}/v1/completions,"
+    return (f"model={llm.name},base_url={server.url}/v1/completions,"
             f"tokenizer_backend=huggingface,tokenizer={llm.path},num_concurrent=8")
 
 
@@ -52,11 +52,11 @@ def lm_eval_payload(lm: LocalCompletionsAPI, prompt: str) -> dict:
 
 def test_lm_eval_payload_is_served_as_unmask_eval_decodes(server: LiveServer, llm: LLM) -> None:
     """Fast check of the contract the CLI run below relies on."""
-    lm = LocalCompletionsAPI(model=llm.path.name, base_url=f"{server.url}/v1/completions",
+    lm = LocalCompletionsAPI(model=llm.name, base_url=f"{server.url}/v1/completions",
                              tokenizer_backend="huggingface", tokenizer=str(llm.path))
     prompt = TASKS["math"].load("heldout", 1)[0].prompt
     body = lm_eval_payload(lm, prompt)
-    assert body == {"prompt": [llm.encode_prompt(prompt, chat=True)], "model": "default_model",
+    assert body == {"prompt": [llm.encode_prompt(prompt, chat=True)], "model": "unmask-llada",
                     "max_tokens": 256, "temperature": 0, "stop": [llm.tokenizer.eos_token],
                     "seed": 1234}
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)

@@ -294,7 +294,7 @@ def _complete(client: openai.OpenAI, prompt: str, case, stream: bool) -> tuple[s
     """(text, finish_reason) of a completion; a stream's finish_reason comes from its last
     chunk, None if that never came."""
     decoder, temperature, seed, max_tokens, stop = case
-    kw = dict(model="default_model", prompt=prompt, max_tokens=max_tokens, stop=stop,
+    kw = dict(model="unmask-llada", prompt=prompt, max_tokens=max_tokens, stop=stop,
               temperature=temperature, seed=seed, extra_body={"decoder": decoder})
     kw = {k: v for k, v in kw.items() if v is not None}
     if not stream:
@@ -309,7 +309,7 @@ def _complete(client: openai.OpenAI, prompt: str, case, stream: bool) -> tuple[s
 
 
 def _chat(client: openai.OpenAI, prompt: str, stream: bool) -> tuple[str, str | None]:
-    kw = dict(model="default_model", max_tokens=64, seed=5, temperature=0.5,
+    kw = dict(model="unmask-llada", max_tokens=64, seed=5, temperature=0.5,
               messages=[{"role": "user", "content": prompt}])
     if not stream:
         c = client.chat.completions.create(**kw).choices[0]
@@ -342,7 +342,7 @@ def test_ray_replicas_answer_as_the_single_process_server(cluster: RayCluster,
         b = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=30)
         assert (b.status_code, b.json()) == (a.status_code, a.json()), body
         assert a.status_code in (400, 404)
-    assert httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"] == "default_model"
+    assert httpx.get(f"{cluster.url}/v1/models").json()["data"][0]["id"] == "unmask-llada"
 
 
 def _health(url: str) -> dict:

@@ -28,14 +28,22 @@ def examples() -> list[tuple[str, str, str]]:
             if info == "text output"]
 
 
-def commands(code: str) -> list[list[str]]:
-    """A bash example's `unmask` commands as argv lists (pip and venv steps left out)."""
+def commands(code: str) -> list[tuple[list[str], str | None]]:
+    """A bash example's `unmask` commands as (argv, stdin) (pip and venv steps left out): a
+    command fed by `printf '...' |` gets what that printf prints as its stdin."""
     out = []
     for line in code.replace("\\\n", " ").splitlines():
         for part in line.split("&&"):
-            words = shlex.split(part, comments=True)
+            feed, _, command = part.rpartition("|") if "| unmask" in part else ("", "", part)
+            words = shlex.split(command, comments=True)
             if words and Path(words[0]).name == "unmask":
-                out.append([sys.executable, "-m", "unmask.cli", *words[1:]])
+                stdin = None
+                if feed:
+                    printf = shlex.split(feed)
+                    assert printf[0] == "printf", f"only printf feeds an example: {feed!r}"
+                    stdin = subprocess.run(printf, capture_output=True, text=True,
+                                           check=True).stdout
+                out.append(([sys.executable, "-m", "unmask.cli", *words[1:]], stdin))
     return out
 
 
@@ -82,11 +90,11 @@ def test_the_readme_has_examples_with_outputs() -> None:
 def test_readme_example_prints_what_it_claims(lang: str, code: str, claim: str,
                                               tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a shared machine: one thread is fastest
-    runs = ([[sys.executable, "-c", code]] if lang == "python" else commands(code))
+    runs = ([([sys.executable, "-c", code], None)] if lang == "python" else commands(code))
     assert runs, f"no command to run in {code!r}"
-    for argv in runs:
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path,
-                              timeout=300)
+    for argv, stdin in runs:
+        done = subprocess.run(argv, input=stdin, capture_output=True, text=True, env=env,
+                              cwd=tmp_path, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
     assert shows(done.stdout, claim), f"README claims:\n{claim}\ngot:\n{done.stdout}"
 

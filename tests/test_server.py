@@ -67,7 +67,7 @@ def test_openai_client_matches_offline(server: LiveServer, llm: LLM, spec: str) 
     want_raw = offline(llm, prompt, spec, 64, chat=False, seed=11)
     messages = [{"role": "user", "content": prompt}]
 
-    r = client.chat.completions.create(model="default_model", messages=messages, max_tokens=64,
+    r = client.chat.completions.create(model="unmask-llada", messages=messages, max_tokens=64,
                                        seed=11, extra_body=extra)
     assert r.choices[0].message.content == want_chat
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -75,7 +75,7 @@ def test_openai_client_matches_offline(server: LiveServer, llm: LLM, spec: str) 
     assert r.model_extra["unmask"]["nfe"] > 0
 
     chunks = list(client.chat.completions.create(
-        model="default_model", messages=messages, max_tokens=64, seed=11, extra_body=extra,
+        model="unmask-llada", messages=messages, max_tokens=64, seed=11, extra_body=extra,
         stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == want_chat
@@ -83,11 +83,11 @@ def test_openai_client_matches_offline(server: LiveServer, llm: LLM, spec: str) 
     assert finals == [r.choices[0].finish_reason]
     assert chunks[-1].usage is not None and chunks[-1].usage == r.usage
 
-    c = client.completions.create(model="default_model", prompt=prompt, max_tokens=64, seed=11,
+    c = client.completions.create(model="unmask-llada", prompt=prompt, max_tokens=64, seed=11,
                                   extra_body=extra)
     assert c.choices[0].text == want_raw
     streamed = "".join(ch.choices[0].text for ch in client.completions.create(
-        model="default_model", prompt=prompt, max_tokens=64, seed=11, extra_body=extra,
+        model="unmask-llada", prompt=prompt, max_tokens=64, seed=11, extra_body=extra,
         stream=True) if ch.choices)
     assert streamed == want_raw
 
@@ -108,20 +108,20 @@ def test_max_tokens_is_a_hard_cap(server: LiveServer, llm: LLM, max_tokens: int)
     ids = full.token_ids[: useful_length(full.token_ids, llm.config.eos_token_id)]
     assert len(ids) > max_tokens  # the answer is longer than the cap
     want = llm.detokenize(ids[:max_tokens])
-    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=max_tokens,
+    r = client.completions.create(model="unmask-llada", prompt=prompt, max_tokens=max_tokens,
                                   extra_body={"decoder": spec})
     assert r.choices[0].text == want
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == max_tokens
     assert r.model_extra["unmask"]["gen_length"] == 32
     chunks = list(client.completions.create(
-        model="default_model", prompt=prompt, max_tokens=max_tokens, stream=True,
+        model="unmask-llada", prompt=prompt, max_tokens=max_tokens, stream=True,
         stream_options={"include_usage": True}, extra_body={"decoder": spec}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == max_tokens
     chat = client.chat.completions.create(
-        model="default_model", messages=[{"role": "user", "content": prompt}],
+        model="unmask-llada", messages=[{"role": "user", "content": prompt}],
         max_completion_tokens=max_tokens, extra_body={"decoder": spec})
     assert chat.usage.completion_tokens <= max_tokens
     assert len(llm.tokenizer.encode(chat.choices[0].message.content,
@@ -157,7 +157,7 @@ def test_top_p_samples_as_the_decoder_does(server: LiveServer, llm: LLM) -> None
     client = server.client()
     want = offline(llm, PROMPTS[0], "static-1", 64, chat=False, seed=11, temperature=0.8,
                    top_p=0.5)
-    got = client.completions.create(model="default_model", prompt=PROMPTS[0], max_tokens=64,
+    got = client.completions.create(model="unmask-llada", prompt=PROMPTS[0], max_tokens=64,
                                     seed=11, temperature=0.8, top_p=0.5,
                                     extra_body={"decoder": "static-1"})
     assert got.choices[0].text == want
@@ -169,21 +169,21 @@ def test_n_choices_decode_with_seed_plus_j(server: LiveServer, llm: LLM) -> None
     non-streamed ones."""
     client = server.client()
     spec, prompts = "static-1,temperature=0.8", PROMPTS[:2]
-    r = client.completions.create(model="default_model", prompt=prompts, n=3, max_tokens=32,
+    r = client.completions.create(model="unmask-llada", prompt=prompts, n=3, max_tokens=32,
                                   seed=7, extra_body={"decoder": spec})
     assert [c.index for c in r.choices] == list(range(6))
     texts = [c.text for c in r.choices]
     assert texts == [offline(llm, p, spec, 32, chat=False, seed=7 + j)
                      for p in prompts for j in range(3)]
     assert len(set(texts)) > 2  # the seeds do differ
-    one = client.completions.create(model="default_model", prompt=prompts, max_tokens=32,
+    one = client.completions.create(model="unmask-llada", prompt=prompts, max_tokens=32,
                                     seed=7, extra_body={"decoder": spec})
     assert r.usage.prompt_tokens == one.usage.prompt_tokens
     msgs = [{"role": "user", "content": PROMPTS[0]}]
-    whole = client.chat.completions.create(model="default_model", messages=msgs, n=2,
+    whole = client.chat.completions.create(model="unmask-llada", messages=msgs, n=2,
                                            max_tokens=32, seed=7, extra_body={"decoder": spec})
     streamed = ["", ""]
-    for c in client.chat.completions.create(model="default_model", messages=msgs, n=2,
+    for c in client.chat.completions.create(model="unmask-llada", messages=msgs, n=2,
                                             max_tokens=32, seed=7, stream=True,
                                             extra_body={"decoder": spec}):
         for ch in c.choices:
@@ -214,7 +214,7 @@ def test_concurrent_mixed_load(server: LiveServer, llm: LLM) -> None:
 
     def run(job) -> str:
         prompt, spec, n, stream = job
-        kw = dict(model="default_model", messages=[{"role": "user", "content": prompt}],
+        kw = dict(model="unmask-llada", messages=[{"role": "user", "content": prompt}],
                   max_tokens=n, extra_body={"decoder": spec})
         if stream:
             chunks = list(client.chat.completions.create(stream=True, **kw))
@@ -231,17 +231,17 @@ def test_concurrent_mixed_load(server: LiveServer, llm: LLM) -> None:
 def test_stop_strings_cut_and_stop_decoding(server: LiveServer, llm: LLM) -> None:
     client = server.client()
     msgs = [{"role": "user", "content": PROMPTS[0]}]
-    full = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=128,
+    full = client.chat.completions.create(model="unmask-llada", messages=msgs, max_tokens=128,
                                           extra_body={"decoder": "static-1"})
     text = full.choices[0].message.content
     assert "tens" in text
-    cut = client.chat.completions.create(model="default_model", messages=msgs, max_tokens=128,
+    cut = client.chat.completions.create(model="unmask-llada", messages=msgs, max_tokens=128,
                                          stop=["tens"], extra_body={"decoder": "static-1"})
     assert cut.choices[0].message.content == text[: text.index("tens")]
     assert cut.choices[0].finish_reason == "stop"
     assert cut.model_extra["unmask"]["nfe"] < full.model_extra["unmask"]["nfe"]
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="default_model", messages=msgs, max_tokens=128, stop=["tens"], stream=True,
+        model="unmask-llada", messages=msgs, max_tokens=128, stop=["tens"], stream=True,
         extra_body={"decoder": "static-1"}) if c.choices)
     assert streamed == cut.choices[0].message.content
 
@@ -394,7 +394,7 @@ def test_chat_content_parts_and_developer_role(server: LiveServer) -> None:
     client = server.client()
 
     def answer(messages: list[dict]) -> str:
-        r = client.chat.completions.create(model="default_model", messages=messages,
+        r = client.chat.completions.create(model="unmask-llada", messages=messages,
                                            max_tokens=32, seed=5)
         return r.choices[0].message.content
 
@@ -467,14 +467,14 @@ def test_engine_failure_is_500_and_the_server_keeps_serving(server: LiveServer, 
         "prompt": "hi", "max_tokens": 16, "decoder": "threshold,remasking=topk_margin"}, timeout=30)
     assert bad.status_code == 500
     assert "kaput" in bad.json()["error"]["message"]
-    ok = client.completions.create(model="default_model", prompt="hi", max_tokens=16)
+    ok = client.completions.create(model="unmask-llada", prompt="hi", max_tokens=16)
     assert ok.choices[0].finish_reason in ("stop", "length")
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_models_health_metrics(server: LiveServer) -> None:
     models = server.client().models.list()
-    assert [m.id for m in models.data] == ["default_model"]
+    assert [m.id for m in models.data] == ["unmask-llada"]
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("unmask_queue_depth", "unmask_running_requests", "unmask_requests_total",
@@ -602,7 +602,7 @@ def test_streams_past_the_shutdown_timeout_end_with_an_error_event(tmp_path) -> 
         text = log.read_text()
         assert "Traceback" not in text and "Cancel" not in text, text
         assert len(re.findall("cut off cmpl-", text)) == 1, text
-        assert re.search(r"serving default_model \(.*default_model\) with decoder static-1: "
+        assert re.search(r"serving unmask-llada \(.*default_model\) with decoder static-1: "
                          r"float32 on cpu, 1 torch threads; API key off", text), text
 
 
@@ -659,3 +659,30 @@ def test_window_gauges_fall_to_zero_when_idle() -> None:
                     "unmask_tpf": 2.0}
     time.sleep(0.3)
     assert gauges(m) == dict.fromkeys(busy, 0.0)
+
+
+def test_a_cut_chat_request_is_logged_by_its_response_id(llm: LLM, caplog) -> None:
+    """The log said `cut off cmpl-X` for a chat completion whose id is chatcmpl-X."""
+    import logging
+
+    ids: list[str] = []
+
+    with LiveServer(build_app(llm, ServerConfig(decoder="static-1"))) as s:
+        def chat() -> None:
+            stream = s.client().chat.completions.create(
+                model="unmask-llada", messages=[{"role": "user", "content": "hi"}],
+                max_tokens=1024, stream=True)
+            with contextlib.suppress(Exception):  # the cut ends the stream with an error
+                for c in stream:
+                    ids.append(c.id)
+
+        t = threading.Thread(target=chat)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not ids and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="unmask.server"):
+            s.app.state.unmask.engine.cut_all("a test's cut")
+            t.join(60)
+    assert ids and ids[0].startswith("chatcmpl-")
+    assert f"cut off {ids[0]}: a test's cut" in caplog.text, caplog.text

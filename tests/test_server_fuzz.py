@@ -194,7 +194,10 @@ def test_logprobs_off_values_pass(server: LiveServer) -> None:
     (b"[1]", "application/json", "a JSON object, not an array"),
     (b"null", "application/json", "a JSON object, not null"),
     (b'"hi"', "application/json", "a JSON object, not a string"),
-], ids=["curl-d-form", "no-content-type", "empty", "array", "null", "string"])
+    # was FastAPI's "There was an error parsing the body"
+    (b'{"prompt": "\xff hi"}', "application/json",
+     "request body is not valid UTF-8 (byte 0xff at offset 12): send JSON encoded in UTF-8"),
+], ids=["curl-d-form", "no-content-type", "empty", "array", "null", "string", "not-utf-8"])
 def test_a_body_that_is_no_json_object_says_so(server: LiveServer, raw: bytes,
                                                content_type: str | None, words: str) -> None:
     """pydantic's words were "Field required" and "Input should be a valid dictionary"."""

@@ -128,7 +128,7 @@ def test_prompts_past_the_slot_budget_are_400_not_429(slotted: LiveServer) -> No
     assert slotted.engine.scheduler.admitted_when_idle(reqs) == 2  # what the server counts by
     body = {"prompt": [[5, 6, 7]] * 4, "max_tokens": 32}
     with pytest.raises(openai.BadRequestError) as e:
-        slotted.client().completions.create(model="default_model", **body)
+        slotted.client().completions.create(model="unmask-llada", **body)
     msg = e.value.body["message"]
     assert "--max-slots 70" in msg and "runs 2 of them at once" in msg and "--max-queue 1" in msg
     assert "send at most 3" in msg
@@ -142,7 +142,7 @@ def test_prompts_past_the_slot_budget_are_400_not_429(slotted: LiveServer) -> No
     r = httpx.post(f"{slotted.url}/v1/completions", timeout=60,
                    json={"prompt": [[5, 6, 7], [5] * 40], "max_tokens": 32})
     assert "exceeds the engine's slot budget 70" in error(r, 400)["message"]
-    ok = slotted.client().completions.create(model="default_model", prompt=[[5, 6, 7]] * 3,
+    ok = slotted.client().completions.create(model="unmask-llada", prompt=[[5, 6, 7]] * 3,
                                              max_tokens=32)
     assert len(ok.choices) == 3
 
@@ -159,7 +159,7 @@ def test_trace_lanes_aborted_by_a_429_are_counted(llm: LLM) -> None:
     every request the engine saw has an outcome."""
     with LiveServer(build_app(llm, ServerConfig(decoder="threshold", max_running=1,
                                                 max_queue=1))) as s:
-        busy = s.client().completions.create(model="default_model", prompt="hi", max_tokens=512,
+        busy = s.client().completions.create(model="unmask-llada", prompt="hi", max_tokens=512,
                                              stream=True, extra_body={"decoder": "static-1"})
         try:
             deadline = time.monotonic() + 30
@@ -302,8 +302,8 @@ def test_unknown_route_and_method_are_openai_errors(server: LiveServer) -> None:
 
 def test_models_retrieve(server: LiveServer) -> None:
     client = server.client()
-    m = client.models.retrieve("default_model")
-    assert (m.id, m.object, m.owned_by) == ("default_model", "model", "unmask")
+    m = client.models.retrieve("unmask-llada")
+    assert (m.id, m.object, m.owned_by) == ("unmask-llada", "model", "unmask")
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
     assert e.value.body["param"] == "model" and "'gpt-4' does not exist" in e.value.body["message"]
@@ -340,7 +340,7 @@ def test_api_key_guards_the_v1_routes_and_cors_answers_preflights(llm: LLM) -> N
                           cors_origins=("https://ui.example",))
     with LiveServer(build_app(llm, config)) as s:
         with pytest.raises(openai.AuthenticationError) as refused:
-            s.client().completions.create(model="default_model", prompt="hi", max_tokens=8)
+            s.client().completions.create(model="unmask-llada", prompt="hi", max_tokens=8)
         assert refused.value.status_code == 401
         assert refused.value.body["code"] == "invalid_api_key"
         for header in ({}, {"Authorization": "Bearer s3cret-ke"}, {"Authorization": "s3cret-key"},
@@ -354,7 +354,7 @@ def test_api_key_guards_the_v1_routes_and_cors_answers_preflights(llm: LLM) -> N
         from openai import OpenAI
 
         keyed = OpenAI(base_url=f"{s.url}/v1", api_key="s3cret-key", max_retries=0, timeout=120)
-        ok = keyed.completions.create(model="default_model", prompt="hi", max_tokens=8)
+        ok = keyed.completions.create(model="unmask-llada", prompt="hi", max_tokens=8)
         assert ok.choices[0].finish_reason in ("stop", "length")
 
         def preflight(origin: str) -> httpx.Response:
@@ -391,6 +391,9 @@ def test_access_and_shutdown_settings_are_validated(change: dict, words: str) ->
     (["--shutdown-timeout", "-1"], {}, "--shutdown-timeout must be a number of seconds >= 0"),
     ([], {"UNMASK_API_KEY": ""}, "$UNMASK_API_KEY"),  # set but empty is no silent "open"
     (["--cors-origin", "*", "--cors-origin", "ftp://x"], {}, "--cors-origin 'ftp://x'"),
+    (["--model-name", ""], {}, "--model-name '': the id clients send as `model` must not be "
+                               "empty"),  # was silently the folder's name
+    (["--model-name", " "], {}, "--model-name ' '"),
 ])
 def test_serve_refuses_bad_settings_in_one_line_before_loading(argv, env, words, capsys,
                                                               monkeypatch) -> None:
@@ -414,3 +417,23 @@ def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch) -> None
     assert api_key(build_parser().parse_args(["serve", "--api-key", "flag"])) == "flag"
     monkeypatch.delenv("UNMASK_API_KEY")
     assert api_key(build_parser().parse_args(["serve"])) is None
+
+
+def test_serve_refuses_at_start_what_no_request_could_use(capsys) -> None:
+    """A default decoder the model cannot run started a server that gave every request a 400
+    (generate refused it); --max-slots below the smallest request started one that served
+    nothing. Both exit 2 after the load, the decoder with the very line generate prints."""
+    from unmask.cli import main
+
+    spec = ["--decoder", "threshold,cache=block", "--threads", "1"]
+    assert main(["generate", *spec, "hi"]) == 2
+    said = capsys.readouterr().err.strip()
+    assert said.startswith("unmask: error: --decoder 'threshold,cache=block': cache=block "
+                           "applies to block-causal models"), said
+    assert main(["serve", "--port", "0", *spec]) == 2
+    assert capsys.readouterr().err.strip() == said
+    assert main(["serve", "--port", "0", "--threads", "1", "--max-slots", "10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--max-slots 10 holds no request: the smallest one " \
+        "(a one-token prompt and a block of 32 generated positions with --decoder balanced) " \
+        "takes 33 slots; give at least 33" in err, err

@@ -75,6 +75,28 @@ def test_the_verdict_names_the_first_cheaper_setting_that_fits() -> None:
     assert verdict(config, work, 1).startswith("does not fit, even quantized int4")
 
 
+def test_the_verdict_checks_the_context_first() -> None:
+    config = ModelConfig.load(DEFAULT_MODEL)  # max_sequence_length 2,048
+    work = Workload("float32", prompt_length=4000, gen_length=256)
+    got = verdict(config, work, 1 << 50)
+    assert got.startswith("does not fit the model's context: 4000 prompt + 256 generated need "
+                          "4,256 positions, max_sequence_length is 2,048"), got
+
+
+def test_the_verdict_shrinks_the_batch_before_the_weights() -> None:
+    """At batch 3000 the canvases outweigh the weights: float32 at batch 1 fits, so the
+    suggestion is the largest batch that fits in float32, not int4."""
+    config = ModelConfig.load(DEFAULT_MODEL)
+    work = Workload("float32", gen_length=1024, batch=3000)
+    one = estimate(config, Workload("float32", gen_length=1024)).total
+    free = 3 * one
+    got = verdict(config, work, free)
+    assert got.startswith("does not fit, try --batch ") and "quantize" not in got, got
+    n = int(got.split()[-1])
+    assert n > 1 and estimate(config, Workload("float32", gen_length=1024, batch=n)).total <= free
+    assert estimate(config, Workload("float32", gen_length=1024, batch=n + 1)).total > free
+
+
 def test_show_reports_the_model(capsys, folders) -> None:
     assert main(["show", str(folders[2]), "--json", "--batch", "2", "--gen-length", "32"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -191,3 +213,16 @@ def test_the_weight_estimate_holds_for_a_model_of_a_few_hundred_mb(tmp_path, sch
     held = weight_bytes(model)
     assert held > (80 << 20 if scheme else 300 << 20)
     assert estimated_weight_bytes(ModelConfig.load(folder), Workload("float32", scheme)) == held
+
+
+def test_piped_models_never_wrap_a_name(tmp_path, monkeypatch, capsys, folders) -> None:
+    """Off a terminal each model is one plain row, its name whole, however narrow the width."""
+    long = tmp_path / ("a-model-folder-with-a-rather-long-name-" + "x" * 40)
+    shutil.copytree(folders[1], long)
+    monkeypatch.setenv("COLUMNS", "40")
+    assert main(["models", "--dir", str(long)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["model", "family", "parameters", "dtype", "on", "disk", "where"]
+    (row,) = [line for line in lines if str(long) in line]
+    assert row.split()[:2] == [str(long), "llada"] and row.split()[-1] == "folder"
+    assert any(line.split()[0] == "unmask-sdar" for line in lines[1:])

@@ -90,7 +90,7 @@ def test_the_server_serves_it() -> None:
     llm, spec = LLM(), "threshold,cache=toy-block,block_recompute=masked"
     with LiveServer(build_app(llm, ServerConfig(decoder="threshold"))) as s:
         out = s.client().chat.completions.create(
-            model="default_model", messages=[{"role": "user", "content": "What is 47 + 38?"}],
+            model="unmask-llada", messages=[{"role": "user", "content": "What is 47 + 38?"}],
             max_tokens=96, extra_body={"decoder": spec})
     expected = llm.generate(["What is 47 + 38?"], spec, gen_length=96)[0].text
     assert out.choices[0].message.content == expected and "####" in expected

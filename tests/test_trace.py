@@ -119,6 +119,16 @@ def test_cli_trace(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert out.is_file() and len(lanes_of(json.loads((tmp_path / "t.json").read_text()))) == 2
 
 
+def test_cli_trace_says_a_png_is_one_frame(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A .png is the final frame; the line said "(N frames)" as for a .gif."""
+    png, gif = tmp_path / "t.png", tmp_path / "t.gif"
+    for out in (png, gif):
+        assert main(["trace", PROMPT, "--gen-length", "8", "--block-length", "8",
+                     "--out", str(out), "--threads", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"wrote {png} (its final frame)" in lines and f"wrote {gif} (9 frames)" in lines
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--out", "x.txt"], "unknown format '.txt'"),
     (["--out", "/nonexistent/x.gif"], "does not exist"),

@@ -390,6 +390,9 @@ def test_run_train_resume_and_init(tok_dir: Path, tmp_path: Path, one_thread: No
     a = tmp_path / "a"
     s1 = run_train(args("--out", str(a), "--max-steps", "3"))
     assert s1["steps"] == 3 and (a / "final" / "model.safetensors").is_file()
+    from unmask.catalog import trained_on_single_turns
+
+    assert trained_on_single_turns(a / "final")  # its data: single questions (chat reads it)
     s2 = run_train(args("--out", str(a), "--max-steps", "5", "--resume"))
     assert s2["steps"] == 5 and s2["tokens"] > s1["tokens"]  # continued, not restarted
     # resumed with nothing left to train: the loss the run last logged, not NaN
@@ -594,3 +597,16 @@ def test_no_final_eval_skips_it(tok_dir: Path, tmp_path: Path, one_thread: None,
                                           "--solve-every", "5", "--no-final-eval"))
     assert summary["final_heldout_loss"] is None and summary["final_solve_rate"] is None
     assert _strict_json(out / "summary.json")["steps"] == 1
+
+
+def test_a_missing_tokenizer_folder_is_refused_unless_asked_to_train_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A mistyped --tokenizer trained a new tokenizer into a folder it created."""
+    from unmask.cli import main
+
+    typo = tmp_path / "tokenzier"
+    assert main(["train", "--out", str(tmp_path / "run"), "--tokenizer", str(typo),
+                 "--threads", "1", "--max-steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--tokenizer {typo}: no tokenizer.json there" in err
+    assert "--train-tokenizer" in err and not typo.exists()

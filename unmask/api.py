@@ -23,7 +23,7 @@ from unmask.engine import Request, StepEvent, decode
 from unmask.engine.layout import model_defaults
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
-from unmask.hub import DEFAULT_NAME, SHIPPED, resolve_model
+from unmask.hub import DEFAULT_NAME, SHIPPED, model_name, resolve_model
 from unmask.quantize import (
     check_quantize,
     mib,
@@ -42,13 +42,17 @@ class Generation:
     """One prompt's output and what it cost."""
 
     text: str
-    token_ids: list[int]  # all gen_length generated tokens, EOS padding included
+    # The whole canvas: all gen_length generated positions. The answer is the first `useful`;
+    # after it comes its EOS, then what the canvas holds past it (EOS padding, or tokens a
+    # bidirectional canvas committed past the EOS before it was settled): not the answer.
+    token_ids: list[int]
     nfe: int
     token_forwards: int
     tpf: float  # generated positions committed by forwards' decisions, per forward
     tps: float  # useful tokens (up to the first EOS) per second
     seconds: float
     finish_reason: str = "length"  # eos | length | error (see unmask.engine.request)
+    useful: int | None = None  # the answer's tokens: token_ids[:useful] (None: all of them)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -236,12 +240,13 @@ class LLM:
                                       "the embedded model")
             path = resolve_model(name)  # a hub id "org/name" is downloaded here
         else:
-            path = DEFAULT_MODEL
+            name, path = None, DEFAULT_MODEL
             if not (path / "model.safetensors").is_file():
                 raise CheckpointError(
                     f"the embedded default model is not in this install ({path}); "
                     "pass a model folder with --model / LLM(path=...)")
         self.path = Path(path)
+        self.name = model_name(name, self.path)  # as `unmask models` lists it
         self.device = resolve_device(device)
         if quantize is not None:  # before the load: a scheme that cannot run fails at once
             check_quantize(quantize, self.device)
@@ -282,6 +287,8 @@ class LLM:
 
     def _encode(self, prompt: str, chat: bool) -> list[int]:
         """encode_prompt past its checks (generate has made them, naming each prompt)."""
+        if not isinstance(chat, bool):  # "no" or "false" from a config file is truthy
+            raise InputError(f"chat must be True or False, got {chat!r}")
         tok = self.tokenizer
         if chat and tok.chat_template:
             return self.encode_messages([{"role": "user", "content": prompt}])
@@ -363,6 +370,7 @@ class LLM:
         if r.finish_reason == "error":
             raise RuntimeError(f"request {r.request_id} failed in the engine: {r.error}")
         return Generation(text=self.detokenize(r.token_ids[: r.useful]), token_ids=r.token_ids,
+                          useful=r.useful,
                           nfe=r.nfe, token_forwards=r.token_forwards, tpf=r.tpf, tps=r.tps,
                           seconds=r.seconds, finish_reason=r.finish_reason or "length")
 

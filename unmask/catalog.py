@@ -111,6 +111,21 @@ def has_chat_template(folder: Path) -> bool:
     return isinstance(raw, dict) and bool(raw.get("chat_template"))
 
 
+# generation_config.json's key by which a folder says its model was trained on single questions
+# (the shipped ones: their MODEL_CARD.md), so that a chat answers each message alone by default.
+SINGLE_TURN_KEY = "trained_on_single_turns"
+
+
+def trained_on_single_turns(folder: Path) -> bool:
+    """Whether generation_config.json says SINGLE_TURN_KEY: true (a folder without the file or
+    the key is taken as a chat model, trained on conversations)."""
+    try:
+        raw = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get(SINGLE_TURN_KEY) is True
+
+
 # --- where models are -------------------------------------------------------------------------
 def candidates(dirs: list[Path]) -> list[tuple[Path, str, str]]:
     """(folder, name, source) of every place a model may be: the shipped models, the hub
@@ -187,19 +202,36 @@ def run_models(args: argparse.Namespace) -> int:
 
 
 def print_table(models: list[ModelSummary]) -> None:
-    """One row per model; the name is what --model takes (a hub id, or the folder), folded
-    rather than cut on a narrow terminal. --json has each model's path too."""
+    """One row per model; the name is what --model takes (a hub id, or the folder). On a
+    terminal a table whose name column folds rather than cuts when narrow; off one (piped), plain
+    rows that never wrap, since a name is something people copy and grep for. --json has each
+    model's path too."""
     from rich.console import Console
+
+    titles = ("model", "family", "parameters", "dtype", "on disk", "where")
+    rows = [(m.name, m.family, human(m.parameters), m.dtype, gib(m.disk_bytes), _where(m))
+            for m in models]
+    console = Console()
+    if not console.is_terminal:
+        print(plain_rows(titles, rows), end="")
+        return
     from rich.table import Table
 
     table = Table(box=None)
-    table.add_column("model", overflow="fold")
-    for title in ("family", "parameters", "dtype", "on disk", "where"):
+    table.add_column(titles[0], overflow="fold")
+    for title in titles[1:]:
         table.add_column(title, no_wrap=True)
-    for m in models:
-        table.add_row(m.name, m.family, human(m.parameters), m.dtype, gib(m.disk_bytes),
-                      _where(m))
-    Console().print(table)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def plain_rows(titles: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """A header and one line per row, columns padded to their widest cell and never wrapped,
+    whatever the width of the terminal the text later reaches."""
+    widths = [max(len(r[i]) for r in [titles, *rows]) for i in range(len(titles))]
+    return "".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() + "\n"
+                   for r in [titles, *rows])
 
 
 def _where(m: ModelSummary) -> str:

@@ -67,9 +67,11 @@ class Chat:
     """A conversation with one model: its history, decoder, and the engine that answers."""
 
     def __init__(self, llm: LLM, params: DecodeParams, out: TextIO,
-                 console: Console | None = None, typed: dict[str, Any] | None = None) -> None:
+                 console: Console | None = None, typed: dict[str, Any] | None = None,
+                 keep_history: bool = True) -> None:
         """typed: decoder keys set outside the spec (the command's flags); `/decoder` keeps them,
-        `/length` and `/seed` add to them, and a spec's own keys win over them."""
+        `/length` and `/seed` add to them, and a spec's own keys win over them. keep_history:
+        False answers each message alone (`keeps_history`)."""
         from unmask.engine import Engine, SchedulerConfig
 
         self.llm, self.params, self.out = llm, params, out
@@ -77,6 +79,7 @@ class Chat:
         self.typed = dict(typed or {})
         self.engine = Engine(llm.model, SchedulerConfig(max_running=1))
         self.history: list[dict[str, str]] = []
+        self.keep_history = keep_history
         self.stats: AnswerStats | None = None
         self.watch = False
         self._stop = threading.Event()
@@ -91,7 +94,8 @@ class Chat:
         """The conversation so far and `text` as the next user turn, through the template."""
         if not self.llm.has_chat_template:  # a base model: no turns, the text as written
             return self.llm.encode_prompt(text, chat=False)
-        return self.llm.encode_messages([*self.history, {"role": "user", "content": text}])
+        earlier = self.history if self.keep_history else []
+        return self.llm.encode_messages([*earlier, {"role": "user", "content": text}])
 
     def answer(self, text: str) -> str:
         """Generate the answer to `text`, printing it as it is committed; returns it. An
@@ -126,7 +130,7 @@ class Chat:
                                  req.finish_reason or "length")
         if stopped:
             print("(stopped: this turn is left out of the conversation)", file=sys.stderr)
-        elif self.llm.has_chat_template:
+        elif self.llm.has_chat_template and self.keep_history:
             self.history += [{"role": "user", "content": text},
                              {"role": "assistant", "content": stream.sent}]
         return stream.sent
@@ -172,9 +176,9 @@ class Chat:
 
     def _decoder(self, spec: str) -> None:
         if spec:
-            from unmask.engine.layout import model_defaults
+            from unmask.engine.layout import parse_for
 
-            self.params = DecodeParams.parse(spec, **{**model_defaults(self.llm.model), **self.typed})
+            self.params = parse_for(spec, self.llm.model, **self.typed)
         self.say(f"decoder {self.params.spec}: gen_length {self.params.gen_length}, block_length "
                  f"{self.params.block_length}, seed {self.params.seed}")
 
@@ -289,6 +293,10 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     add_decode_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the spec's)")
+    p.add_argument("--history", action=argparse.BooleanOptionalAction, default=None,
+                   help="send the conversation so far with each message (--no-history: answer "
+                        "each message alone; default: history, unless the model's folder says "
+                        "it was trained on single questions, as the shipped ones do)")
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -305,15 +313,32 @@ def run_chat(args: argparse.Namespace) -> int:
     chat_for(llm, raw=False, raw_flag=None)  # a base model: a note that there are no turns
     typed = {k: getattr(args, k) for k in ("gen_length", "block_length", "seed")
              if getattr(args, k) is not None}
-    chat = Chat(llm, params, sys.stdout, typed=typed)
+    chat = Chat(llm, params, sys.stdout, typed=typed, keep_history=keeps_history(llm, args.history))
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"unmask chat: {llm.path.name}, decoder {params.spec}. /help for commands, "
+        print(f"unmask chat: {llm.name}, decoder {params.spec}. /help for commands, "
               f"Ctrl-D or /bye to leave.")
     while (line := read_line(interactive)) is not None:
         if not turn(chat, line):
             break
     return 0
+
+
+def keeps_history(llm: LLM, asked: bool | None) -> bool:
+    """Whether a chat sends its history: as asked (--history / --no-history), else unless the
+    model was trained on single questions (unmask.catalog.trained_on_single_turns), which a
+    note on stderr then says, with the flag that keeps it anyway. Such a model answers a second
+    message with its history badly (an empty answer, or the first question's)."""
+    from unmask.catalog import SINGLE_TURN_KEY, trained_on_single_turns
+
+    if asked is not None:
+        return asked
+    if not trained_on_single_turns(llm.path):
+        return True
+    print(f"note: {llm.name} was trained on single questions (generation_config.json: "
+          f"{SINGLE_TURN_KEY}), so each message is answered alone; --history sends the "
+          f"conversation anyway", file=sys.stderr)
+    return False
 
 
 def turn(chat: Chat, line: str) -> bool:

@@ -129,8 +129,20 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     dtype = _resolve_dtype(config, torch.device(device), dtype, advise=not quantized)
     with torch.device("meta"):
         model = build_model(config)
-    if quantized:
-        return load_quantized(folder, model, torch.device(device), dtype)
+    try:
+        if quantized:
+            return load_quantized(folder, model, torch.device(device), dtype)
+        return _load_weights(folder, model, config, device, dtype)
+    except CheckpointError as e:  # which folder: a command may name several, or a hub id
+        if str(folder) in str(e):
+            raise
+        raise CheckpointError(f"{folder}: {e}") from e
+
+
+def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
+                  device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+    """`model` (on the meta device) with the folder's safetensors weights assigned, each
+    checked against the config's names and shapes (a CheckpointError naming the file or tensor)."""
     files = weight_files(folder)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
@@ -160,7 +172,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
                                       f"(in {dtype}); the checkpoint is damaged")
     missing = [k for k in expected if k not in state]
     if missing:
-        raise CheckpointError(f"{folder}: missing tensor {missing[0]!r}"
+        raise CheckpointError(f"missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     model.load_state_dict(state, assign=True)
     return model.eval()

@@ -8,11 +8,20 @@ them. Torch-free: building the parser must not load torch (`unmask --help` answe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from unmask.decoding.params import DEFAULT_DECODER, METHODS, PRESETS, DecodeParams
+from unmask.decoding.params import (
+    BLOCK_KEYS,  # noqa: F401  (the commands' name for it)
+    DEFAULT_DECODER,
+    METHODS,
+    PRESETS,
+    DecodeParams,
+    check_before_model,
+)
 from unmask.errors import InputError, SpecError
 
 if TYPE_CHECKING:
@@ -68,6 +77,9 @@ def load_llm(args: argparse.Namespace) -> LLM:
         n, why = args.threads, "--threads"
     if args.quantize is not None:
         print(f"note: {llm.load_note}", file=sys.stderr)
+    if args.compile:  # the first calls compile, in silence, before any token (unmask/compiling.py)
+        print("note: --compile: compiling the model's layers on their first calls (15-30 s on a "
+              "CPU) before the first tokens; later calls reuse the compiled code", file=sys.stderr)
     if args.verbose:
         print(f"note: {n} CPU thread(s): {why}", file=sys.stderr)
     return llm
@@ -108,35 +120,48 @@ def parse_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> Decod
     """``spec`` with the command's decoder-key flags (those of DECODER_FLAGS that ``args`` has)
     as explicit values when typed, and ``defaults`` (the command's defaults) under the spec.
     A command whose flag of one of these names is not a decoder key must not pass its args."""
-    typed = {key: getattr(args, key) for key in DECODER_FLAGS if getattr(args, key, None) is not None}
+    with _naming(spec):
+        return DecodeParams.parse(spec, explicit=_typed(args), **defaults)
+
+
+def _typed(args: argparse.Namespace) -> dict[str, Any]:
+    return {key: getattr(args, key) for key in DECODER_FLAGS if getattr(args, key, None) is not None}
+
+
+@contextlib.contextmanager
+def _naming(spec: str) -> Iterator[None]:
+    """A spec error names the --decoder it is about (a command may take several)."""
     try:
-        return DecodeParams.parse(spec, explicit=typed, **defaults)
-    except SpecError as e:  # with several --decoder, say which one
-        raise SpecError(f"--decoder {spec!r}: {e}", e.key) from None
-
-
-# Spec errors that a block-causal model's own block length and cache may resolve (gen_length or
-# steps against the default block_length; sub_block_length, read by the block cache, against
-# its default cache and block_length): `check_decoder` leaves them to `decoder_for`.
-BLOCK_KEYS = ("block_length", "steps", "sub_block_length")
+        yield
+    except SpecError as e:
+        raise type(e)(f"--decoder {spec!r}: {e}", e.key) from None
 
 
 def check_decoder(spec: str, args: argparse.Namespace, **defaults: Any) -> None:
     """`parse_decoder`'s refusal of a spec before the model loads (a bad spec fails at once),
-    but for the errors the model's block size may resolve (BLOCK_KEYS)."""
-    try:
-        parse_decoder(spec, args, **defaults)
-    except SpecError as e:
-        if e.key not in BLOCK_KEYS:
-            raise
+    but for the errors the model's block size may resolve (`params.check_before_model`)."""
+    with _naming(spec):
+        check_before_model(spec, _typed(args), **defaults)
 
 
 def decoder_for(spec: str, args: argparse.Namespace, llm: LLM, **defaults: Any) -> DecodeParams:
-    """`parse_decoder` for the loaded model: with its own defaults under the spec's keys (a
-    block-causal model's blocks and cache: unmask.engine.layout.model_defaults)."""
+    """`parse_decoder` for the loaded model (with its own keys under the spec's: a block-causal
+    model's blocks and cache, unmask.engine.layout.model_defaults), checked against it
+    (`fit_to_model`): the one check of a command's decoder against its model, made once before
+    anything is decoded (generate, chat, serve, trace)."""
     from unmask.engine.layout import model_defaults
 
-    return parse_decoder(spec, args, **{**defaults, **model_defaults(llm.model)})
+    params = parse_decoder(spec, args, **{**defaults, **model_defaults(llm.model)})
+    return fit_to_model(spec, params, llm)
+
+
+def fit_to_model(spec: str, params: DecodeParams, llm: LLM) -> DecodeParams:
+    """`params` (parsed from --decoder `spec`) as the loaded model decodes them, or the
+    DecoderMismatch naming the key that cannot apply (unmask.engine.layout.for_model)."""
+    from unmask.engine.layout import for_model
+
+    with _naming(spec):
+        return for_model(params, llm.model)
 
 
 def check_prompts(prompts: list[str]) -> None:

@@ -35,6 +35,12 @@ def lone_surrogate(text: str) -> str | None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def is_bearer_token(key: str) -> bool:
+    """Whether `key` can travel as an HTTP Bearer token (the server's --api-key, bench-serve's):
+    non-empty printable ASCII without spaces, as a header value must be."""
+    return bool(key) and key.isascii() and key.isprintable() and not any(c.isspace() for c in key)
+
+
 class ConfigError(UnmaskError):
     """A config.json that unmask cannot honour; the message names the key and its value."""
 

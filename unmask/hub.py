@@ -17,10 +17,11 @@ from pathlib import Path
 
 from unmask.errors import CheckpointError
 
-# config.json, the tokenizer files (unmask.checkpoint.TOKENIZER_FILES) and the weights: one
-# model.safetensors or shards with their index. Nothing else (pytorch_model.bin, GGUF, images).
+# config.json, the tokenizer files (unmask.checkpoint.TOKENIZER_FILES), generation_config.json
+# (what chat reads: unmask.catalog.SINGLE_TURN_KEY) and the weights: one model.safetensors or
+# shards with their index. Nothing else (pytorch_model.bin, GGUF, images).
 DESCRIPTION_PATTERNS = ["config.json", "tokenizer.json", "tokenizer_config.json",
-                        "special_tokens_map.json", "chat_template.jinja"]
+                        "special_tokens_map.json", "chat_template.jinja", "generation_config.json"]
 ALLOW_PATTERNS = [*DESCRIPTION_PATTERNS, "*.safetensors", "model.safetensors.index.json"]
 ASSETS = Path(__file__).parent / "assets"
 # The models the package ships (unmask/assets/*/MODEL_CARD.md), by the name --model takes; a local
@@ -47,6 +48,18 @@ def resolve_model(name: str, patterns: list[str] = ALLOW_PATTERNS) -> Path:
     if path.exists() or not looks_like_hub_id(name):
         return path
     return download(name, patterns)
+
+
+def model_name(name: str | None, folder: Path) -> str:
+    """What a model is called wherever unmask names it (`unmask models`, a server's model id,
+    chat): a shipped model by its SHIPPED name, a hub download by its id, a folder by its own
+    name. name: as the caller gave it (None: the default model)."""
+    shipped = {p.resolve(): n for n, p in SHIPPED.items()}
+    if folder.resolve() in shipped:
+        return shipped[folder.resolve()]
+    if name is not None and not Path(os.path.expanduser(name)).exists() and looks_like_hub_id(name):
+        return name
+    return folder.name
 
 
 def download(repo_id: str, patterns: list[str]) -> Path:

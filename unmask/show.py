@@ -22,7 +22,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from unmask.catalog import (
@@ -132,27 +132,50 @@ def available_ram() -> int:
 
 
 def verdict(config, work: Workload, free: int) -> str:
-    """'fits' or 'does not fit, try ...' with the first cheaper setting that fits."""
+    """'fits', or why not and the nearest setting that fits: first the model's context, then
+    memory. The batch's canvases (K/V, logits, activations) grow with the batch and the weights
+    do not, so a smaller batch is tried before cheaper weights (`cheaper`), each at the largest
+    batch that fits with it."""
+    canvas = context_needed(config, work)
+    if canvas > config.max_sequence_length:
+        return (f"does not fit the model's context: {work.prompt_length} prompt + "
+                f"{work.gen_length} generated need {canvas:,} positions, max_sequence_length is "
+                f"{config.max_sequence_length:,}; shorten --prompt-length or --gen-length")
     if estimate(config, work).total <= free:
         return "fits"
-    for change, tried in cheaper(work):
+    for change, tried in [("", work), *cheaper(work)]:
         try:
-            if estimate(config, tried).total <= free:
-                return f"does not fit, try {change}"
+            n = largest_batch(config, tried, free)
         except InputError:  # a scheme this model's widths do not allow
             continue
+        if n >= 1:
+            return "does not fit, try " + " ".join(
+                ([f"--batch {n}"] if n < work.batch else []) + ([change] if change else []))
     return "does not fit, even quantized int4 with batch 1: use a machine with more memory"
 
 
-def cheaper(work: Workload) -> list[tuple[str, Workload]]:
-    from dataclasses import replace
+def context_needed(config, work: Workload) -> int:
+    """Positions one canvas takes: the prompt and generated ones, for a block-causal model up
+    to the end of the last block (unmask.engine.layout.canvas_length)."""
+    from unmask.engine.layout import canvas_length
 
+    block = config.block_size
+    return work.prompt_length + canvas_length(work.prompt_length, work.gen_length, block)
+
+
+def largest_batch(config, work: Workload, free: int) -> int:
+    """The most canvases that fit in `free` bytes beside `work`'s weights (at most its batch):
+    everything but the weights grows with the batch (`estimate`)."""
+    one = estimate(config, replace(work, batch=1))
+    per_canvas = one.total - one.weights
+    return max(0, min(work.batch, (free - one.weights) // per_canvas))
+
+
+def cheaper(work: Workload) -> list[tuple[str, Workload]]:
+    """Cheaper weights than `work`'s, cheapest last."""
     options = [("--dtype bfloat16", replace(work, dtype="bfloat16", quantize=None)),
                ("--quantize int8", replace(work, quantize="int8")),
                ("--dtype bfloat16 --quantize int4", replace(work, dtype="bfloat16", quantize="int4"))]
-    if work.batch > 1:
-        options.append(("--batch 1 --dtype bfloat16 --quantize int4",
-                        replace(work, dtype="bfloat16", quantize="int4", batch=1)))
     return [(c, w) for c, w in options if w != work]
 
 

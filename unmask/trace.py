@@ -153,7 +153,7 @@ def record(llm: LLM, prompt: str, specs: Sequence[str | DecodeParams], gen_lengt
                 started = lane.request.started
                 elapsed = time.perf_counter() - started if started is not None else 0.0
                 events += lane.feed(ev, elapsed)
-    return {"prompt": prompt, "model": llm.path.name, "events": events}
+    return {"prompt": prompt, "model": llm.name, "events": events}
 
 
 def lanes_of(trace: dict[str, Any]) -> list[dict[str, Any]]:
@@ -401,7 +401,9 @@ def run_trace(args: argparse.Namespace) -> int:
         if done["finish_reason"] == "error":
             failed.append(f"request {lay['request_id']} ({lay['decoder']}) failed in the engine: "
                           f"{done['error']}")
-    print(f"wrote {out} ({n_frames(trace)} frames)")
+    # a .png is one still picture: the replay's last frame
+    what = "its final frame" if out.suffix.lower() == ".png" else f"{n_frames(trace)} frames"
+    print(f"wrote {out} ({what})")
     if failed:
         # As `generate` does (LLM.generation): a request the engine failed is not the caller's
         # input error but unmask's, so exit 1 with its traceback rather than a result.

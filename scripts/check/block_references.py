@@ -9,8 +9,9 @@ The path is a checkout or a bare git directory (the `fetch` tool's mirror) of a 
 vendors the published folder's remote code: LLaDA2.0's configuration_llada2_moe.py and
 modeling_llada2_moe.py (dllm/pipelines/llada2/models/, whose only change to the published file
 is accepting a boolean 4-D mask; generate() builds a float one), and Fast-dLLM v2 7B's
-configuration.py and modeling.py (FastDLLM_inferencing/Fast_dLLM_v2_7B/ at the commit that
-added them, before that repository's own edits). The files are imported as a scratch package
+configuration.py and modeling.py (FastDLLM_inferencing/Fast_dLLM_v2_7B/ at d3a3470, which
+only renamed the folder the files were added in at 189fa7a; in between, b919117 "Added cache
+carryover": generate() keeps its block cache across blocks). The files are imported as a scratch package
 from a temporary folder, as scripts/check/sdar_reference.py does (its helpers are reused);
 nothing of them enters unmask. Stand-ins for what transformers 5 dropped: the names those files
 import for torch.fx and version checks, the "default" RoPE initialiser (transformers 4.52's, with
@@ -29,9 +30,9 @@ Then decoding, NFE and token-forwards per generated token: LLaDA2's tokens again
 generate() in each of its modes (`GENERATE_MODES`); Fast-dLLM v2's modes of ours against
 tests/block_reference.py's loop with the same rule (`FAST_MODES`), and its own generate()
 (DynamicCache's cache[layer] stood in for, as sdar_reference.py does) on its own tokens.
-Last, Fast-dLLM v2's own routine (threshold, small_block_size, use_block_cache: as published,
-and with the block cache emptied at each block as later copies of the file do, edited into a
-copy) against the spec `threshold,...,sub_block_length=S`
+Last, Fast-dLLM v2's own routine (threshold, small_block_size, use_block_cache: as at d3a3470,
+and with the block cache emptied at each block as 189fa7a's file does, b919117's deleted line
+edited back into a copy) against the spec `threshold,...,sub_block_length=S`
 (docs/fast-dllm-v2-reference-semantics.md), with tests/block_reference.py's re-implementation of
 it beside.
 """
@@ -548,14 +549,15 @@ def fd2_mode(ours, ref, count: dict, prompts: list[torch.Tensor], reqs: list, ro
 REIMPL_OF = {("block", "off"): False, ("sub_block", "on, reset per block"): True}
 
 
-# Fast-dLLM v2's generate() at that commit keeps its block cache from one block to the next
-# (docs/fast-dllm-v2-reference-semantics.md); later copies of the file empty it at each block.
+# Fast-dLLM v2's generate() at d3a3470 keeps its block cache from one block to the next (commit
+# b919117, "Added cache carryover", deleted this line); the file as 189fa7a added it empties it
+# at each block (docs/fast-dllm-v2-reference-semantics.md).
 FD2_RESET = ("            x_t = x_init.clone()\n",
              "            x_t = x_init.clone()\n            block_past_key_values = None\n")
 
 
 def with_block_cache_reset(ref):
-    """The reference model with generate() as later copies of modeling.py have it (FD2_RESET,
+    """The reference model with generate() as modeling.py was added at 189fa7a (FD2_RESET,
     edited into a copy of the loaded files), the same weights."""
     folder = Path(sys.modules[type(ref).__module__].__file__).parent
     files = {f.stem: f.read_bytes() for f in folder.glob("*.py")}
@@ -592,10 +594,12 @@ def fd2_table(rows: list[dict]) -> list[str]:
         "our canvas; NFE and token-forwards per decoded slot, ours / generate()'s (generate() "
         "forwards the block with the prefix's K/V read from its cache; with use_block_cache a "
         "sub-block's later steps forward the sub-block alone and read the rest of the block "
-        "from its block cache). use_block_cache *on*: generate() as published at that commit, "
-        "which keeps the block cache from one block to the next; *on, reset per block*: the "
-        "same file with the line later copies add (`block_past_key_values = None` at each "
-        "block, edited into a copy: FD2_RESET). Our spec with `cache=block` is exact (that "
+        "from its block cache). use_block_cache *on*: generate() as Satgoy152/DualDiffusion's "
+        "file is at d3a3470, which keeps the block cache from one block to the next (that "
+        "repository's commit b919117, \"Added cache carryover\", deleted the line that emptied "
+        "it); *on, reset per block*: the same file with that line put back "
+        "(`block_past_key_values = None` at each block, edited into a copy: FD2_RESET), "
+        "generate() as the file was added at 189fa7a. Our spec with `cache=block` is exact (that "
         "block cache holds only final K/V); with `cache=sub_block` it is use_block_cache reset "
         "per block. *re-impl*: tests/block_reference.py's loop through our model in the same "
         "mode (with its block cache for `cache=sub_block`), prompts identical to generate() and "
@@ -646,13 +650,14 @@ def fd2_reading(rows: list[dict]) -> list[str]:
         "and counts. With its block cache "
         "and sub-blocks smaller than the block, its tokens are another decoding's (identical "
         f"prompts: {sum(r['same'] for r in cached if r['block_cache'] == 'on')} of "
-        f"{sum(r['prompts'] for r in cached if r['block_cache'] == 'on')} as published, "
+        f"{sum(r['prompts'] for r in cached if r['block_cache'] == 'on')} carried over as at "
+        "d3a3470, "
         f"{sum(r['same'] for r in reset)} of {sum(r['prompts'] for r in reset)} reset per "
-        "block; a random model with a scaled head is more sensitive to stale K/V than a trained "
-        "one may be); with sub-blocks of the whole block its cache is exact and so are the "
-        "tokens. Ours stays exact at up to "
+        "block as at 189fa7a; a random model with a scaled head is more sensitive to stale "
+        "K/V than a trained one may be); with sub-blocks of the whole block its cache is exact "
+        "and so are the tokens. Ours stays exact at up to "
         f"{cost:.2f}x the token-forwards of its block cache reset per block. `cache=sub_block` "
-        f"(its block cache, reset per block): tokens identical on "
+        f"(its block cache, reset per block as at 189fa7a): tokens identical on "
         f"{sum(r['same'] for r in ours)} of {sum(r['prompts'] for r in ours)} prompt runs "
         f"({len(ours)} modes), ours {'at most' if lower_cache else 'NOT always at most'} its "
         f"NFE and token-forwards in every row, the re-implementation with its block cache "

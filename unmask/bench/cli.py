@@ -20,6 +20,7 @@ from unmask.cli_args import (
     add_length_arguments,
     add_model_arguments,
     chat_for,
+    fit_to_model,
     load_llm,
     parse_decoder,
     positive,
@@ -201,7 +202,8 @@ def measure(args: argparse.Namespace, specs: list[str], warmup: int,
     from unmask.engine.layout import model_defaults
 
     model_keys = model_defaults(llm.model)
-    decoders = _parse_decoders(specs, args, model_keys)
+    decoders = [fit_to_model(s, d, llm)
+                for s, d in zip(specs, _parse_decoders(specs, args, model_keys), strict=True)]
     chat = chat_for(llm, raw=False, raw_flag=None)
 
     total = len(task.examples) * len(decoders)

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import shlex
 import sys
@@ -33,10 +34,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from unmask.errors import InputError, SpecError
+from unmask.errors import InputError, SpecError, is_bearer_token
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 DEFAULT_MAX_TOKENS = 256
+KEY_ENV = "OPENAI_API_KEY"  # what OpenAI's own clients read
 
 
 # --------------------------------------------------------------------------- arguments
@@ -102,6 +104,9 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="selects prompts, the max_tokens order and arrival times (default: 0)")
     p.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds a request may take before it counts as an error (default: 300)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help=f"sent as a Bearer token, for a server started with --api-key "
+                        f"(default: ${KEY_ENV}, else none)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write the report (cells and every request) as JSON")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -320,6 +325,19 @@ def request_body(job: Job, endpoint: str) -> dict[str, Any]:
     return body
 
 
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    """The Authorization header of --api-key, else of $OPENAI_API_KEY (none when neither is
+    set, or set empty); a key that cannot be a header value is refused."""
+    key, where = ((args.api_key, "--api-key") if args.api_key is not None
+                  else (os.environ.get(KEY_ENV), f"${KEY_ENV}"))
+    if not key:
+        return {}
+    if not is_bearer_token(key):
+        raise InputError(f"{where}: an API key is sent as an HTTP header, so it must be "
+                         "printable ASCII without spaces")
+    return {"Authorization": f"Bearer {key}"}
+
+
 def endpoint_path(endpoint: str) -> str:
     return "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
 
@@ -484,8 +502,15 @@ async def check_servers(client: Any, servers: list[Server]) -> dict[str, Any]:
     for s in servers:
         try:
             r = await client.get(s.url + "/v1/models", timeout=10.0)
+            if r.status_code == 401:
+                why = ("it refused the key given" if "Authorization" in client.headers
+                       else "it needs an API key")
+                raise InputError(f"--url {s.url}: the server answers 401 Unauthorized: {why}; "
+                                 f"pass --api-key KEY or set ${KEY_ENV}")
             r.raise_for_status()
             models[s.name] = [m.get("id") for m in r.json().get("data", [])]
+        except InputError:
+            raise
         except Exception as e:  # noqa: BLE001 - reported as bad input: nothing was measured
             why = (str(e).strip().splitlines() or ["no message"])[0]  # httpx adds a help line
             hint = ("give the server's root URL, without /v1" if s.url.rstrip("/").endswith("/v1")
@@ -521,7 +546,8 @@ async def bench(args: argparse.Namespace, cells: list[Cell], prompts: list[str],
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers = auth_headers(args)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         models = await check_servers(client, sorted({c.server for c in cells},
                                                      key=lambda s: s.name))
         await warm_up(client, cells, prompts, args)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -77,10 +77,28 @@ class DecodeParams(*reversed(_KNOB_CLASSES)):
 
     # the spec this came from, for reports
     name: str = ""
+    # The keys the caller chose (in the spec, as flags, overrides or a command's defaults), as
+    # against those a preset or the class default filled in: a model may replace only the
+    # latter with its own (unmask.engine.layout.for_model). None (built directly): the keys
+    # not at their default. Not a knob: two decoders that decode alike are equal.
+    chosen: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_types(self)
         super().__post_init__()
+
+    @property
+    def chosen_keys(self) -> frozenset[str]:
+        """The keys the caller chose (see `chosen`)."""
+        if self.chosen is not None:
+            return self.chosen
+        default = DecodeParams()
+        return frozenset(k for k in SPEC_KEYS if getattr(self, k) != getattr(default, k))
+
+    def check_read(self) -> None:
+        """Refuse a chosen key that this decoder does not read, once every policy is known (a
+        model's own cache included): `parse` leaves to this the keys a model may come to read."""
+        _check_applies({f.name: getattr(self, f.name) for f in fields(self)}, set(self.chosen_keys))
 
     def check(self) -> None:
         """The rules across policies (each knob class checks its own)."""
@@ -131,10 +149,12 @@ class DecodeParams(*reversed(_KNOB_CLASSES)):
     def replace(self, **changes: Any) -> DecodeParams:
         """A copy with `changes`; its spec is rebuilt from the values (the old text no longer
         describes it) unless `name` is given."""
-        unknown = sorted(set(changes) - {f.name for f in fields(self)})
+        unknown = sorted(set(changes) - set(SPEC_KEYS) - {"method", "name"})
         if unknown:
             raise SpecError(f"unknown decoder key {unknown[0]!r}; valid: {', '.join(SPEC_KEYS)}")
         changes.setdefault("name", "")
+        if self.chosen is not None:  # a key set here is the caller's choice too
+            changes["chosen"] = self.chosen | (set(changes) - {"name"})
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -147,8 +167,8 @@ class DecodeParams(*reversed(_KNOB_CLASSES)):
         request field) win over the preset too, and a key set both there and in the spec to
         different values is an error: neither silently loses. None values are ignored."""
         values, written = cls._resolve(spec, explicit, defaults)
-        _check_applies(values, written)
-        return cls(**values, name=spec.strip())
+        _check_applies(values, written - _left_to_the_model(values, written))
+        return cls(**values, name=spec.strip(), chosen=frozenset(written))
 
     @classmethod
     def block_length_of(cls, spec: str, **defaults: Any) -> int:
@@ -202,13 +222,30 @@ class DecodeParams(*reversed(_KNOB_CLASSES)):
         return values, written | set(explicit) | set(defaults)
 
 
+# Spec errors that a block-causal model's own block length and cache may resolve (gen_length or
+# steps against the default block_length; sub_block_length against its default block_length):
+# `check_before_model` leaves them to the model (unmask.engine.layout.for_model).
+BLOCK_KEYS = ("block_length", "steps", "sub_block_length")
+
+
+def check_before_model(spec: str, explicit: dict[str, Any] | None = None,
+                       **defaults: Any) -> None:
+    """`DecodeParams.parse`'s refusal of `spec` before its model is loaded (a bad spec fails at
+    once, not after the load), but for the errors the model's block size may resolve."""
+    try:
+        DecodeParams.parse(spec, explicit, **defaults)
+    except SpecError as e:
+        if e.key not in BLOCK_KEYS:
+            raise
+
+
 def whole_blocks(n_tokens: int, block_length: int) -> int:
     """The fewest tokens in whole blocks that hold n_tokens."""
     # integer ceiling: a float division rounds (or overflows) past 2**53 tokens
     return -(-n_tokens // block_length) * block_length
 
 
-SPEC_KEYS = tuple(f.name for f in fields(DecodeParams) if f.name not in ("method", "name"))
+SPEC_KEYS = tuple(f.name for f in fields(DecodeParams) if f.name not in ("method", "name", "chosen"))
 
 # Keys that only some methods or policies read: key -> (the field that picks them, its values
 # that read the key), from the knobs each registered policy declares. Written where nothing
@@ -217,6 +254,23 @@ SPEC_KEYS = tuple(f.name for f in fields(DecodeParams) if f.name not in ("method
 # only, and a spec that switches a preset's policy off (`fast,cache=none`) leaves the preset's
 # now unread keys alone. (The built-in policies'; `parse` asks the registry itself.)
 APPLIES_TO = applies_to()
+
+
+def _left_to_the_model(values: dict[str, Any], keys: set[str]) -> set[str]:
+    """Those of `keys` that only a cache a block-causal model decodes with reads, while the
+    decoder leaves its cache to the model (not in `keys`, at its default): whether they are read
+    is known once the model is (`DecodeParams.check_read`). Fast-dLLM v2's
+    `threshold,sub_block_length=8` parses before its model is known."""
+    if "cache" in keys or values.get("cache", DecodeParams.cache) != DecodeParams.cache:
+        return set()
+    return block_causal_keys(keys)
+
+
+def block_causal_keys(keys: set[str] | frozenset[str]) -> set[str]:
+    """Those of `keys` that only the caches of block-causal models read (`sub_block_length`)."""
+    table = applies_to()
+    return {k for k in keys & set(table) if table[k][0] == "cache"
+            and all(entry("cache", r).facts.block_causal for r in table[k][1])}
 
 
 def _check_applies(values: dict[str, Any], keys: set[str]) -> None:
@@ -322,7 +376,7 @@ def same_decoder(a: DecodeParams, b: DecodeParams) -> bool:
 def to_spec(p: DecodeParams) -> str:
     default = DecodeParams()
     parts = [p.method] + [f"{f.name}={getattr(p, f.name)}" for f in fields(p)
-                          if f.name not in ("method", "name", "gen_length", "block_length")
+                          if f.name not in ("method", "name", "chosen", "gen_length", "block_length")
                           and getattr(p, f.name) != getattr(default, f.name)]
     return ",".join(parts)
 
@@ -335,6 +389,9 @@ def _check_types(p: DecodeParams) -> None:
     the key's name, before any range check compares them. numpy's integers and floats (a length
     computed with numpy) become Python's, which the spec, reports and JSON expect."""
     for f in fields(p):
+        if f.name == "chosen":  # not a knob: set by parse and replace
+            _check_chosen(p.chosen)
+            continue
         value, kind = getattr(p, f.name), _type_text(f.type).replace(" ", "")
         if value is None and "None" in kind:
             continue
@@ -348,6 +405,12 @@ def _check_types(p: DecodeParams) -> None:
         if not ok:
             raise SpecError(f"{f.name} must be {'an' if base == 'int' else 'a'} {base}, "
                             f"got {value!r} ({type(value).__name__})")
+
+
+def _check_chosen(chosen: Any) -> None:
+    if chosen is not None and not (isinstance(chosen, (set, frozenset))
+                                   and chosen <= set(SPEC_KEYS) | {"method"}):
+        raise SpecError(f"chosen must be None or a set of decoder keys, got {chosen!r}")
 
 
 def _type_text(typ: Any) -> str:

@@ -23,7 +23,7 @@ import numpy as np
 from torch import nn
 
 from unmask.decoding.knobs import entry
-from unmask.decoding.params import DecodeParams
+from unmask.decoding.params import DecodeParams, block_causal_keys
 from unmask.errors import DecoderMismatch, SpecError
 
 
@@ -148,47 +148,63 @@ def canvas_length(prompt_len: int, gen_length: int, block_size: int | None) -> i
     return -(-(prompt_len + gen_length) // block_size) * block_size - prompt_len
 
 
-_DEFAULT = DecodeParams()
-
-
 def for_model(params: DecodeParams, model: nn.Module) -> DecodeParams:
     """`params` as the model decodes them, or a DecoderMismatch naming the key that cannot apply.
 
-    A block-causal model decodes in its own blocks with the exact block cache: block_length left
-    at its default becomes the model's block size, and cache none (the default) the block cache,
-    which changes no logit (docs/decoders.md); keys that act on a bidirectional canvas beyond the
-    current block are refused, and so are sub-blocks on a model that does not predict a slot
-    from the one before it (their block's first slot comes from the previous block's last)."""
-    block_size = block_size_of(model)
-    if (params.sub_block_length is not None and block_size is not None
-            and not getattr(model, "logit_shift", 0)):
+    Every door (the CLI, `LLM.generate`, a server's request, lm-eval) reaches the engine through
+    this, so a spec means one thing whichever door it came in by and whenever it was parsed. A
+    block-causal model decodes in its own blocks with the exact block cache: the keys the caller
+    did not choose (`DecodeParams.chosen`: a preset's or the defaults') take the model's
+    (`model_defaults`); a chosen key that disagrees is refused, but cache none (no approximate
+    cache) becomes the block cache, which changes no logit (docs/decoders.md). Keys that act on a
+    bidirectional canvas beyond the current block are refused, and so are sub-blocks on a model
+    that does not predict a slot from the one before it (their block's first slot comes from the
+    previous block's last). Then every chosen key must be read by the decoder it resolved to."""
+    if block_size_of(model) is None:
+        if entry("cache", params.cache).facts.block_causal:
+            raise DecoderMismatch(f"cache={params.cache} applies to block-causal models (config "
+                                  f"block_size) only; this model is bidirectional: drop cache",
+                                  "cache")
+        for key in sorted(block_causal_keys(params.chosen_keys)):
+            raise DecoderMismatch(f"{key} applies to block-causal models (config block_size) "
+                                  f"only; this model is bidirectional: drop {key}", key)
+        return _read(params)
+    return _read(_in_blocks(params, model))
+
+
+def parse_for(spec: str, model: nn.Module, explicit: dict | None = None,
+              **defaults: object) -> DecodeParams:
+    """`DecodeParams.parse` where the model is known: its own keys (`model_defaults`) over the
+    command's `defaults`, under the spec's and `explicit` keys, then `for_model`; so a spec that
+    cannot run on the model fails here, once, before any request."""
+    parsed = DecodeParams.parse(spec, explicit, **{**defaults, **model_defaults(model)})
+    return for_model(parsed, model)
+
+
+def _in_blocks(params: DecodeParams, model: nn.Module) -> DecodeParams:
+    """`params` with the block-causal model's own blocks, cache and suffix where the caller left
+    them (module docstring); a chosen key that cannot apply is a DecoderMismatch."""
+    block_size, chosen = block_size_of(model), params.chosen_keys
+    if params.sub_block_length is not None and not getattr(model, "logit_shift", 0):
         raise DecoderMismatch("sub_block_length cannot apply: its block's first slot is "
                               "predicted from the previous block's last, and this model predicts "
                               "each slot at its own position; drop sub_block_length",
                               "sub_block_length")
-    for_blocks = entry("cache", params.cache).facts.block_causal
-    if block_size is None:
-        if for_blocks:
-            raise DecoderMismatch(f"cache={params.cache} applies to block-causal models (config "
-                                  f"block_size) only; this model is bidirectional: drop cache",
-                                  "cache")
-        return params
     why = "a block-causal model never sees past its current block"
-    if params.suffix != "full":
+    if params.suffix != "full" and "suffix" in chosen:
         raise DecoderMismatch(f"suffix={params.suffix} cannot apply: {why}; drop suffix", "suffix")
-    if not for_blocks and params.cache != "none":
+    cache = entry("cache", params.cache).facts.block_causal or params.cache == "none"
+    if not cache and "cache" in chosen:
         raise DecoderMismatch(f"cache={params.cache} cannot apply: {why}, and the K/V of its "
                               "finished blocks is exact already; drop cache (the exact block cache "
                               "is its default)", "cache")
-    changes: dict = {}
-    if params.block_length != block_size:
-        if params.block_length != _DEFAULT.block_length:
-            raise DecoderMismatch(f"block_length={params.block_length} cannot apply: this model "
-                                  f"was trained with blocks of {block_size}; drop block_length "
-                                  f"or set block_length={block_size}", "block_length")
-        changes["block_length"] = block_size
-    if params.cache == "none":
-        changes["cache"] = "block"
+    if params.block_length != block_size and "block_length" in chosen:
+        raise DecoderMismatch(f"block_length={params.block_length} cannot apply: this model "
+                              f"was trained with blocks of {block_size}; drop block_length "
+                              f"or set block_length={block_size}", "block_length")
+    changes = {k: v for k, v in model_defaults(model).items() if getattr(params, k) != v}
+    if cache and params.cache != "none":  # a block-causal cache the caller chose stays
+        changes.pop("cache", None)
     if not changes:
         return params
     try:
@@ -196,3 +212,12 @@ def for_model(params: DecodeParams, model: nn.Module) -> DecodeParams:
     except SpecError as e:  # e.g. gen_length or steps against the model's block size
         raise DecoderMismatch(f"{e} (block_length is this model's block size, {block_size})",
                               e.key) from None
+
+
+def _read(params: DecodeParams) -> DecodeParams:
+    """`params`, once every chosen key is read by the decoder they resolved to."""
+    try:
+        params.check_read()
+    except SpecError as e:
+        raise DecoderMismatch(str(e), e.key) from None
+    return params

@@ -52,7 +52,8 @@ from lm_eval.utils import simple_parse_args_string
 from tqdm import tqdm
 
 from unmask.api import LLM, Generation, check_text
-from unmask.decoding.params import SPEC_KEYS, DecodeParams, whole_blocks
+from unmask.decoding.params import SPEC_KEYS, DecodeParams, check_before_model, whole_blocks
+from unmask.engine.layout import parse_for
 from unmask.errors import InputError, UnmaskError
 from unmask.evaluation.block_likelihood import estimate_block_bound
 from unmask.evaluation.likelihood import Bound, estimate_bound
@@ -145,8 +146,8 @@ class UnmaskLM(LM):
                              f"{', '.join(MODEL_KEYS + SPEC_KEYS)}")
         # The spec first: a bad one fails before a model is loaded.
         spec = ",".join([str(decoder)] + [f"{k}={_spec_value(v)}" for k, v in decoder_keys.items()])
-        self.params = DecodeParams.parse(spec, gen_length=DEFAULT_GEN_LENGTH,
-                                         block_length=DEFAULT_BLOCK_LENGTH)
+        defaults = {"gen_length": DEFAULT_GEN_LENGTH, "block_length": DEFAULT_BLOCK_LENGTH}
+        check_before_model(spec, **defaults)
         # lm-eval's --max_batch_size bounds only what batch_size=auto picks, as in its HF model.
         cap = None if max_batch_size is None else _positive_int("max_batch_size", max_batch_size)
         auto = AUTO_BATCH_SIZE if cap is None else min(AUTO_BATCH_SIZE, cap)
@@ -160,6 +161,8 @@ class UnmaskLM(LM):
         self.llm = LLM(pretrained, device=_device(device), dtype=dtype, quantize=quantize,
                        compile=compile)
         self._device = self.llm.device
+        # as the model decodes it (a block-causal model's blocks and cache), as `unmask eval` does
+        self.params = parse_for(spec, self.llm.model, **defaults)
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ chat template

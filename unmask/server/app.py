@@ -51,7 +51,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     # one character per byte; SentencePiece: one per character; WordPiece adds "##"), so no
     # token covers more characters than the longest entry.
     chars_per_token = max(len(t) for t in llm.tokenizer.get_vocab())
-    state = ServerState(llm, config, door, config.model_name or llm.path.name, chars_per_token)
+    state = ServerState(llm, config, door, config.model_name or llm.name, chars_per_token)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

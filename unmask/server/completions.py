@@ -77,8 +77,7 @@ async def _respond(state: ServerState, body: _Common, ids: list[list[int]], requ
                                        body.max_tokens),
                       len(item.prompt_ids) if i % body.n == 0 else 0)
                for i, (h, item) in enumerate(zip(handles, items, strict=True))]
-    rid = choices[0].request.request_id  # cmpl-...; OpenAI's chat ids are chatcmpl-...
-    rid = f"chat{rid}" if chat else rid
+    rid = choices[0].request.request_id  # cmpl-..., or chatcmpl-... (intake.submissions)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         gen = _stream(state, choices, request, chat, rid, params, include_usage)

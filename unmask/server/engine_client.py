@@ -52,6 +52,8 @@ class Submission:
     params: DecodeParams
     field: str  # where the prompt came from: "prompt", "prompt[2]", "messages"
     length_field: str | None = None  # the field that set gen_length, when the request set one
+    # its id's prefix, as OpenAI's: the response's id and the server log then name it alike
+    id_prefix: str = "cmpl"
 
 
 @dataclass
@@ -175,7 +177,7 @@ class EngineClient:
     async def _add(self, item: Submission, ids: CheckedPrompt, trace: bool) -> Handle:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Handle] = loop.create_future()
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"{item.id_prefix}-{uuid.uuid4().hex}"
         self._cmds.put(("add", (ids, item.params, request_id, trace, loop, done)))
         try:
             return await done

@@ -96,6 +96,10 @@ async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         allowed = (e.headers or {}).get("Allow", "")
         message = f"method {request.method} is not allowed for {request.url.path}" + (
             f"; allowed: {allowed}" if allowed else "")
+    elif isinstance(e.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body"
+        bad = e.__cause__
+        message = (f"request body is not valid UTF-8 (byte 0x{bad.object[bad.start]:02x} at "
+                   f"offset {bad.start}): send JSON encoded in UTF-8")
     else:
         message = f"{where}: {e.detail}"
     kind = "server_error" if e.status_code >= 500 else "invalid_request_error"

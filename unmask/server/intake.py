@@ -125,4 +125,5 @@ def submissions(body: _Common, ids: list[list[int]], params: list[DecodeParams],
                 fields: list[str]) -> list[Submission]:
     """The engine requests of a request: prompt ids, decoder, and the fields an error names."""
     length = max_tokens_field(body) if body.max_tokens is not None else None
-    return [Submission(p, q, f, length) for p, q, f in zip(ids, params, fields, strict=True)]
+    kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+    return [Submission(p, q, f, length, kind) for p, q, f in zip(ids, params, fields, strict=True)]

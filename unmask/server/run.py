@@ -112,7 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from unmask.server.state import ServerConfig
     except ImportError as e:
         raise InputError(f"the server needs its extra: pip install 'unmask[serve]' ({e})") from None
-    from unmask.cli_args import load_llm
+    from unmask.cli_args import decoder_for, load_llm
 
     if args.max_queue < 0:
         raise InputError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -128,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = listen(args.host, args.port)
     try:
         llm = load_llm(args)
+        # a default the model cannot run, or a slot budget no request fits, fails here, once
+        check_slots(config.max_slots, decoder_for(args.decoder, args, llm), llm.model)
     except BaseException:
         sock.close()
         raise
@@ -170,6 +172,20 @@ def run_serve(args: argparse.Namespace) -> int:
     ours.handlers[:], ours.propagate = logging.getLogger("uvicorn").handlers, False
     server.run(sockets=[sock])
     return 130 if server.force_exit else 0
+
+
+def check_slots(max_slots: int | None, params: object, model: object) -> None:
+    """--max-slots must hold the smallest request of the default decoder: a one-token prompt
+    and one block (a block-causal model's canvas runs to the end of its block). Below that the
+    server would start and refuse every request."""
+    from unmask.engine.layout import block_size_of, canvas_length
+
+    need = 1 + canvas_length(1, params.block_length, block_size_of(model))
+    if max_slots is not None and max_slots < need:
+        raise InputError(f"--max-slots {max_slots} holds no request: the smallest one (a "
+                         f"one-token prompt and a block of {params.block_length} generated "
+                         f"positions with --decoder {params.spec}) takes {need} slots; give at "
+                         f"least {need}, or drop --max-slots")
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 from unmask.api import LLM
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
 from unmask.engine.layout import model_defaults
-from unmask.errors import InputError
+from unmask.errors import InputError, is_bearer_token
 from unmask.server.engine_client import EngineClient
 from unmask.server.metrics import ServerMetrics
 
@@ -41,6 +41,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         DecodeParams.parse(self.decoder)  # a bad default spec fails at startup, not per request
+        name = self.model_name
+        if name is not None and not (isinstance(name, str) and name.strip()):
+            raise InputError(f"--model-name {name!r}: the id clients send as `model` must not be "
+                             f"empty; drop --model-name for the model's own name")
         n = self.max_body_bytes
         if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):  # True is no size
             raise InputError(f"max_body_bytes must be an integer >= 1, got {self.max_body_bytes!r}")
@@ -49,9 +53,7 @@ class ServerConfig:
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
             raise InputError(f"--shutdown-timeout must be a number of seconds >= 0, got {t!r}")
         key = self.api_key
-        # a header value: printable ASCII without spaces (a Bearer token)
-        if key is not None and not (key and key.isascii() and key.isprintable()
-                                    and not any(c.isspace() for c in key)):
+        if key is not None and not (isinstance(key, str) and is_bearer_token(key)):
             raise InputError("the API key (--api-key or $UNMASK_API_KEY) must be non-empty "
                              "printable ASCII without spaces")
         for origin in self.cors_origins:

@@ -179,7 +179,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch CPU threads, or 'auto': re-measure 1 vs 2 threads every 200 steps "
                         "(on a shared 2-core machine 2 threads ran 4x slower than 1 under contention)")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer", default=None, help="folder with tokenizer.json (trained if absent)")
+    g.add_argument("--tokenizer", default=None,
+                   help="folder with tokenizer.json (default: the run's own, trained into "
+                        "OUT/tokenizer on its first start)")
+    g.add_argument("--train-tokenizer", action="store_true",
+                   help="train a tokenizer into --tokenizer's folder when it holds none "
+                        "(without this flag such a folder is refused: a mistyped path)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help=f"vocabulary of the tokenizer trained here (default: {DEFAULT_VOCAB}); "
                         "with an existing tokenizer it must be that tokenizer's size")

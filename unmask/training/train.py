@@ -453,12 +453,16 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 def _export(model: nn.Module, folder: Path, tok_dir: Path) -> None:
+    from unmask.catalog import SINGLE_TURN_KEY
     from unmask.checkpoint import save_checkpoint
 
     tmp = folder.with_name(folder.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     save_checkpoint(model, tmp, tokenizer_dir=tok_dir)
+    # its data holds single questions: chat answers each message alone (unmask.catalog)
+    (tmp / "generation_config.json").write_text(json.dumps({SINGLE_TURN_KEY: True}, indent=2)
+                                                 + "\n")
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)
@@ -525,6 +529,9 @@ class Trainer:
         enc = TextEncoder(tok_file) if tok_file.is_file() else None
         if enc is not None:
             _check_vocab(args, tok_dir, enc)
+        elif args.tokenizer and not args.train_tokenizer:
+            raise InputError(f"--tokenizer {tok_dir}: no tokenizer.json there; give a folder that "
+                             f"holds one, or add --train-tokenizer to train one into it")
         _check_out_paths(self.out, tok_dir, Path(args.export) if args.export else None)
         if enc is None:
             asked = args.vocab_size or DEFAULT_VOCAB
