@@ -189,6 +189,7 @@ class TokenAutomaton:
 
     trans: np.ndarray
     succ: np.ndarray
+    succ_t: np.ndarray  # succ transposed, contiguous
     start: int
     final: np.ndarray
     live: np.ndarray
@@ -213,14 +214,17 @@ class TokenAutomaton:
         edges = index.get_transitions()
         ids = sorted(set(edges) | {s for m in edges.values() for s in m.values()}
                      | set(index.get_final_states()) | {index.get_initial_state()})
-        number = {s: k for k, s in enumerate(ids)}
+        number = np.full(max(ids) + 1, -1, dtype=np.int32)  # outlines-core's state -> ours
+        number[ids] = np.arange(len(ids), dtype=np.int32)
         n = len(ids)
         end, dead = n, n + 1
-        trans = np.full((n + 2, vocab), dead, dtype=np.int32)
+        trans = np.full((n + 2, vocab + 1), dead, dtype=np.int32)  # column vocab: ids past it
         for s, moves in edges.items():
-            for t, nxt in moves.items():
-                if t != eos_id and t < vocab:
-                    trans[number[s], t] = number[nxt]
+            t = np.fromiter(moves.keys(), dtype=np.int64, count=len(moves))
+            nxt = np.fromiter(moves.values(), dtype=np.int64, count=len(moves))
+            trans[number[s], np.minimum(t, vocab)] = number[nxt]
+        trans = np.ascontiguousarray(trans[:, :vocab])
+        trans[:, eos_id] = dead
         final = np.zeros(n + 2, dtype=bool)
         final[[number[s] for s in index.get_final_states()]] = True
         final[end] = True
@@ -235,7 +239,8 @@ class TokenAutomaton:
             if (grown == live).all():
                 break
             live = grown
-        a = cls(trans, succ, number[index.get_initial_state()], final, live, ())
+        a = cls(trans, succ, np.ascontiguousarray(succ.T), int(number[index.get_initial_state()]),
+                final, live, ())
         if encode is not None:
             a.prefix = a._scaffold(literal_prefix(pattern), encode)
         return a
@@ -296,6 +301,7 @@ class Constraint:
                  mask_id: int) -> None:
         self.format, self.a, self.budget, self.mask_id = fmt, automaton, budget, mask_id
         self.end = automaton.final.copy()
+        self._masks: dict[bytes, np.ndarray] = {}  # (F_i, B_i+1) -> a hole's allowed tokens
         holes = np.full(budget, mask_id, dtype=np.int64)
         self.closes = self.feasible(holes)  # some word fits the budget
         if not self.closes:
@@ -314,7 +320,7 @@ class Constraint:
         f[0, a.start] = True
         for i, t in enumerate(gen.tolist()):
             if t == self.mask_id:
-                f[i + 1] = f[i].astype(np.float32) @ a.succ > 0
+                f[i + 1] = a.succ_t @ f[i].astype(np.float32) > 0  # matrix-vector: BLAS's fast case
                 f[i + 1, -1] = False
             else:
                 f[i + 1] = a.walk(f[i], t)
@@ -354,10 +360,20 @@ class Constraint:
         f, b = self._forward(g), self._backward(g)
         for k in np.flatnonzero(inside).tolist():
             i = int(slots[k])
-            from_states = self.a.trans[np.flatnonzero(f[i])]  # (|F_i|, V)
-            out[k, : self.a.trans.shape[1]] = b[i + 1][from_states].any(0)
+            out[k, : self.a.trans.shape[1]] = self._hole(f[i], b[i + 1])
             out[k, self.a.trans.shape[1]:] = False
         return out
+
+    def _hole(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """(V,) bool: the tokens that move a state of f (Q,) into one of b (Q,). Kept by the
+        pair: along a run of holes the sets settle, and so do a canvas's from step to step."""
+        key = np.packbits(f).tobytes() + np.packbits(b).tobytes()
+        hit = self._masks.get(key)
+        if hit is None:
+            if len(self._masks) > 4096:
+                self._masks.clear()
+            hit = self._masks[key] = b[self.a.trans[np.flatnonzero(f)]].any(0)  # (|F|, V) -> (V,)
+        return hit
 
     # --- the commit-time check --------------------------------------------------------------
     def restrict(self, gen: np.ndarray, sel: np.ndarray, token: np.ndarray,
