@@ -1,5 +1,6 @@
-"""Structured output on the shipped models: held-out math answered as `{"answer": <integer>}` and
-as `{"steps": [string], "answer": <integer>}`, unconstrained (then parsed) against the
+"""Structured output on the shipped models: held-out math answered as `{"answer": <integer>}`,
+as `{"steps": [string], "answer": <integer>}`, and in the models' own trained format held to a
+regular expression (a worked solution, then `#### <integer>`), unconstrained (then parsed) against the
 constraint (complete: out-of-order commits kept completable; prefix: the longest-valid-prefix
 baseline), side by side on the same prompts. Reports schema-valid %, answer accuracy, TPF, NFE,
 and the constraint's CPU time as a share of the decode's at batch 1 and 16. One thread, CPU
@@ -16,6 +17,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ SCHEMAS = {
         "steps": {"type": "array", "items": {"type": "string"}}, "answer": {"type": "integer"}},
         "required": ["steps", "answer"]},
 }
+OWN_FORMAT = r"[^#]*#### -?[0-9]+"  # the trained format: no '#' before the answer mark
 MODELS = {"unmask-llada": "threshold,threshold=0.9", "unmask-sdar": "threshold,threshold=0.9"}
 MODES = ("unconstrained", "complete", "prefix")
 
@@ -92,10 +95,11 @@ def main() -> int:
     rows = []
     for model, spec in MODELS.items():
         llm = LLM(model)
-        for sname, schema in SCHEMAS.items():
+        for sname in (*SCHEMAS, "own format (regex)"):
             for mode in MODES:
-                fmt = None if mode == "unconstrained" else ResponseFormat.json_schema(schema, mode)
-                check_fmt = ResponseFormat.json_schema(schema)
+                check_fmt = (ResponseFormat.json_schema(SCHEMAS[sname]) if sname in SCHEMAS
+                             else ResponseFormat.regex(OWN_FORMAT))
+                fmt = None if mode == "unconstrained" else replace(check_fmt, mode=mode)
                 row = {"model": model, "schema": sname, "mode": mode}
                 for batch in (1, 16):
                     outs, total, spent = run(llm, spec, prompts, fmt, batch, clock,
@@ -124,7 +128,8 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
              "answers, chat template, decoder `threshold,threshold=0.9`). valid: the output parses",
              "and validates against the schema; accuracy (JSON): its `answer` equals the problem's;",
              "accuracy (own format): the model's trained `#### answer` line is right (what the",
-             "unconstrained model is good at); grammar share: the constraint's CPU time (masks,",
+             "unconstrained model is good at; the regex rows hold it to `[^#]*#### -?[0-9]+`);",
+             "grammar share: the constraint's CPU time (masks,",
              "commit checks) over the whole decode's, all prompts at batch 1 and at batch 16;",
              "length: outputs that ended without EOS.",
              "",

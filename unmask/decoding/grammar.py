@@ -302,10 +302,15 @@ class Constraint:
         self.format, self.a, self.budget, self.mask_id = fmt, automaton, budget, mask_id
         self.end = automaton.final.copy()
         self._masks: dict[bytes, np.ndarray] = {}  # (F_i, B_i+1) -> a hole's allowed tokens
+        # The last canvas each pass ran on and its sets: a step's canvases differ from the last
+        # in a few slots, so a pass redoes only the slots from the first (forward) or last
+        # (backward) difference on.
+        self._last: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         holes = np.full(budget, mask_id, dtype=np.int64)
         self.closes = self.feasible(holes)  # some word fits the budget
         if not self.closes:
             self.end = automaton.live | automaton.final
+            self._last.clear()
         self.initial = self.scaffold()
 
     @property
@@ -316,27 +321,47 @@ class Constraint:
     def _forward(self, gen: np.ndarray) -> np.ndarray:
         """(G + 1, Q) bool: the states reachable after each slot of gen (G,) from the start."""
         a, g = self.a, gen.shape[0]
-        f = np.zeros((g + 1, a.n_states), dtype=bool)
-        f[0, a.start] = True
-        for i, t in enumerate(gen.tolist()):
+        f, since = self._reuse("forward", gen)
+        if f is None:
+            f = np.zeros((g + 1, a.n_states), dtype=bool)
+            f[0, a.start] = True
+        for i in range(since, g):
+            t = int(gen[i])
             if t == self.mask_id:
                 f[i + 1] = a.succ_t @ f[i].astype(np.float32) > 0  # matrix-vector: BLAS's fast case
                 f[i + 1, -1] = False
             else:
                 f[i + 1] = a.walk(f[i], t)
+        self._last["forward"] = (gen.copy(), f)
         return f
+
+    def _reuse(self, kind: str, gen: np.ndarray) -> tuple[np.ndarray | None, int]:
+        """The last `kind` pass's sets, copied, if it ran on a canvas of gen's length, and the
+        slot the pass must resume from (forward: the first slot that differs, G if none;
+        backward: one past the last that differs, 0 if none); else (None, the full range)."""
+        g = gen.shape[0]
+        last = self._last.get(kind)
+        if last is None or last[0].shape[0] != g:
+            return None, 0 if kind == "forward" else g
+        diff = np.flatnonzero(last[0] != gen)
+        if kind == "forward":
+            return last[1].copy(), int(diff[0]) if diff.size else g
+        return last[1].copy(), int(diff[-1]) + 1 if diff.size else 0
 
     def _backward(self, gen: np.ndarray) -> np.ndarray:
         """(G + 1, Q) bool: the states from which slots i.. of gen (G,) can end accepted."""
         a, g = self.a, gen.shape[0]
-        b = np.zeros((g + 1, a.n_states), dtype=bool)
-        b[g] = self.end
-        for i in range(g - 1, -1, -1):
+        b, since = self._reuse("backward", gen)
+        if b is None:
+            b = np.zeros((g + 1, a.n_states), dtype=bool)
+            b[g] = self.end
+        for i in range(since - 1, -1, -1):
             t = int(gen[i])
             if t == self.mask_id:
                 b[i] = a.succ @ b[i + 1].astype(np.float32) > 0
             else:
                 b[i] = b[i + 1][a.trans[:, t]]
+        self._last["backward"] = (gen.copy(), b)
         return b
 
     def feasible(self, gen: np.ndarray) -> bool:
