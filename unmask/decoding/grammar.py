@@ -194,6 +194,25 @@ class TokenAutomaton:
     final: np.ndarray
     live: np.ndarray
     prefix: tuple[int, ...]
+    # every move that does not lead to DEAD, as (E,) arrays: a hole's mask reads these when
+    # they are fewer than its states x the vocabulary (a large automaton, few moves a state)
+    edge_src: np.ndarray | None = None
+    edge_tok: np.ndarray | None = None
+    edge_dst: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        src, tok = np.nonzero(self.trans != self.n_states - 1)
+        self.edge_src, self.edge_tok = src.astype(np.int32), tok.astype(np.int32)
+        self.edge_dst = self.trans[src, tok]
+
+    def moves_into(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """(V,) bool: the tokens that move some state of f (Q,) into one of b (Q,)."""
+        states = np.flatnonzero(f)
+        if states.size * self.trans.shape[1] <= self.edge_src.size:
+            return b[self.trans[states]].any(0)  # (|F|, V) -> (V,)
+        out = np.zeros(self.trans.shape[1], dtype=bool)
+        out[self.edge_tok[f[self.edge_src] & b[self.edge_dst]]] = True
+        return out
 
     @property
     def n_states(self) -> int:
@@ -397,7 +416,7 @@ class Constraint:
         if hit is None:
             if len(self._masks) > 4096:
                 self._masks.clear()
-            hit = self._masks[key] = b[self.a.trans[np.flatnonzero(f)]].any(0)  # (|F|, V) -> (V,)
+            hit = self._masks[key] = self.a.moves_into(f, b)
         return hit
 
     # --- the commit-time check --------------------------------------------------------------
