@@ -131,7 +131,9 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
              "unconstrained model is good at; the regex rows hold it to `[^#]*#### -?[0-9]+`);",
              "grammar share: the constraint's CPU time (masks,",
              "commit checks) over the whole decode's, all prompts at batch 1 and at batch 16;",
-             "length: outputs that ended without EOS.",
+             "length: outputs that ended without EOS. The grammar libraries compared:",
+             "[benchmarks/grammar-libraries.md](benchmarks/grammar-libraries.md)",
+             "(`python scripts/grammar_libraries.py`).",
              "",
              "| model | schema | mode | valid | accuracy (JSON) | accuracy (own format) | TPF | NFE "
              "| grammar share b1 | grammar share b16 | length | first output |",

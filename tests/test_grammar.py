@@ -235,3 +235,24 @@ def test_bad_regex_and_decoders_are_refused() -> None:
 
 def test_text_and_absent_formats_are_none() -> None:
     assert as_format(None) is None and as_format({"type": "text"}) is None
+
+
+# --- the doors on the embedded model (its byte-level tokenizer) --------------------------------
+def test_llm_generate_and_the_cli(capsys) -> None:
+    from pydantic import BaseModel
+
+    from unmask import LLM
+    from unmask.cli import main
+
+    class Answer(BaseModel):
+        answer: int
+
+    [g] = LLM().generate(["What is 2 + 3?"], "threshold", gen_length=32, response_format=Answer)
+    assert g.finish_reason in ("eos", "length") and Answer.model_validate_json(g.text)
+    assert main(["generate", "Is 7 prime?", "--regex", "(yes|no)", "--gen-length", "32",
+                 "--decoder", "threshold"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    assert main(["generate", "hi", "--regex", "a(b"]) == 2
+    assert main(["generate", "hi", "--json-schema", "/no/such/schema.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "invalid regular expression" in err[0] and "readable file" in err[1]
