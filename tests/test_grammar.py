@@ -256,3 +256,20 @@ def test_llm_generate_and_the_cli(capsys) -> None:
     assert main(["generate", "hi", "--json-schema", "/no/such/schema.json"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "invalid regular expression" in err[0] and "readable file" in err[1]
+
+
+def test_the_passes_remembered_between_canvases_change_nothing() -> None:
+    """A constraint that remembers its last passes answers as a fresh one on every canvas of a
+    random walk of commits and retractions (the last slot committed included)."""
+    rng = np.random.default_rng(1)
+    kept = constraint(10)
+    gen = np.full(10, MASK)
+    for _ in range(200):
+        i = int(rng.integers(10))
+        gen[i] = MASK if rng.random() < 0.3 else rng.choice([2 + CHARS.index(ch) for ch in
+                                                              '{}":,ab01t'] + [EOS])
+        fresh = constraint(10)
+        assert kept.feasible(gen) == fresh.feasible(gen)
+        holes = np.flatnonzero(gen == MASK)
+        if holes.size and fresh.feasible(gen):
+            assert (kept.allowed(gen, holes, VOCAB) == fresh.allowed(gen, holes, VOCAB)).all()

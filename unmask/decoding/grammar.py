@@ -16,6 +16,7 @@ be completed to a word of the language, so every finished output is one.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -321,77 +322,108 @@ class Constraint:
         self.format, self.a, self.budget, self.mask_id = fmt, automaton, budget, mask_id
         self.end = automaton.final.copy()
         self._masks: dict[bytes, np.ndarray] = {}  # (F_i, B_i+1) -> a hole's allowed tokens
-        # The last canvas each pass ran on and its sets: a step's canvases differ from the last
-        # in a few slots, so a pass redoes only the slots from the first (forward) or last
-        # (backward) difference on.
-        self._last: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # The last canvas each pass ran on, its sets and where their computed rows end: a
+        # step's canvases differ from the last in a few slots, so a pass redoes only the slots
+        # from the first (forward) or last (backward) difference on.
+        self._last: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+        self._set_end(automaton.final)
         holes = np.full(budget, mask_id, dtype=np.int64)
         self.closes = self.feasible(holes)  # some word fits the budget
         if not self.closes:
-            self.end = automaton.live | automaton.final
-            self._last.clear()
+            self._set_end(automaton.live | automaton.final)
         self.initial = self.scaffold()
+
+    def fresh(self) -> Constraint:
+        """A copy with its own memory of the passes, for one row (rows sharing one would keep
+        overwriting it)."""
+        c = copy.copy(self)
+        c._masks, c._last = {}, {}
+        return c
 
     @property
     def mode(self) -> str:
         return self.format.mode
 
     # --- the state sets ------------------------------------------------------------------
-    def _forward(self, gen: np.ndarray) -> np.ndarray:
-        """(G + 1, Q) bool: the states reachable after each slot of gen (G,) from the start."""
+    def _set_end(self, end: np.ndarray) -> None:
+        """The states accepted at the budget; and tail[k], the backward set of k trailing holes
+        before it (the right of a canvas is mostly holes: read, not recomputed)."""
+        self.end = end.copy()
+        self._last.clear()
+        tail = np.zeros((self.budget + 1, self.a.n_states), dtype=bool)
+        tail[0] = end
+        for k in range(self.budget):
+            tail[k + 1] = self.a.succ @ tail[k].astype(np.float32) > 0
+        self._tail = tail
+
+    def _forward(self, gen: np.ndarray, stop: int | None = None) -> np.ndarray:
+        """(G + 1, Q) bool: the states reachable after each slot of gen (G,) from the start;
+        rows past `stop` (default G) are left as they are."""
         a, g = self.a, gen.shape[0]
+        stop = g if stop is None else stop
         f, since = self._reuse("forward", gen)
         if f is None:
             f = np.zeros((g + 1, a.n_states), dtype=bool)
             f[0, a.start] = True
-        for i in range(since, g):
+        for i in range(since, stop):
             t = int(gen[i])
             if t == self.mask_id:
                 f[i + 1] = a.succ_t @ f[i].astype(np.float32) > 0  # matrix-vector: BLAS's fast case
                 f[i + 1, -1] = False
             else:
                 f[i + 1] = a.walk(f[i], t)
-        self._last["forward"] = (gen.copy(), f)
+        self._last["forward"] = (gen.copy(), f, max(stop, since))
         return f
 
     def _reuse(self, kind: str, gen: np.ndarray) -> tuple[np.ndarray | None, int]:
         """The last `kind` pass's sets, copied, if it ran on a canvas of gen's length, and the
-        slot the pass must resume from (forward: the first slot that differs, G if none;
-        backward: one past the last that differs, 0 if none); else (None, the full range)."""
+        slot the pass must resume from (forward: the first slot that differs or was not
+        computed; backward: one past the last that differs, 0 if none); else (None, the full
+        range)."""
         g = gen.shape[0]
         last = self._last.get(kind)
         if last is None or last[0].shape[0] != g:
             return None, 0 if kind == "forward" else g
         diff = np.flatnonzero(last[0] != gen)
         if kind == "forward":
-            return last[1].copy(), int(diff[0]) if diff.size else g
-        return last[1].copy(), int(diff[-1]) + 1 if diff.size else 0
+            return last[1].copy(), min(int(diff[0]) if diff.size else g, last[2])
+        return last[1].copy(), max(int(diff[-1]) + 1 if diff.size else 0, last[2])
 
-    def _backward(self, gen: np.ndarray) -> np.ndarray:
-        """(G + 1, Q) bool: the states from which slots i.. of gen (G,) can end accepted."""
+    def _backward(self, gen: np.ndarray, down_to: int = 0) -> np.ndarray:
+        """(G + 1, Q) bool: the states from which slots i.. of gen (G,) can end accepted; rows
+        before `down_to` are left as they are."""
         a, g = self.a, gen.shape[0]
         b, since = self._reuse("backward", gen)
         if b is None:
             b = np.zeros((g + 1, a.n_states), dtype=bool)
             b[g] = self.end
-        for i in range(since - 1, -1, -1):
+        filled = np.flatnonzero(gen != self.mask_id)
+        holes_from = int(filled[-1]) + 1 if filled.size else 0  # slots past it are all holes
+        if holes_from < since:
+            b[holes_from:] = self._tail[g - holes_from :: -1]
+            since = holes_from
+        for i in range(since - 1, down_to - 1, -1):
             t = int(gen[i])
             if t == self.mask_id:
                 b[i] = a.succ @ b[i + 1].astype(np.float32) > 0
             else:
                 b[i] = b[i + 1][a.trans[:, t]]
-        self._last["backward"] = (gen.copy(), b)
+        self._last["backward"] = (gen.copy(), b, min(since, down_to))
         return b
 
     def feasible(self, gen: np.ndarray) -> bool:
         """Whether the canvas's first `budget` generated slots (gen: (>= budget,)) can still be
         completed to an accepted word."""
-        return bool((self._backward(gen[: self.budget])[0] & self._forward_start()).any())
-
-    def _forward_start(self) -> np.ndarray:
-        s = np.zeros(self.a.n_states, dtype=bool)
-        s[self.a.start] = True
-        return s
+        # The two passes meet at the first slot where the canvas differs from the last forward
+        # pass's: the forward rows up to it are kept, the backward ones from the last change.
+        g = gen[: self.budget]
+        last = self._last.get("forward")
+        k = 0
+        if last is not None and last[0].shape[0] == g.shape[0]:
+            diff = np.flatnonzero(last[0] != g)
+            k = min(int(diff[0]) if diff.size else g.shape[0], last[2])
+        f, b = self._forward(g, k), self._backward(g, k)
+        return bool((f[k] & b[k]).any())
 
     def allowed(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
         """(N, vocab) bool: the tokens each hole `slots` (N,) of the generated canvas gen (G,)
@@ -401,7 +433,8 @@ class Constraint:
         if not inside.any():
             return out
         g = gen[: self.budget]
-        f, b = self._forward(g), self._backward(g)
+        f = self._forward(g, int(slots[inside].max()) + 1)
+        b = self._backward(g, int(slots[inside].min()) + 1)
         for k in np.flatnonzero(inside).tolist():
             i = int(slots[k])
             out[k, : self.a.trans.shape[1]] = self._hole(f[i], b[i + 1])
