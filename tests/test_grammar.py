@@ -8,6 +8,7 @@ spell a small JSON-like language (single characters and a few multi-character to
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -273,3 +274,20 @@ def test_the_passes_remembered_between_canvases_change_nothing() -> None:
         holes = np.flatnonzero(gen == MASK)
         if holes.size and fresh.feasible(gen):
             assert (kept.allowed(gen, holes, VOCAB) == fresh.allowed(gen, holes, VOCAB)).all()
+
+
+def test_trace_shows_the_scaffold(tmp_path) -> None:
+    """`unmask trace` with a constraint: the layout names the constrained slots and the
+    scaffold, which the first step commits."""
+    from unmask.cli import main
+
+    out = tmp_path / "t.json"
+    assert main(["trace", "What is 2 + 3?", "--decoder", "threshold", "--gen-length", "32",
+                 "--regex", "ok: [0-9]+", "--out", str(tmp_path / "t.png"),
+                 "--json", str(out)]) == 0
+    events = json.loads(out.read_text())["events"]
+    layout = events[0]
+    assert layout["constrained"] == 32 and layout["scaffold"] == [0, 1, 2]  # "ok", ":", " "
+    first = next(e for e in events if e["event"] == "step")
+    assert set(layout["scaffold"]) <= set(first["positions"])
+    assert re.fullmatch("ok: [0-9]+", next(e for e in events if e["event"] == "done")["text"])

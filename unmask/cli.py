@@ -17,16 +17,17 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from unmask.cli_args import (
     add_decode_arguments,
+    add_format_arguments,
     add_model_arguments,
     chat_for,
     check_decoder,
     check_prompts,
     decoder_for,
     load_llm,
+    response_format_of,
 )
 from unmask.errors import UnmaskError
 
@@ -68,25 +69,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"[{params.spec} | NFE {g.nfe} | TPF {g.tpf:.2f} | {g.tps:.1f} tokens/s | "
               f"{g.seconds:.2f} s]", file=sys.stderr)
     return 0
-
-
-def response_format_of(args: argparse.Namespace):
-    """The structured output --json-schema (a file, or the schema's JSON) or --regex asks for,
-    in --grammar-mode; None without either."""
-    from unmask.decoding.grammar import GrammarError, ResponseFormat
-
-    if args.regex is not None:
-        return ResponseFormat.regex(args.regex, args.grammar_mode)
-    if args.json_schema is None:
-        return None
-    text = args.json_schema
-    if not text.lstrip().startswith("{"):
-        try:
-            text = Path(text).read_text()
-        except OSError as e:
-            raise GrammarError(f"--json-schema {args.json_schema!r}: neither a JSON object nor a "
-                               f"readable file ({e.strerror})") from None
-    return ResponseFormat.json_schema(text, args.grammar_mode)
 
 
 @contextlib.contextmanager
@@ -136,16 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_arguments(g)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    shape = g.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", metavar="FILE|JSON",
-                       help="every answer is JSON valid against this schema (a file, or the "
-                            "schema itself)")
-    shape.add_argument("--regex", metavar="PATTERN",
-                       help="every answer matches this regular expression in full")
-    g.add_argument("--grammar-mode", choices=["complete", "prefix"], default="complete",
-                   help="how --json-schema / --regex constrain the canvas: complete (slots in "
-                        "any order, the canvas kept completable) or prefix (the "
-                        "longest-valid-prefix baseline, left to right)")
+    add_format_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     # (name, help, adds the arguments, module and function that run it, returns an exit code)
