@@ -385,8 +385,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_trace(args: argparse.Namespace) -> int:
     from unmask.bench.cli import check_outputs
+    from unmask import cli_args
     from unmask.cli_args import chat_for, check_decoder, check_prompts, decoder_for, load_llm
-    from unmask.cli_args import response_format_of
 
     out = Path(args.out)
     if out.suffix.lower() not in WRITERS:
@@ -399,7 +399,7 @@ def run_trace(args: argparse.Namespace) -> int:
         check_decoder(spec, args)
     check_lanes(specs)
     check_prompts([args.prompt])
-    fmt = response_format_of(args)
+    fmt = cli_args.response_format_of(args)
     llm = load_llm(args)
     params = [decoder_for(spec, args, llm) for spec in specs]
     trace = record(llm, args.prompt, params, chat=chat_for(llm, args.raw), response_format=fmt)
