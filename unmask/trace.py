@@ -384,8 +384,8 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_trace(args: argparse.Namespace) -> int:
-    from unmask.bench.cli import check_outputs
     from unmask import cli_args
+    from unmask.bench.cli import check_outputs
     from unmask.cli_args import chat_for, check_decoder, check_prompts, decoder_for, load_llm
 
     out = Path(args.out)
