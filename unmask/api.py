@@ -13,11 +13,13 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.compiling import check_compile, compile_model
+from unmask.decoding.grammar import Constraint, ResponseFormat, TokenAutomaton, as_format, token_bytes
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
 from unmask.engine.layout import model_defaults
@@ -260,6 +262,7 @@ class LLM:
         self.config = self.model.config
         self.tokenizer = load_tokenizer(self.path)
         check_tokenizer(self.tokenizer, self.config, self.path)
+        self._automata: dict[tuple[str, str], TokenAutomaton] = {}  # LLM.constraint's
 
     def _quantize(self, scheme: str | None) -> str:
         """Quantize the loaded model to `scheme` (None: leave it as loaded); returns a line
@@ -334,11 +337,13 @@ class LLM:
     def generate(self, prompts: str | list[str], params: DecodeParams | str | None = None,
                  chat: bool = True, batch_size: int = 8,
                  on_event: Callable[[StepEvent], None] | None = None,
-                 **overrides) -> list[Generation]:
+                 response_format: Any = None, **overrides) -> list[Generation]:
         """Generate for each prompt. params: a DecodeParams or a decoder spec string; keyword
         overrides (gen_length=..., block_length=...) apply on top of it. batch_size: requests
         decoded at once (the output does not depend on it). on_event: called with every step
-        event (progress)."""
+        event (progress). response_format: structured output (`grammar.as_format`: OpenAI's
+        response_format object, a pydantic model class or a `ResponseFormat`): every output
+        matches it, or ends with finish_reason "length" where gen_length cannot hold one."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -351,18 +356,35 @@ class LLM:
                 raise InputError(f"empty prompt (prompt {i}): give the model something to answer")
             check_text(prompt, f"prompt {i}")
         params = resolve_params(params, overrides, model_defaults(self.model))
+        fmt = as_format(response_format)
         ids = [self._encode(p, chat) for p in prompts]
-        return self.generate_ids(ids, params, batch_size=batch_size, on_event=on_event)
+        constraints = None if fmt is None else [self.constraint(fmt, params.gen_length)] * len(ids)
+        return self.generate_ids(ids, params, batch_size=batch_size, on_event=on_event,
+                                 constraints=constraints)
+
+    def constraint(self, fmt: ResponseFormat, budget: int) -> Constraint:
+        """A request's constraint: `fmt` over its first `budget` generated tokens (the
+        automaton is compiled once per format and kept)."""
+        key = (fmt.pattern, fmt.kind)
+        if key not in self._automata:
+            c = self.config
+            self._automata[key] = TokenAutomaton.build(
+                fmt.pattern, token_bytes(self.tokenizer), c.vocab_size, c.eos_token_id,
+                encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        return Constraint(fmt, self._automata[key], budget, self.config.mask_token_id)
 
     def generate_ids(self, prompt_ids: list[list[int]], params: DecodeParams,
                      batch_size: int = 8,
-                     on_event: Callable[[StepEvent], None] | None = None) -> list[Generation]:
-        """Generate for already tokenized prompts: `batch_size` at a time through the engine."""
+                     on_event: Callable[[StepEvent], None] | None = None,
+                     constraints: list[Constraint | None] | None = None) -> list[Generation]:
+        """Generate for already tokenized prompts: `batch_size` at a time through the engine
+        (constraints: each prompt's structured output, or None)."""
         if not isinstance(params, DecodeParams):
             raise SpecError("params must be a DecodeParams")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        reqs = decode(self.model, params, prompt_ids, max_running=batch_size, on_event=on_event)
+        reqs = decode(self.model, params, prompt_ids, max_running=batch_size, on_event=on_event,
+                      constraints=constraints)
         return [self.generation(r) for r in reqs]
 
     def generation(self, r: Request) -> Generation:

@@ -20,12 +20,14 @@ from collections.abc import Callable, Iterator
 
 from unmask.cli_args import (
     add_decode_arguments,
+    add_format_arguments,
     add_model_arguments,
     chat_for,
     check_decoder,
     check_prompts,
     decoder_for,
     load_llm,
+    response_format_of,
 )
 from unmask.errors import UnmaskError
 
@@ -48,10 +50,12 @@ class _Parser(argparse.ArgumentParser):
 def cmd_generate(args: argparse.Namespace) -> int:
     check_decoder(args.decoder, args)  # before the load: a bad spec fails at once
     check_prompts(args.prompts)
+    fmt = response_format_of(args)  # before the load too: a bad schema or regex fails at once
     llm = load_llm(args)
     params = decoder_for(args.decoder, args, llm)
     with decode_progress(len(args.prompts) * params.gen_length) as on_event:
-        outs = llm.generate(args.prompts, params, chat=chat_for(llm, args.raw), on_event=on_event)
+        outs = llm.generate(args.prompts, params, chat=chat_for(llm, args.raw), on_event=on_event,
+                            response_format=fmt)
     several = len(outs) > 1
     for i, (prompt, g) in enumerate(zip(args.prompts, outs, strict=True), 1):
         if args.json:
@@ -114,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_decode_arguments(g)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_format_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     # (name, help, adds the arguments, module and function that run it, returns an exit code)

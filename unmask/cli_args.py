@@ -12,6 +12,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from unmask.decoding.params import (
@@ -188,3 +189,36 @@ def chat_for(llm: LLM, raw: bool, raw_flag: str | None = "--raw") -> bool:
     if not raw and not llm.has_chat_template:
         print(f"note: {llm.no_chat_template_note(raw_flag)}", file=sys.stderr)
     return not raw and llm.has_chat_template
+
+
+def add_format_arguments(p: argparse.ArgumentParser) -> None:
+    """Structured output: --json-schema or --regex, and --grammar-mode."""
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE|JSON",
+                       help="every answer is JSON valid against this schema (a file, or the "
+                            "schema itself)")
+    shape.add_argument("--regex", metavar="PATTERN",
+                       help="every answer matches this regular expression in full")
+    p.add_argument("--grammar-mode", choices=["complete", "prefix"], default="complete",
+                   help="how --json-schema / --regex constrain the canvas: complete (slots in "
+                        "any order, the canvas kept completable) or prefix (the "
+                        "longest-valid-prefix baseline, left to right)")
+
+
+def response_format_of(args: argparse.Namespace):
+    """The structured output --json-schema (a file, or the schema's JSON) or --regex asks for,
+    in --grammar-mode; None without either."""
+    from unmask.decoding.grammar import GrammarError, ResponseFormat
+
+    if args.regex is not None:
+        return ResponseFormat.regex(args.regex, args.grammar_mode)
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):
+        try:
+            text = Path(text).read_text()
+        except OSError as e:
+            raise GrammarError(f"--json-schema {args.json_schema!r}: neither a JSON object nor a "
+                               f"readable file ({e.strerror})") from None
+    return ResponseFormat.json_schema(text, args.grammar_mode)

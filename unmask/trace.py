@@ -48,11 +48,15 @@ class Lane:
         self._pieces: dict[int, str] = {}
 
     def layout(self) -> dict[str, Any]:
-        p = self.request.params
+        p, c = self.request.params, self.request.constraint
+        # structured output: the slots the constraint covers and those its scaffold fixed
+        scaffold = [] if c is None else [i for i, t in enumerate(c.initial.tolist())
+                                         if t != c.mask_id]
         return {"event": "layout", "lane": self.index, "decoder": p.spec,
                 "request_id": self.request.request_id, "prompt": self.prompt,
                 "prompt_tokens": self.request.prompt_len, "gen_length": p.gen_length,
-                "block_length": p.block_length, "cache": p.cache}
+                "block_length": p.block_length, "cache": p.cache,
+                "constrained": 0 if c is None else c.budget, "scaffold": scaffold}
 
     def feed(self, ev: StepEvent, elapsed: float) -> list[dict[str, Any]]:
         """The dicts of one StepEvent: a `step` when the request stepped, then `done` if it
@@ -121,13 +125,16 @@ def check_lanes(specs: Sequence[str | DecodeParams]) -> None:
 
 
 def record(llm: LLM, prompt: str, specs: Sequence[str | DecodeParams], gen_length: int | None = None,
-           block_length: int | None = None, chat: bool = True) -> dict[str, Any]:
+           block_length: int | None = None, chat: bool = True,
+           response_format: Any = None) -> dict[str, Any]:
     """Decode `prompt` with each decoder (a spec or DecodeParams) side by side (one engine,
-    trace=True) and return the trace: {"prompt", "model", "events": [layout..., step/done...]}.
+    trace=True) and return the trace: {"prompt", "model", "events": [layout..., step/done...]};
+    response_format: each lane's structured output (`LLM.generate`'s).
     gen_length / block_length apply to the spec strings, as values set outside the spec: a spec
     that sets one to another value is a SpecError."""
     import torch
 
+    from unmask.decoding.grammar import as_format
     from unmask.engine import Engine, SchedulerConfig
     from unmask.engine.layout import model_defaults
 
@@ -143,7 +150,9 @@ def record(llm: LLM, prompt: str, specs: Sequence[str | DecodeParams], gen_lengt
     engine = Engine(llm.model, SchedulerConfig(max_running=len(params)))
     lanes = {}
     for i, p in enumerate(params):
-        req = engine.add_request(ids, p, f"lane-{i}", trace=True)
+        constraint = (None if response_format is None
+                      else llm.constraint(as_format(response_format), p.gen_length))
+        req = engine.add_request(ids, p, f"lane-{i}", trace=True, constraint=constraint)
         lanes[req.request_id] = Lane(llm, i, prompt, req)
     events = [lane.layout() for lane in lanes.values()]
     with torch.no_grad():
@@ -208,6 +217,7 @@ def write_html(trace: dict[str, Any], path: Path) -> None:
 CELL_W, CELL_H, PAD, HEADER, FOOTER = 30, 18, 10, 24, 26
 MASK, DROPPED, BG = (228, 230, 235), (246, 247, 249), (255, 255, 255)
 INK, MUTED, ACCENT, DRAFT = (30, 32, 48), (107, 112, 128), (230, 90, 40), (255, 80, 60)
+SCAFFOLD = (40, 120, 220)  # a cell a constraint fixed before the first step
 
 
 def _step_colour(step: int, scale: int) -> tuple[int, int, int]:
@@ -257,6 +267,7 @@ def _draw_lane(d: Any, fonts: tuple[Any, Any], lane: dict[str, Any], k: int, col
                colours: dict[int, tuple[int, int, int]], y: int) -> None:
     lay, steps = lane["layout"], lane["steps"][:k]
     cell: dict[int, tuple[str, int, bool, bool]] = {}  # offset -> (text, step, drafted, eos)
+    scaffold = set(lay.get("scaffold", ()))  # fixed by a constraint before the first step
     for s in steps:
         drafted, eos = set(s["drafted"]), set(s["eos"])
         for pos, tok in zip(s["positions"], s["tokens"], strict=True):
@@ -289,6 +300,8 @@ def _draw_lane(d: Any, fonts: tuple[Any, Any], lane: dict[str, Any], k: int, col
         ink = (255, 255, 255) if 0.3 * colour[0] + 0.59 * colour[1] + 0.11 * colour[2] < 140 else INK
         d.text((x + CELL_W / 2, yy + CELL_H / 2), "eos" if eos else _shown(text), fill=ink,
                font=fonts[0], anchor="mm")
+        if pos in scaffold:
+            d.rectangle(box, outline=SCAFFOLD, width=2)
         if drafted:
             d.polygon([(x + CELL_W - 8, yy + 1), (x + CELL_W - 1, yy + 1), (x + CELL_W - 1, yy + 8)],
                       fill=DRAFT)
@@ -355,7 +368,7 @@ WRITERS = {".html": write_html, ".gif": write_gif, ".png": write_png}
 
 # --- the command ---------------------------------------------------------------------------------
 def add_trace_arguments(p: argparse.ArgumentParser) -> None:
-    from unmask.cli_args import add_length_arguments, add_model_arguments
+    from unmask.cli_args import add_format_arguments, add_length_arguments, add_model_arguments
 
     p.add_argument("prompt", metavar="PROMPT", help="the prompt (chat template applied)")
     p.add_argument("--decoder", action="append", default=None, metavar="SPEC",
@@ -367,9 +380,11 @@ def add_trace_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--json", type=Path, default=None, help="also write the raw events as JSON")
     add_model_arguments(p)
+    add_format_arguments(p)
 
 
 def run_trace(args: argparse.Namespace) -> int:
+    from unmask import cli_args
     from unmask.bench.cli import check_outputs
     from unmask.cli_args import chat_for, check_decoder, check_prompts, decoder_for, load_llm
 
@@ -384,9 +399,10 @@ def run_trace(args: argparse.Namespace) -> int:
         check_decoder(spec, args)
     check_lanes(specs)
     check_prompts([args.prompt])
+    fmt = cli_args.response_format_of(args)
     llm = load_llm(args)
     params = [decoder_for(spec, args, llm) for spec in specs]
-    trace = record(llm, args.prompt, params, chat=chat_for(llm, args.raw))
+    trace = record(llm, args.prompt, params, chat=chat_for(llm, args.raw), response_format=fmt)
     # Written even when a lane failed: the steps up to a failure are what one debugs it with.
     WRITERS[out.suffix.lower()](trace, out)
     if args.json is not None:

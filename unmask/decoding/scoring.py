@@ -33,7 +33,7 @@ class Scored:
 def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor | None,
           suppress: list[int] | Tensor, top_p: Values = 1.0, top_k: Values = 0,
           alg_temp: Values = 0.0, with_entropy: bool = True,
-          drop: list[int] | Tensor = ()) -> Scored:
+          drop: list[int] | Tensor = (), allowed: Tensor | None = None) -> Scored:
     """Score N positions from their logits (N, V).
 
     noise_u: (N, V + 1) float64 uniforms where a position samples: columns 0..V-1 for the token
@@ -49,7 +49,10 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
     ranking score is log(conf) + alg_temp * Gumbel noise (alg_temp times log(conf) / alg_temp +
     Gumbel), so ranking draws positions in proportion to conf ** (1 / alg_temp) (Dream's
     alg_temp). with_entropy=False skips the entropy (zeros) when nothing reads it: an O(V) pass
-    per position saved.
+    per position saved. allowed: (N, V) bool, a structured output's tokens each position may
+    take (unmask.decoding.grammar): the others leave the distribution before anything is
+    scored, so the token, its confidence and the entropy are those of the constrained
+    distribution.
     """
     rule = entry("remasking", remasking)
     n = logits.shape[0]
@@ -58,6 +61,8 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
     full = logits.float()
     if dropped.numel():
         full = full.index_fill(-1, dropped, NEG_INF)
+    if allowed is not None:
+        full = full.masked_fill(~allowed, NEG_INF)
     # Scores from softmax over the full vocabulary, as LLaDA's reference computes them: without
     # the mask token's share a confidence came out 1-2 ulps higher, and exp(log_softmax) an ulp
     # off near p = 1, either of which breaks near-ties in the commit order the other way.

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from unmask.caching import StepView, make_cache_policy
+from unmask.decoding.grammar import Constraint, masks_for
 from unmask.decoding.knobs import entry
 from unmask.decoding.methods import BlockSchedule, make_method
 from unmask.decoding.params import DecodeParams, batch_params
@@ -93,6 +94,7 @@ class Decoder:
     # --- the step ----------------------------------------------------------------------------
     def step(self, b: DecodeBatch, trace: bool = False) -> StepResult:
         before = b.x.copy()
+        self._scaffold(b)  # what a constraint fixes is the first step's commit
         # Each canvas (before, drafts) is scanned for masks once; everything below reads these.
         gen_masked = self._gen_masked(b, b.x)  # (R, G)
         masked_before = gen_masked.sum(-1)
@@ -174,11 +176,19 @@ class Decoder:
         dc = b.rows.knobs["draft_conf"][:, None]  # float32, like conf
         n_max = (((conf >= dc) | (dc <= 0)) & cand).sum(-1)
         ranks = candidate_ranks(conf, cand)  # draft k commits the n0 + k best candidates
+        sel0 = (ranks < n0[:, None]) & cand
+        cons = self._constraints(b, rows)
+        if cons is not None:  # the rule's step, cut to what keeps the canvas completable
+            sel0 = self._restrict(b, x, cons, sel0, pr.token, ranks)
+            n0 = sel0.sum(-1)
         drafts = []
         for k in range(self.n_drafts):
-            sel, kept = (ranks < (n0 + k)[:, None]) & cand, rows  # draft 0: every row's rule step
+            sel, kept = sel0, rows  # draft 0: every row's rule step
             if k:
+                sel = (ranks < (n0 + k)[:, None]) & cand
                 keep = (n0 + k <= n_max) & hp
+                if cons is not None:  # a draft no completion extends is never the rule's
+                    keep &= self._completable(b, np.where(sel, pr.token, x), cons, keep)
                 if not keep.any():
                     break
                 sel, kept = sel[keep], rows[keep]
@@ -188,6 +198,41 @@ class Decoder:
             return drafts[0]
         return Drafts(*(np.concatenate([getattr(d, f.name) for d in drafts])
                         for f in dataclasses.fields(Drafts)))
+
+    # --- structured output (unmask.decoding.grammar) ----------------------------------------
+    @staticmethod
+    def _constraints(b: DecodeBatch, parent: np.ndarray) -> list[Constraint | None] | None:
+        """Each canvas's constraint (parent: (D,) its row), or None when none has one."""
+        cons = [b.requests[p].constraint for p in parent.tolist()]
+        return None if all(c is None for c in cons) else cons
+
+    def _scaffold(self, b: DecodeBatch) -> None:
+        """Constrained rows that have not stepped yet start from their scaffold."""
+        for i in np.flatnonzero(b.rows.step == 0).tolist():
+            c = b.requests[i].constraint
+            if c is not None:
+                g = c.initial
+                gen = b.x[i, b.P : b.P + g.size]
+                b.x[i, b.P : b.P + g.size] = np.where(g != self.mask_id, g, gen)
+
+    def _restrict(self, b: DecodeBatch, x: np.ndarray, cons: list[Constraint | None],
+                  sel: np.ndarray, token: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """(D, S) the commits of sel (D, S) each canvas x (D, S) keeps under its constraint
+        (token, ranks: (D, S) the tokens they write and their commit order)."""
+        sel = sel.copy()
+        g = slice(b.P, None)
+        for i, c in enumerate(cons):
+            if c is not None and sel[i].any():
+                sel[i, g] = c.restrict(x[i, g], sel[i, g], token[i, g], ranks[i, g])
+        return sel
+
+    @staticmethod
+    def _completable(b: DecodeBatch, x: np.ndarray, cons: list[Constraint | None],
+                     check: np.ndarray) -> np.ndarray:
+        """(D,) bool: canvases x (D, S) their constraint can still complete (checked where
+        `check`; unconstrained: True)."""
+        return np.array([c is None or not check[i] or c.feasible(x[i, b.P :])
+                         for i, c in enumerate(cons)], dtype=bool)
 
     @staticmethod
     def _max_entropy(entropy: np.ndarray, sel: np.ndarray) -> np.ndarray:
@@ -244,10 +289,12 @@ class Decoder:
         if self.params.inject > 0:
             predict |= masked & visible & active & (slots >= end[:, None])
         noise = self._noise(b, x, parent, knobs)
+        cons = self._constraints(b, parent)
+        masks = None if cons is None else masks_for(x, b.P, cons)
         # The runner's "block" starts at the window: the slot it recomputes before it is the
         # one that predicts the window's first slot (in the block, or the previous block's last)
         return self.runner.forward(ForwardPlan(x, pad, visible, active, predict, refresh, read,
-                                               b.preds.token[parent], noise, lo, knobs))
+                                               b.preds.token[parent], noise, lo, knobs, masks))
 
     def _noise(self, b: DecodeBatch, x: np.ndarray, parent: np.ndarray,
                knobs: np.ndarray) -> Tensor | None:
@@ -295,6 +342,9 @@ class Decoder:
             count = self.method.count(fw.conf, cand, None, b.rows.knobs[d.parent[need]],
                                       fw.entropy)
             sel = select_top(fw.conf, cand, count)
+            cons = self._constraints(b, d.parent[need])
+            if cons is not None:
+                sel = self._restrict(b, fx, cons, sel, fw.token, candidate_ranks(fw.conf, cand))
             target[need] = np.where(sel, fw.token, fx)
         # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);
         # eq[r, i, j] = draft j of row r equals the target of its draft i.

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from unmask.decoding.grammar import Constraint, check_decoder
 from unmask.decoding.params import DecodeParams, batch_params
 from unmask.engine.allocator import tune_for
 from unmask.engine.batch import DecodeBatch
@@ -90,7 +91,8 @@ class Engine:
     # --- requests ----------------------------------------------------------------------------
     @_locked
     def add_request(self, prompt_ids: list[int] | CheckedPrompt, params: DecodeParams,
-                    request_id: str | None = None, trace: bool = False) -> Request:
+                    request_id: str | None = None, trace: bool = False,
+                    constraint: Constraint | None = None) -> Request:
         """Queue a request; it joins the running batch at the next step. A `CheckedPrompt` this
         engine's `check` made for these params is taken as checked (a server checks every prompt
         of an HTTP request before it submits any: each prompt is checked once)."""
@@ -104,7 +106,12 @@ class Engine:
         if request_id is not None and not isinstance(request_id, str):
             raise InputError(f"request_id must be a string, got {type(request_id).__name__}")
         kw = {} if request_id is None else {"request_id": request_id}
-        req = Request(ids, self.params_for(params), trace=trace, block_size=self.block_size, **kw)
+        params = self.params_for(params)
+        if constraint is not None:
+            check_decoder(constraint, params)
+            constraint = constraint.fresh()  # the row's own grammar state
+        req = Request(ids, params, trace=trace, block_size=self.block_size,
+                      constraint=constraint, **kw)
         if req.request_id in self.requests:
             raise InputError(f"request id {req.request_id!r} is already in use")
         self.scheduler.add(req)
@@ -347,10 +354,14 @@ def _split_rows(rows: np.ndarray, values: list[int], n: int) -> list[list[int]]:
 def decode(model: nn.Module, params: DecodeParams, prompts: list[list[int]],
            max_running: int | None = None, mask_id: int | None = None,
            eos_id: int | None = None,
-           on_event: Callable[[StepEvent], None] | None = None) -> list[Request]:
-    """Decode token-id prompts to completion (all admitted at once unless max_running)."""
+           on_event: Callable[[StepEvent], None] | None = None,
+           constraints: list[Constraint | None] | None = None) -> list[Request]:
+    """Decode token-id prompts to completion (all admitted at once unless max_running);
+    constraints: each prompt's structured-output constraint (None: none)."""
     engine = Engine(model, SchedulerConfig(max_running=max_running or max(len(prompts), 1)),
                     mask_id, eos_id)
-    reqs = [engine.add_request(p, params) for p in prompts]
+    constraints = constraints or [None] * len(prompts)
+    reqs = [engine.add_request(p, params, constraint=c)
+            for p, c in zip(prompts, constraints, strict=True)]
     engine.run(on_event)
     return reqs

@@ -12,6 +12,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
+from unmask.decoding.grammar import Constraint
 from unmask.decoding.params import DecodeParams
 from unmask.engine.layout import canvas_length
 
@@ -42,6 +43,7 @@ class Request:
     trace: bool = False  # events carry per-step detail (suffix positions) for visual clients
     block_size: int | None = None  # the model's, when it is block-causal (sets the canvas)
     arrival: float = field(default_factory=time.perf_counter)
+    constraint: Constraint | None = None  # structured output: what the row's commits must keep
     status: str = "waiting"  # waiting | running | finished
     # --- filled by the engine
     token_ids: list[int] | None = None  # the gen_length generated tokens, once finished

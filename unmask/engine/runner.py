@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from unmask.decoding.grammar import TokenMasks
 from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
@@ -154,6 +155,7 @@ class ForwardPlan:
     noise: Tensor | None  # (R, block_length, V + 1) uniforms on the model's device, or None
     block_start: np.ndarray  # (R,) first slot of each row's current block
     knobs: np.ndarray  # (R,) the rows' per-row knobs (unmask.decoding.params.ROW_DTYPE)
+    masks: TokenMasks | None = None  # structured output: the tokens each scored slot may take
 
 
 @dataclass
@@ -248,8 +250,12 @@ class Runner:
             offset = np.minimum(np.maximum(tslots - block_start[rows], 0), noise.shape[1] - 1)
             u = noise[self._to_device(rows), self._to_device(offset)]
         at = plan.knobs[rows]  # (N,) each scored position's row's knobs
+        allowed = None
+        if plan.masks is not None:  # (N, V) bool
+            allowed = self._to_device(plan.masks.at(rows, tslots, logits.shape[-1]))
         sc = score(logits, self.params.remasking, at["temperature"], u, self.suppress, at["top_p"],
-                   at["top_k"], at["alg_temp"], with_entropy=self.with_entropy, drop=self.drop)
+                   at["top_k"], at["alg_temp"], with_entropy=self.with_entropy, drop=self.drop,
+                   allowed=allowed)
         token = np.full((r, s), self.mask_id, dtype=np.int64)
         conf = np.full((r, s), -np.inf, dtype=np.float32)
         ent = np.zeros((r, s), dtype=np.float32)

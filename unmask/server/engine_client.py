@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from unmask.decoding.grammar import Constraint
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, QueueFull, Request, StepEvent
 from unmask.engine.engine import CheckedPrompt
@@ -54,6 +55,7 @@ class Submission:
     length_field: str | None = None  # the field that set gen_length, when the request set one
     # its id's prefix, as OpenAI's: the response's id and the server log then name it alike
     id_prefix: str = "cmpl"
+    constraint: Constraint | None = None  # structured output (unmask.decoding.grammar)
 
 
 @dataclass
@@ -178,7 +180,8 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Handle] = loop.create_future()
         request_id = f"{item.id_prefix}-{uuid.uuid4().hex}"
-        self._cmds.put(("add", (ids, item.params, request_id, trace, loop, done)))
+        self._cmds.put(("add", (ids, item.params, request_id, trace, item.constraint, loop,
+                                done)))
         try:
             return await done
         except asyncio.CancelledError:  # the client left before the engine took it
@@ -219,9 +222,10 @@ class EngineClient:
 
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "add":
-            prompt_ids, params, request_id, trace, loop, done = arg
+            prompt_ids, params, request_id, trace, constraint, loop, done = arg
             try:
-                req = self.engine.add_request(prompt_ids, params, request_id, trace=trace)
+                req = self.engine.add_request(prompt_ids, params, request_id, trace=trace,
+                                              constraint=constraint)
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 loop.call_soon_threadsafe(_set_exception, done, e)
                 return

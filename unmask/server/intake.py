@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from unmask.api import LLM
+from unmask.decoding.grammar import Constraint, ResponseFormat, as_format, check_decoder
 from unmask.decoding.params import DecodeParams, whole_blocks
 from unmask.errors import SpecError, UnmaskError
 from unmask.server.engine_client import Submission
@@ -122,8 +123,29 @@ def request_params(config: ServerConfig, body: _Common, defaults: dict | None = 
 
 
 def submissions(body: _Common, ids: list[list[int]], params: list[DecodeParams],
-                fields: list[str]) -> list[Submission]:
-    """The engine requests of a request: prompt ids, decoder, and the fields an error names."""
+                fields: list[str], constraint: Constraint | None = None) -> list[Submission]:
+    """The engine requests of a request: prompt ids, decoder, the fields an error names, and
+    its structured-output constraint (the same for every choice)."""
     length = max_tokens_field(body) if body.max_tokens is not None else None
     kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
-    return [Submission(p, q, f, length, kind) for p, q, f in zip(ids, params, fields, strict=True)]
+    return [Submission(p, q, f, length, kind, constraint)
+            for p, q, f in zip(ids, params, fields, strict=True)]
+
+
+def request_constraint(state: ServerState, body: _Common, params: DecodeParams
+                       ) -> Constraint | None:
+    """The request's structured-output constraint over its max_tokens (compiling a schema can
+    take a while: called off the event loop), or a 400 naming the field that set it: an invalid
+    schema or regex, an unsupported schema feature, or a decoder that cannot honour it."""
+    name = body.constraint_field()
+    if name is None:
+        return None
+    value = getattr(body, name)
+    try:
+        fmt = as_format(value) if name == "response_format" else ResponseFormat.regex(value)
+        budget = body.max_tokens or params.gen_length
+        constraint = state.llm.constraint(fmt, budget)
+        check_decoder(constraint, state.engine.engine.params_for(params))
+    except UnmaskError as e:
+        raise APIError(400, f"{name}: {e}", param=name) from None
+    return constraint

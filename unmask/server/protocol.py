@@ -63,6 +63,11 @@ class _Common(BaseModel):
     presence_penalty: float | None = Field(default=None, allow_inf_nan=False)
     logprobs: Any = None
     logit_bias: dict[str, float] | None = None
+    # Structured output (docs/serving.md): OpenAI's response_format; a regular expression under
+    # SGLang's name (`regex`) or vLLM's (`guided_regex`), so their clients work unchanged.
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    guided_regex: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +96,18 @@ class _Common(BaseModel):
             raise Unsupported("stream_options", "stream_options needs stream=true")
         for stop in self.stop or []:
             check_text(stop, "stop")
+        given = [name for name in ("response_format", "regex", "guided_regex")
+                 if getattr(self, name) not in (None, {"type": "text"})]
+        if len(given) > 1:
+            raise FieldError(given[1], f"one constraint per request: {given[0]} and {given[1]} "
+                                       f"are both set")
+
+    def constraint_field(self) -> str | None:
+        """The field that holds the request's structured-output constraint (None: none)."""
+        for name in ("response_format", "regex", "guided_regex"):
+            if getattr(self, name) not in (None, {"type": "text"}):
+                return name
+        return None
 
 
 class CompletionRequest(_Common):
@@ -190,7 +207,6 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None
 
     def check_supported(self) -> None:
@@ -198,8 +214,6 @@ class ChatCompletionRequest(_Common):
         for name in ("tools", "tool_choice", "functions", "function_call"):
             if getattr(self, name) not in (None, [], "none"):
                 raise Unsupported(name, "tool and function calling are not supported")
-        if self.response_format not in (None, {"type": "text"}):
-            raise Unsupported("response_format", "only plain text responses are supported")
         if self.top_logprobs:
             raise Unsupported("top_logprobs", "log-probabilities are not returned")
         for i, m in enumerate(self.messages):

@@ -1,0 +1,293 @@
+"""Structured output (unmask.decoding.grammar, docs/decoders.md § Structured output): every
+output of a constrained request is a word of its language, for every decoder, cache and suffix
+policy, bidirectional and block-causal; FreeDave stays token-identical to its rule under a
+constraint; a constrained row is batch-invariant beside unconstrained and differently
+constrained rows. The models are tiny peaky random ones over a made-up vocabulary whose tokens
+spell a small JSON-like language (single characters and a few multi-character tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from helpers import assert_batch_invariant, peaky_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from unmask.decoding.grammar import (
+    Constraint,
+    GrammarError,
+    ResponseFormat,
+    TokenAutomaton,
+    as_format,
+    check_decoder,
+)
+from unmask.decoding.params import DecodeParams
+from unmask.engine import decode
+
+VOCAB, MASK, EOS = 64, 63, 1
+CHARS = '{}":,ab0123456789tfrueals[]xyz -'
+MULTI = ['{"', '":', ',"', 'true', 'false', '12', '00', '"}', '"a', '"b']
+# token id -> bytes: ids 2.. spell CHARS then MULTI; the rest (and 0) spell nothing the
+# language uses ("#").
+TOKENS = {i: b"#" for i in range(VOCAB) if i not in (MASK, EOS)}
+for _i, _s in enumerate(list(CHARS) + MULTI):
+    TOKENS[2 + _i] = _s.encode()
+PATTERN = r'\{"a":(0|[1-9][0-9]*),"b":(true|false)\}'
+LISTS = r'\[(0|[1-9][0-9]?)(,(0|[1-9][0-9]?))*\]'  # no fixed length: much to choose
+N_EXAMPLES = int(os.environ.get("UNMASK_EXAMPLES", "20"))
+PROPERTY = settings(max_examples=N_EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+DECODERS = ["static-1", "static,steps=12", "threshold,threshold=0.5", "freedave,draft_steps=4",
+            "freedave++,draft_steps=4,threshold=0.5", "entropy_bounded,eb_threshold=2",
+            "factor", "threshold,threshold=0.5,cache=dual", "threshold,threshold=0.5,suffix=window",
+            "fast", "balanced", "static-1,temperature=1,seed=5"]
+
+
+def automaton(pattern: str = PATTERN) -> TokenAutomaton:
+    return TokenAutomaton.build(pattern, TOKENS, VOCAB, EOS, encode=encode)
+
+
+def encode(text: str) -> list[int]:
+    """Greedy longest-match over the made-up vocabulary (the scaffold's tokenizer)."""
+    by = {v.decode(): k for k, v in TOKENS.items() if v != b"#"}
+    out, i = [], 0
+    while i < len(text):
+        piece = max((p for p in by if text.startswith(p, i)), key=len)
+        out.append(by[piece])
+        i += len(piece)
+    return out
+
+
+def constraint(budget: int, pattern: str = PATTERN, mode: str = "complete") -> Constraint:
+    return Constraint(ResponseFormat.regex(pattern, mode), automaton(pattern), budget, MASK)
+
+
+def text(token_ids: list[int]) -> str:
+    cut = token_ids.index(EOS) if EOS in token_ids else len(token_ids)
+    return b"".join(TOKENS[t] for t in token_ids[:cut]).decode()
+
+
+def run(kind: str, spec: str, prompts: list[list[int]], cons: list, gen: int = 24,
+        block: int = 4, seed: int = 0):
+    params = DecodeParams.parse(spec, gen_length=gen, block_length=block)
+    model = peaky_model(kind, seed, 4.0, VOCAB, MASK, EOS)
+    return decode(model, params, prompts, mask_id=MASK, eos_id=EOS, constraints=cons)
+
+
+prompt_lists = st.lists(st.lists(st.integers(2, 62), min_size=1, max_size=6), min_size=1,
+                        max_size=3)
+
+
+# --- the guarantee -------------------------------------------------------------------------------
+@PROPERTY
+@given(kind=st.sampled_from(["llada", "Dream", "sdar"]), spec=st.sampled_from(DECODERS),
+       prompts=prompt_lists, seed=st.integers(0, 3), pattern=st.sampled_from([PATTERN, LISTS]),
+       mode=st.sampled_from(["complete", "prefix"]))
+def test_every_output_is_a_word_of_the_language(kind: str, spec: str, prompts: list[list[int]],
+                                                 seed: int, pattern: str, mode: str) -> None:
+    if mode == "prefix" and "freedave" in spec or spec in ("fast", "exact"):
+        mode = "complete"  # the baseline runs with the plain rules (check_decoder)
+    if kind == "sdar" and ("cache" in spec or "suffix" in spec or spec in ("balanced", "fast")):
+        spec = "threshold,threshold=0.5,cache=block"  # a block-causal model's own cache
+    cons = [constraint(20, pattern, mode) for _ in prompts]
+    for r in run(kind, spec, prompts, cons, seed=seed):
+        # "length" only where the word fills the budget exactly (no room for its EOS)
+        assert r.finish_reason == "eos" or EOS not in r.token_ids[:20]
+        assert re.fullmatch(pattern, text(r.token_ids[:20])), text(r.token_ids)
+
+
+def test_the_unconstrained_model_does_not_write_the_language() -> None:
+    """What the guarantee is worth: the same models, unconstrained, never write a word of it."""
+    for kind in ("llada", "Dream", "sdar"):
+        for r in run(kind, "threshold,threshold=0.5", [[5, 6, 7], [9, 10]], [None, None]):
+            assert not re.fullmatch(PATTERN, text(r.token_ids))
+
+
+def test_length_when_no_word_fits() -> None:
+    """A budget too short for any word: the output is a prefix of one, finish reason length."""
+    [r] = run("llada", "threshold,threshold=0.5", [[5, 6, 7]], [constraint(4)], gen=8)
+    assert r.finish_reason == "length"
+    assert EOS not in r.token_ids[:4]
+    assert '{"a":0,"b":true}'.startswith(text(r.token_ids[:4])[:2])
+
+
+def test_allowed_is_exactly_what_keeps_the_canvas_completable() -> None:
+    """The mask at a hole, against brute force: a token is allowed iff the canvas with it at
+    the hole can still be completed."""
+    c = constraint(12)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        gen = np.full(12, MASK)
+        for i in rng.choice(12, 3, replace=False):  # a few committed tokens, maybe infeasible
+            gen[i] = rng.choice([2 + CHARS.index(ch) for ch in '{}":,ab01t'] + [EOS])
+        if not c.feasible(gen):
+            continue
+        holes = np.flatnonzero(gen == MASK)
+        allowed = c.allowed(gen, holes, VOCAB)
+        for k, i in enumerate(holes):
+            for t in range(VOCAB):
+                trial = gen.copy()
+                trial[i] = t
+                assert allowed[k, t] == (t != MASK and c.feasible(trial)), (gen, i, t)
+
+
+def test_scaffold_is_the_fixed_opening() -> None:
+    c = constraint(20)
+    assert text(c.initial[c.initial != MASK].tolist()) == '{"a":'
+    assert (c.initial[len(encode('{"a":')):] == MASK).all()
+
+
+def test_restrict_keeps_the_commit_order_prefix_that_stays_completable() -> None:
+    """Two holes each allowed alone, not together: only the better ranked one commits."""
+    c = constraint(7, r"ab|ba")
+    gen = np.full(7, MASK)
+    a = 2 + CHARS.index("a")
+    token = np.full(7, MASK)
+    token[0], token[1] = a, a  # "aa" is no word
+    sel = np.zeros(7, dtype=bool)
+    sel[:2] = True
+    rank = np.array([1, 0, 2, 3, 4, 5, 6])
+    kept = c.restrict(gen, sel, token, rank)
+    assert kept.tolist() == [False, True] + [False] * 5
+
+
+# --- lossless stays lossless, batching ---------------------------------------------------------
+@PROPERTY
+@given(kind=st.sampled_from(["llada", "Dream", "sdar"]), prompts=prompt_lists,
+       seed=st.integers(0, 3), k=st.integers(2, 8), pair=st.sampled_from(
+           [("freedave", "static-1"), ("freedave++", "threshold")]),
+       pattern=st.sampled_from([PATTERN, LISTS]))
+def test_freedave_is_exact_under_a_constraint(kind: str, prompts: list[list[int]], seed: int,
+                                              k: int, pair: tuple[str, str], pattern: str) -> None:
+    drafts, rule = pair
+    extra = ",threshold=0.5" if rule == "threshold" else ""
+    cons = [constraint(20, pattern) for _ in prompts]
+    got = run(kind, f"{drafts},draft_steps={k}{extra}", prompts, cons, seed=seed)
+    want = run(kind, rule + extra, prompts, cons, seed=seed)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert all(g.nfe <= w.nfe for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["llada", "sdar"])
+@pytest.mark.parametrize("spec", ["threshold,threshold=0.5", "freedave++,threshold=0.5"])
+def test_constrained_row_is_batch_invariant(kind: str, spec: str) -> None:
+    """A constrained request alone == beside unconstrained and differently constrained rows,
+    joining late, one of them aborted."""
+    model = peaky_model(kind, 1, 4.0, VOCAB, MASK, EOS)
+    mine, theirs = constraint(16), constraint(16, LISTS)
+
+    def make(gen: int, seed: int) -> DecodeParams:
+        return DecodeParams.parse(spec, gen_length=gen, block_length=4, seed=seed)
+
+    import unmask.engine.engine as engine_mod
+
+    add = engine_mod.Engine.add_request
+
+    def add_constrained(self, prompt, params, *a, **kw):  # the target is the constrained one
+        if list(prompt) == [5, 6, 7, 8]:
+            kw["constraint"] = mine
+        elif list(prompt) == [9, 10]:
+            kw["constraint"] = theirs
+        return add(self, prompt, params, *a, **kw)
+
+    engine_mod.Engine.add_request = add_constrained
+    try:
+        assert_batch_invariant(model, make, [5, 6, 7, 8], [([9, 10], 16), ([3, 4, 5], 24)],
+                               join_at=2, abort_at=3, mask=MASK, eos=EOS)
+    finally:
+        engine_mod.Engine.add_request = add
+
+
+# --- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("value", "says"), [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+     "invalid JSON schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "format": "hostname"}}}}},
+     "unsupported JSON schema feature: Format hostname"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "strict": False,
+                                             "schema": {"type": "object"}}}, "strict: false"),
+    ({"type": "xml"}, "type must be text, json_object or json_schema"),
+    ({"type": "json_schema"}, "needs an object with a 'schema'"),
+])
+def test_bad_response_formats_are_one_line(value: dict, says: str) -> None:
+    with pytest.raises(GrammarError, match=re.escape(says)) as e:
+        as_format(value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_regex_and_decoders_are_refused() -> None:
+    with pytest.raises(GrammarError, match="invalid regular expression"):
+        ResponseFormat.regex("a(b")
+    with pytest.raises(GrammarError, match="drop suppress_eos"):
+        check_decoder(constraint(8), DecodeParams.parse("static-1,suppress_eos=true", gen_length=8,
+                                                         block_length=8))
+    with pytest.raises(GrammarError, match="plain rules"):
+        check_decoder(constraint(8, mode="prefix"),
+                      DecodeParams.parse("freedave", gen_length=8, block_length=8))
+    with pytest.raises(GrammarError, match="exceeds gen_length"):
+        check_decoder(constraint(16), DecodeParams.parse("static-1", gen_length=8, block_length=8))
+
+
+def test_text_and_absent_formats_are_none() -> None:
+    assert as_format(None) is None and as_format({"type": "text"}) is None
+
+
+# --- the doors on the embedded model (its byte-level tokenizer) --------------------------------
+def test_llm_generate_and_the_cli(capsys) -> None:
+    from pydantic import BaseModel
+
+    from unmask import LLM
+    from unmask.cli import main
+
+    class Answer(BaseModel):
+        answer: int
+
+    [g] = LLM().generate(["What is 2 + 3?"], "threshold", gen_length=32, response_format=Answer)
+    assert g.finish_reason in ("eos", "length") and Answer.model_validate_json(g.text)
+    assert main(["generate", "Is 7 prime?", "--regex", "(yes|no)", "--gen-length", "32",
+                 "--decoder", "threshold"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    assert main(["generate", "hi", "--regex", "a(b"]) == 2
+    assert main(["generate", "hi", "--json-schema", "/no/such/schema.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "invalid regular expression" in err[0] and "readable file" in err[1]
+
+
+def test_the_passes_remembered_between_canvases_change_nothing() -> None:
+    """A constraint that remembers its last passes answers as a fresh one on every canvas of a
+    random walk of commits and retractions (the last slot committed included)."""
+    rng = np.random.default_rng(1)
+    kept = constraint(10)
+    gen = np.full(10, MASK)
+    for _ in range(200):
+        i = int(rng.integers(10))
+        gen[i] = MASK if rng.random() < 0.3 else rng.choice([2 + CHARS.index(ch) for ch in
+                                                              '{}":,ab01t'] + [EOS])
+        fresh = constraint(10)
+        assert kept.feasible(gen) == fresh.feasible(gen)
+        holes = np.flatnonzero(gen == MASK)
+        if holes.size and fresh.feasible(gen):
+            assert (kept.allowed(gen, holes, VOCAB) == fresh.allowed(gen, holes, VOCAB)).all()
+
+
+def test_trace_shows_the_scaffold(tmp_path) -> None:
+    """`unmask trace` with a constraint: the layout names the constrained slots and the
+    scaffold, which the first step commits."""
+    from unmask.cli import main
+
+    out = tmp_path / "t.json"
+    assert main(["trace", "What is 2 + 3?", "--decoder", "threshold", "--gen-length", "32",
+                 "--regex", "ok: [0-9]+", "--out", str(tmp_path / "t.png"),
+                 "--json", str(out)]) == 0
+    events = json.loads(out.read_text())["events"]
+    layout = events[0]
+    assert layout["constrained"] == 32 and layout["scaffold"] == [0, 1, 2]  # "ok", ":", " "
+    first = next(e for e in events if e["event"] == "step")
+    assert set(layout["scaffold"]) <= set(first["positions"])
+    assert re.fullmatch("ok: [0-9]+", next(e for e in events if e["event"] == "done")["text"])

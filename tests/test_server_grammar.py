@@ -1,0 +1,108 @@
+"""Structured output through `unmask serve`, driven by the real `openai` client: response_format
+(json_object, json_schema, `parse` with a pydantic model) on both routes, the regular-expression
+extension fields under SGLang's (`regex`) and vLLM's (`guided_regex`) names, streaming, the
+length finish, and every refusal as one line with HTTP 400 naming its field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+from helpers import LiveServer
+from pydantic import BaseModel
+
+from unmask.api import LLM
+from unmask.server.app import ServerConfig, build_app
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+class Answer(BaseModel):
+    answer: int
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LiveServer(build_app(LLM(), ServerConfig(decoder="threshold", max_running=16))) as s:
+        yield s
+
+
+def chat(client, **kw):
+    return client.chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": "What is 47 + 38?"}],
+        max_tokens=32, **kw)
+
+
+def test_parse_with_a_pydantic_model(server: LiveServer) -> None:
+    out = server.client().chat.completions.parse(
+        model="default_model", messages=[{"role": "user", "content": "What is 47 + 38?"}],
+        response_format=Answer, max_tokens=64)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Answer)
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_object"},
+    {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}},
+])
+def test_response_format_on_both_routes(server: LiveServer, fmt: dict) -> None:
+    client = server.client()
+    text = chat(client, response_format=fmt, extra_body={"decoder": "balanced"}
+                ).choices[0].message.content
+    assert isinstance(json.loads(text), dict)
+    done = client.completions.create(model="default_model", prompt="What is 3 + 4?", max_tokens=32,
+                                     extra_body={"response_format": fmt})
+    assert isinstance(json.loads(done.choices[0].text), dict)
+
+
+def test_streamed_output_is_valid(server: LiveServer) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    parts = chat(server.client(), response_format=fmt, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert set(json.loads(text)) == {"answer"}
+
+
+@pytest.mark.parametrize("name", ["regex", "guided_regex"])
+def test_regex_extension_fields(server: LiveServer, name: str) -> None:
+    pattern = r"(yes|no), [0-9]{1,3}"
+    out = chat(server.client(), extra_body={name: pattern})
+    assert re.fullmatch(pattern, out.choices[0].message.content)
+
+
+def test_length_when_the_schema_cannot_close(server: LiveServer) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    out = server.client().chat.completions.create(
+        model="default_model", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        response_format=fmt)
+    assert out.choices[0].finish_reason == "length"
+    assert '{"answer":'.startswith(out.choices[0].message.content)
+
+
+@pytest.mark.parametrize(("kw", "param", "says"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object", "properties": {"a": {"type": 5}}}}}},
+     "response_format", "invalid JSON schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object", "properties": {
+            "a": {"type": "string", "format": "hostname"}}}}}},
+     "response_format", "unsupported JSON schema feature: Format hostname"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "strict": False, "schema": SCHEMA}}}, "response_format", "strict: false"),
+    ({"extra_body": {"regex": "a(b"}}, "regex", "invalid regular expression"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"regex": "a"}}, "regex",
+     "one constraint per request"),
+    ({"response_format": {"type": "json_object"},
+      "extra_body": {"decoder": "threshold,suppress_eos=true"}}, "response_format",
+     "drop suppress_eos"),
+])
+def test_bad_constraints_are_400s(server: LiveServer, kw: dict, param: str, says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server.client(), **kw)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param
+    assert says in err["message"] and "\n" not in err["message"]

@@ -1,0 +1,554 @@
+"""Structured output: a response format compiled to a token automaton, and the per-row
+constraint that keeps a diffusion canvas completable (docs/decoders.md § Structured output).
+
+A `ResponseFormat` (a JSON schema, any JSON object, or a regular expression) becomes a regular
+expression (outlines-core's schema compilation) and then a `TokenAutomaton`: outlines-core's
+token-level DFA over the model's vocabulary, as dense arrays, with EOS leading to an end state
+that only EOS leaves. A `Constraint` is one request's use of it over its first `budget`
+generated slots. Given the canvas (committed tokens, holes of one token each), it propagates
+sets of automaton states forward from the left (a hole: any token) and backward from the right
+(states from which the rest can still be completed); a hole may take the tokens that lead some
+forward-reachable state into a backward one. The engine masks every other token before the
+rule scores a hole (`TokenMasks`) and keeps only as many of a step's commits, in commit order,
+as leave the canvas completable (`Constraint.restrict`): every canvas it ever holds can still
+be completed to a word of the language, so every finished output is one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from unmask.errors import InputError
+
+MODES = ("complete", "prefix")  # the bidirectional constraint; the longest-valid-prefix baseline
+
+
+class GrammarError(InputError):
+    """A response format that cannot be compiled (invalid schema or regex, unsupported feature)."""
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What a constrained request's output must match. pattern: the regular expression the
+    output matches in full (a schema's is compiled by outlines-core, with no optional
+    whitespace: compact JSON, so the schema fixes its keys and punctuation); mode: `complete`
+    (the bidirectional constraint) or `prefix` (the longest-valid-prefix baseline)."""
+
+    kind: str  # json_schema | json_object | regex
+    pattern: str
+    schema: dict | None = None  # the JSON schema (json_schema, json_object) the output validates against
+    mode: str = "complete"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise GrammarError(f"grammar mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, mode: str = "complete") -> ResponseFormat:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
+        return cls("json_schema", schema_regex(json.dumps(schema, sort_keys=False)), schema, mode)
+
+    @classmethod
+    def json_object(cls, mode: str = "complete") -> ResponseFormat:
+        schema = {"type": "object"}
+        return cls("json_object", schema_regex(json.dumps(schema)), schema, mode)
+
+    @classmethod
+    def regex(cls, pattern: str, mode: str = "complete") -> ResponseFormat:
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError("the regular expression must be a non-empty string")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise GrammarError(f"invalid regular expression {pattern!r:.80}: {e}") from None
+        return cls("regex", pattern, None, mode)
+
+    def accepts(self, text: str) -> bool:
+        """Whether `text` (the output, up to its EOS) is a word of the format's language."""
+        if self.kind == "regex" or self.schema is None:
+            return re.fullmatch(self.pattern, text, flags=re.DOTALL) is not None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        import jsonschema
+
+        return jsonschema.Draft202012Validator(self.schema).is_valid(value)
+
+
+def as_format(value: Any, mode: str = "complete") -> ResponseFormat | None:
+    """A ResponseFormat from what callers pass: one already made; OpenAI's `response_format`
+    object ({"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    "strict"}}); a pydantic model class (the openai client's `parse`); None or text: None."""
+    if value is None or isinstance(value, ResponseFormat):
+        return value
+    if isinstance(value, type) and hasattr(value, "model_json_schema"):
+        return ResponseFormat.json_schema(value.model_json_schema(), mode)
+    if not isinstance(value, dict):
+        raise GrammarError(f"response_format must be an object, got {type(value).__name__}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat.json_object(mode)
+    if kind != "json_schema":
+        raise GrammarError(f"response_format type must be text, json_object or json_schema, "
+                           f"got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise GrammarError("response_format json_schema needs an object with a 'schema'")
+    if spec.get("strict") is False:
+        # Best-effort adherence is not offered: a schema here is always enforced, and saying
+        # so beats silently enforcing what the caller asked to be loose.
+        raise GrammarError("json_schema strict: false (best-effort adherence) is not offered; "
+                           "unmask always enforces the schema: send strict: true or leave it out")
+    return ResponseFormat.json_schema(spec["schema"], mode)
+
+
+@lru_cache(maxsize=64)
+def schema_regex(schema: str) -> str:
+    """The regular expression of a JSON schema (outlines-core), compact (no optional
+    whitespace); a GrammarError names an invalid schema or an unsupported feature."""
+    import jsonschema
+    from outlines_core.json_schema import build_regex_from_schema
+
+    try:
+        jsonschema.Draft202012Validator.check_schema(json.loads(schema))
+    except jsonschema.SchemaError as e:
+        raise GrammarError(f"invalid JSON schema: {e.message}") from None
+    try:
+        return build_regex_from_schema(schema, "")
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"unsupported JSON schema feature: {e}") from None
+
+
+# --- the token automaton ---------------------------------------------------------------------
+def token_bytes(tokenizer: Any) -> dict[int, bytes]:
+    """Each ordinary token's bytes (special tokens left out): byte-level BPE tokens through
+    GPT-2's byte-to-character table, SentencePiece tokens with their word marker and byte
+    fallback (<0xNN>) undone."""
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    byte_level = _is_byte_level(tokenizer)
+    table = _byte_table() if byte_level else {}
+    out = {}
+    for i, piece in enumerate(pieces):
+        if i in special or piece is None:
+            continue
+        if byte_level:
+            if all(ch in table for ch in piece):
+                out[i] = bytes(table[ch] for ch in piece)
+        elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            out[i] = bytes([int(piece[3:5], 16)])
+        else:
+            out[i] = piece.replace("\u2581", " ").encode()
+    return out
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return type(decoder).__name__ == "ByteLevel" or "ByteLevel" in repr(decoder)
+
+
+@lru_cache(maxsize=1)
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves,
+    the rest are shifted past 255."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+@dataclass
+class TokenAutomaton:
+    """A regular language over token ids, as dense arrays. States 0..n-1 are outlines-core's;
+    END (n) follows EOS from a final state and only EOS leaves it; DEAD (n + 1) is every other
+    move. trans: (Q, V) int32 next state; succ: (Q, Q) float32 1 where some token moves one
+    state to the other (a hole); final: (Q,) bool accepting states, END included; live: (Q,)
+    bool states from which a final state can be reached; prefix: the token ids of the
+    language's fixed opening (the scaffold), possibly empty."""
+
+    trans: np.ndarray
+    succ: np.ndarray
+    succ_t: np.ndarray  # succ transposed, contiguous
+    start: int
+    final: np.ndarray
+    live: np.ndarray
+    prefix: tuple[int, ...]
+    # every move that does not lead to DEAD, as (E,) arrays: a hole's mask reads these when
+    # they are fewer than its states x the vocabulary (a large automaton, few moves a state)
+    edge_src: np.ndarray | None = None
+    edge_tok: np.ndarray | None = None
+    edge_dst: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        src, tok = np.nonzero(self.trans != self.n_states - 1)
+        self.edge_src, self.edge_tok = src.astype(np.int32), tok.astype(np.int32)
+        self.edge_dst = self.trans[src, tok]
+
+    def moves_into(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """(V,) bool: the tokens that move some state of f (Q,) into one of b (Q,)."""
+        states = np.flatnonzero(f)
+        if states.size * self.trans.shape[1] <= self.edge_src.size:
+            return b[self.trans[states]].any(0)  # (|F|, V) -> (V,)
+        out = np.zeros(self.trans.shape[1], dtype=bool)
+        out[self.edge_tok[f[self.edge_src] & b[self.edge_dst]]] = True
+        return out
+
+    @property
+    def n_states(self) -> int:
+        return self.trans.shape[0]
+
+    @classmethod
+    def build(cls, pattern: str, tokens: dict[int, bytes], vocab: int, eos_id: int,
+              encode: Any = None) -> TokenAutomaton:
+        """From outlines-core's index of `pattern` over `tokens` (id -> bytes), for a model of
+        `vocab` logits. encode: text -> token ids (the tokenizer's), for the scaffold."""
+        from outlines_core import Index, Vocabulary
+
+        try:
+            index = Index(pattern, Vocabulary(eos_id, {b: [i] for i, b in tokens.items()
+                                                        if i != eos_id}))
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"cannot compile the constraint {pattern!r:.80}: {e}") from None
+        edges = index.get_transitions()
+        ids = sorted(set(edges) | {s for m in edges.values() for s in m.values()}
+                     | set(index.get_final_states()) | {index.get_initial_state()})
+        number = np.full(max(ids) + 1, -1, dtype=np.int32)  # outlines-core's state -> ours
+        number[ids] = np.arange(len(ids), dtype=np.int32)
+        n = len(ids)
+        end, dead = n, n + 1
+        trans = np.full((n + 2, vocab + 1), dead, dtype=np.int32)  # column vocab: ids past it
+        for s, moves in edges.items():
+            t = np.fromiter(moves.keys(), dtype=np.int64, count=len(moves))
+            nxt = np.fromiter(moves.values(), dtype=np.int64, count=len(moves))
+            trans[number[s], np.minimum(t, vocab)] = number[nxt]
+        trans = np.ascontiguousarray(trans[:, :vocab])
+        trans[:, eos_id] = dead
+        final = np.zeros(n + 2, dtype=bool)
+        final[[number[s] for s in index.get_final_states()]] = True
+        final[end] = True
+        trans[final, eos_id] = end
+        succ = np.zeros((n + 2, n + 2), dtype=np.float32)
+        rows = np.repeat(np.arange(n + 2), vocab)
+        succ[rows, trans.reshape(-1)] = 1.0
+        live = final.copy()
+        while True:  # states from which a final one is reachable
+            grown = live | (succ @ live.astype(np.float32) > 0)
+            grown[dead] = False
+            if (grown == live).all():
+                break
+            live = grown
+        a = cls(trans, succ, np.ascontiguousarray(succ.T), int(number[index.get_initial_state()]),
+                final, live, ())
+        if encode is not None:
+            a.prefix = a._scaffold(literal_prefix(pattern), encode)
+        return a
+
+    def walk(self, states: np.ndarray, token: int) -> np.ndarray:
+        """(Q,) bool: the states `token` moves `states` (Q,) bool to (DEAD left out)."""
+        out = np.zeros_like(states)
+        out[self.trans[states, token]] = True
+        out[-1] = False
+        return out
+
+    def _scaffold(self, text: str, encode: Any) -> tuple[int, ...]:
+        """The tokenizer's own tokens of the fixed opening `text`, as many of them as the
+        automaton accepts as a live path from its start (a boundary token may merge with what
+        follows the opening, so the last ones may be dropped)."""
+        ids = list(encode(text)) if text else []
+        state = np.zeros(self.n_states, dtype=bool)
+        state[self.start] = True
+        kept = []
+        for t in ids:
+            if not 0 <= t < self.trans.shape[1]:
+                break
+            state = self.walk(state, t)
+            if not (state & self.live).any():
+                break
+            kept.append(int(t))
+        return tuple(kept)
+
+
+def literal_prefix(pattern: str) -> str:
+    """The text every word of `pattern` starts with: its leading literal characters (read with
+    Python's own regex parser)."""
+    try:
+        from re import _parser as parser  # Python >= 3.11
+    except ImportError:  # pragma: no cover
+        import sre_parse as parser
+    try:
+        items = parser.parse(pattern)
+    except re.error:
+        return ""
+    out = []
+    for op, arg in items:
+        if str(op) != "LITERAL":
+            break
+        out.append(chr(arg))
+    return "".join(out)
+
+
+# --- one request's constraint ----------------------------------------------------------------
+class Constraint:
+    """One request's constraint over its first `budget` generated slots (the tokens it may
+    return: a server's max_tokens). Slots past the budget are never returned and are not
+    constrained. When no word of the language fits the budget, the canvas is kept a prefix of
+    one (every live state accepts at the budget): the output is then cut by the length, and
+    its finish reason says so."""
+
+    def __init__(self, fmt: ResponseFormat, automaton: TokenAutomaton, budget: int,
+                 mask_id: int) -> None:
+        self.format, self.a, self.budget, self.mask_id = fmt, automaton, budget, mask_id
+        self.end = automaton.final.copy()
+        self._masks: dict[bytes, np.ndarray] = {}  # (F_i, B_i+1) -> a hole's allowed tokens
+        # The last canvas each pass ran on, its sets and where their computed rows end: a
+        # step's canvases differ from the last in a few slots, so a pass redoes only the slots
+        # from the first (forward) or last (backward) difference on.
+        self._last: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
+        self._set_end(automaton.final)
+        holes = np.full(budget, mask_id, dtype=np.int64)
+        self.closes = self.feasible(holes)  # some word fits the budget
+        if not self.closes:
+            self._set_end(automaton.live | automaton.final)
+        self.initial = self.scaffold()
+
+    def fresh(self) -> Constraint:
+        """A copy with its own memory of the passes, for one row (rows sharing one would keep
+        overwriting it)."""
+        c = copy.copy(self)
+        c._masks, c._last = {}, {}
+        return c
+
+    @property
+    def mode(self) -> str:
+        return self.format.mode
+
+    # --- the state sets ------------------------------------------------------------------
+    def _set_end(self, end: np.ndarray) -> None:
+        """The states accepted at the budget; and tail[k], the backward set of k trailing holes
+        before it (the right of a canvas is mostly holes: read, not recomputed)."""
+        self.end = end.copy()
+        self._last.clear()
+        tail = np.zeros((self.budget + 1, self.a.n_states), dtype=bool)
+        tail[0] = end
+        for k in range(self.budget):
+            tail[k + 1] = self.a.succ @ tail[k].astype(np.float32) > 0
+        self._tail = tail
+
+    def _forward(self, gen: np.ndarray, stop: int | None = None) -> np.ndarray:
+        """(G + 1, Q) bool: the states reachable after each slot of gen (G,) from the start;
+        rows past `stop` (default G) are left as they are."""
+        a, g = self.a, gen.shape[0]
+        stop = g if stop is None else stop
+        f, since = self._reuse("forward", gen)
+        if f is None:
+            f = np.zeros((g + 1, a.n_states), dtype=bool)
+            f[0, a.start] = True
+        for i in range(since, stop):
+            t = int(gen[i])
+            if t == self.mask_id:
+                f[i + 1] = a.succ_t @ f[i].astype(np.float32) > 0  # matrix-vector: BLAS's fast case
+                f[i + 1, -1] = False
+            else:
+                f[i + 1] = a.walk(f[i], t)
+        self._last["forward"] = (gen.copy(), f, max(stop, since))
+        return f
+
+    def _reuse(self, kind: str, gen: np.ndarray) -> tuple[np.ndarray | None, int]:
+        """The last `kind` pass's sets, copied, if it ran on a canvas of gen's length, and the
+        slot the pass must resume from (forward: the first slot that differs or was not
+        computed; backward: one past the last that differs, 0 if none); else (None, the full
+        range)."""
+        g = gen.shape[0]
+        last = self._last.get(kind)
+        if last is None or last[0].shape[0] != g:
+            return None, 0 if kind == "forward" else g
+        diff = np.flatnonzero(last[0] != gen)
+        if kind == "forward":
+            return last[1].copy(), min(int(diff[0]) if diff.size else g, last[2])
+        return last[1].copy(), max(int(diff[-1]) + 1 if diff.size else 0, last[2])
+
+    def _backward(self, gen: np.ndarray, down_to: int = 0) -> np.ndarray:
+        """(G + 1, Q) bool: the states from which slots i.. of gen (G,) can end accepted; rows
+        before `down_to` are left as they are."""
+        a, g = self.a, gen.shape[0]
+        b, since = self._reuse("backward", gen)
+        if b is None:
+            b = np.zeros((g + 1, a.n_states), dtype=bool)
+            b[g] = self.end
+        filled = np.flatnonzero(gen != self.mask_id)
+        holes_from = int(filled[-1]) + 1 if filled.size else 0  # slots past it are all holes
+        if holes_from < since:
+            b[holes_from:] = self._tail[g - holes_from :: -1]
+            since = holes_from
+        for i in range(since - 1, down_to - 1, -1):
+            t = int(gen[i])
+            if t == self.mask_id:
+                b[i] = a.succ @ b[i + 1].astype(np.float32) > 0
+            else:
+                b[i] = b[i + 1][a.trans[:, t]]
+        self._last["backward"] = (gen.copy(), b, min(since, down_to))
+        return b
+
+    def feasible(self, gen: np.ndarray) -> bool:
+        """Whether the canvas's first `budget` generated slots (gen: (>= budget,)) can still be
+        completed to an accepted word."""
+        # The two passes meet at the first slot where the canvas differs from the last forward
+        # pass's: the forward rows up to it are kept, the backward ones from the last change.
+        g = gen[: self.budget]
+        last = self._last.get("forward")
+        k = 0
+        if last is not None and last[0].shape[0] == g.shape[0]:
+            diff = np.flatnonzero(last[0] != g)
+            k = min(int(diff[0]) if diff.size else g.shape[0], last[2])
+        f, b = self._forward(g, k), self._backward(g, k)
+        return bool((f[k] & b[k]).any())
+
+    def allowed(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
+        """(N, vocab) bool: the tokens each hole `slots` (N,) of the generated canvas gen (G,)
+        may take and leave the canvas completable (slots past the budget: every token)."""
+        out = np.ones((slots.shape[0], vocab), dtype=bool)
+        inside = slots < self.budget
+        if not inside.any():
+            return out
+        g = gen[: self.budget]
+        f = self._forward(g, int(slots[inside].max()) + 1)
+        b = self._backward(g, int(slots[inside].min()) + 1)
+        for k in np.flatnonzero(inside).tolist():
+            i = int(slots[k])
+            out[k, : self.a.trans.shape[1]] = self._hole(f[i], b[i + 1])
+            out[k, self.a.trans.shape[1]:] = False
+        return out
+
+    def _hole(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """(V,) bool: the tokens that move a state of f (Q,) into one of b (Q,). Kept by the
+        pair: along a run of holes the sets settle, and so do a canvas's from step to step."""
+        key = np.packbits(f).tobytes() + np.packbits(b).tobytes()
+        hit = self._masks.get(key)
+        if hit is None:
+            if len(self._masks) > 4096:
+                self._masks.clear()
+            hit = self._masks[key] = self.a.moves_into(f, b)
+        return hit
+
+    # --- the commit-time check --------------------------------------------------------------
+    def restrict(self, gen: np.ndarray, sel: np.ndarray, token: np.ndarray,
+                 rank: np.ndarray) -> np.ndarray:
+        """(G,) bool: the commits a step keeps of `sel` (G,) (token: (G,) the tokens they
+        write; rank: (G,) their commit order, 0 first). complete: the longest run in commit
+        order that leaves the canvas completable (at least the first, whose token the mask
+        allowed); prefix: the longest run of selected holes from the leftmost hole on, left
+        to right, or the leftmost hole alone when the rule did not select it."""
+        holes = gen == self.mask_id
+        if self.mode == "prefix":
+            first = int(np.argmax(holes))
+            run = np.flatnonzero(np.cumprod(sel[first:] | ~holes[first:]) & holes[first:]) + first
+            order = run if run.size else np.array([first])
+        else:
+            order = np.flatnonzero(sel)
+            order = order[np.argsort(rank[order], kind="stable")]
+        n = self._longest(gen, order, token)
+        out = np.zeros_like(sel)
+        out[order[:n]] = True
+        return out
+
+    def _longest(self, gen: np.ndarray, order: np.ndarray, token: np.ndarray) -> int:
+        """How many of the commits `order` (slots, in order) leave the canvas completable: the
+        feasible ones are a prefix of the order (a commit only removes words), so a binary
+        search; at least one."""
+        def ok(n: int) -> bool:
+            trial = gen.copy()
+            trial[order[:n]] = token[order[:n]]
+            return self.feasible(trial)
+
+        if order.size == 0 or ok(order.size):
+            return int(order.size)
+        lo, hi = 1, int(order.size) - 1  # ok(lo) holds: its token was allowed; find the last ok
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # --- the scaffold ------------------------------------------------------------------------
+    def scaffold(self) -> np.ndarray:
+        """(budget,) the canvas a constrained request starts from: the language's fixed opening
+        (its tokens, where they fit and keep the canvas completable), then every hole whose
+        allowed set is one token, left to right up to the first that has a choice."""
+        gen = np.full(self.budget, self.mask_id, dtype=np.int64)
+        prefix = np.array(self.a.prefix[: self.budget], dtype=np.int64)
+        trial = gen.copy()
+        trial[: prefix.size] = prefix
+        if prefix.size and self.closes and self.feasible(trial):
+            gen = trial
+        v = self.a.trans.shape[1]
+        for i in range(int((gen != self.mask_id).sum()), self.budget):
+            allowed = self.allowed(gen, np.array([i]), v)[0]
+            if allowed.sum() != 1:
+                break
+            gen[i] = int(np.argmax(allowed))
+        return gen
+
+
+class TokenMasks:
+    """The allowed tokens of the positions one model call scores: the call's canvases x
+    (R, S), whose generated regions start at slot P, and their constraints (None:
+    unconstrained)."""
+
+    def __init__(self, x: np.ndarray, P: int, constraints: list[Constraint | None]) -> None:
+        self.x, self.P, self.constraints = x, P, constraints
+
+    def at(self, rows: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
+        """(N, vocab) bool for the scored positions (rows, canvas slots: (N,) each)."""
+        out = np.ones((rows.shape[0], vocab), dtype=bool)
+        for r in np.unique(rows).tolist():
+            c = self.constraints[r]
+            if c is None:
+                continue
+            at = np.flatnonzero(rows == r)
+            out[at] = c.allowed(self.x[r, self.P :], slots[at] - self.P, vocab)
+        return out
+
+
+def masks_for(x: np.ndarray, P: int, constraints: list[Constraint | None]) -> TokenMasks | None:
+    """TokenMasks of a call's rows, or None when none is constrained (nothing to mask)."""
+    if all(c is None for c in constraints):
+        return None
+    return TokenMasks(x, P, constraints)
+
+
+def check_decoder(constraint: Constraint, params: Any) -> None:
+    """Refuse a decoder that cannot honour the constraint (GrammarError, one line)."""
+    from unmask.decoding.knobs import entry
+
+    if params.suppress_eos:
+        raise GrammarError("a response format needs EOS to end its output: drop suppress_eos")
+    if constraint.mode == "prefix" and entry("method", params.method).facts.drafts:
+        raise GrammarError(f"the longest-valid-prefix mode commits left to right and runs with "
+                           f"the plain rules; {params.method!r} drafts (use its rule)")
+    if constraint.budget > params.gen_length:
+        raise GrammarError(f"the constraint's budget ({constraint.budget} tokens) exceeds "
+                           f"gen_length ({params.gen_length})")
