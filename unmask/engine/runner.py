@@ -4,7 +4,7 @@ for the other visible slots, and score the positions the decoder needs.
 This is the only place that turns a canvas into model inputs, so every decoder, cache policy and
 suffix policy shares it. It is also where the host meets the device: the rows come in as host
 arrays (unmask.engine.batch), the model's inputs go to its device in one copy each, and the
-scores come back in one copy each (three per call: token, confidence, entropy).
+scores come back in one copy (token, confidence and entropy packed: unmask.syncs.to_host).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
 from unmask.kv import Frame, KVStore, RowGroup
 from unmask.suffix import SuffixPolicy
+from unmask.syncs import to_host
 
 # A row's shape in a model call depends on the row alone, whoever shares the call, because the
 # CPU kernels round a row's results differently with the shapes around it (BENCHMARKS.md,
@@ -254,9 +255,9 @@ class Runner:
         conf = np.full((r, s), -np.inf, dtype=np.float32)
         ent = np.zeros((r, s), dtype=np.float32)
         fresh = np.zeros((r, s), dtype=bool)
-        token[rows, tslots] = sc.token.cpu().numpy()
-        conf[rows, tslots] = sc.conf.cpu().numpy()
-        ent[rows, tslots] = sc.entropy.cpu().numpy()
+        # the step's one read of the device (unmask/syncs.py)
+        token[rows, tslots], conf[rows, tslots], ent[rows, tslots] = to_host(
+            sc.token, sc.conf, sc.entropy)
         fresh[rows, tslots] = True
         return Forwarded(token, conf, ent, fresh, kv, kv_at, idx, ids, ok, plan.refresh, visible,
                          n_tokens)
