@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
+from unmask.engine.buckets import Buckets, CallRows
 from unmask.kv import Frame, KVStore, RowGroup
 from unmask.suffix import SuffixPolicy
 from unmask.syncs import to_host
@@ -186,6 +187,10 @@ class Runner:
     # keys, the plain forward's bits) or "canonical" (padded; docs/engine.md, "Batch invariance").
     # None: by the cache policy, canonical for one that reads stale K/V, exact otherwise.
     attention_shapes: str | None = None
+    # Calls of a block-causal model cut into shape buckets run from persistent buffers
+    # (unmask/engine/buckets.py: the forward a CUDA graph can hold), by this rule of
+    # `BUCKET_RULES`; None: the calls as they come.
+    bucket_rule: str | None = None
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
@@ -207,6 +212,9 @@ class Runner:
         # A block-causal model's forwarded tokens see their own block and earlier ones only
         # (the frame decides what a call attends to: unmask.kv.Frame.blocks).
         self.block_size: int | None = getattr(model.config, "block_size", None)
+        self.buckets = None
+        if self.bucket_rule is not None and self.block_size is not None:
+            self.buckets = Buckets(self.bucket_rule, self.device, MIN_ROWS)
 
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device)
@@ -242,8 +250,13 @@ class Runner:
         ids_t = self._to_device(ids)
         embeds = self.suffix.embeds(self.model, ids, idx, ok, plan.prev_token,
                                     block_start + self.params.block_length, ids_t)
-        logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok, n_tokens,
-                                       t_hat, embeds, past, blocks, rows, cols)
+        if self.buckets is not None and embeds is None:
+            logits, kv = self.buckets.call(self.model, CallRows(ids, idx - pad[:, None], ok, n_tokens,
+                                                                blocks, rows, cols), past)
+            kv_at = None
+        else:
+            logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok,
+                                           n_tokens, t_hat, embeds, past, blocks, rows, cols)
         u = None
         if noise is not None:
             offset = np.minimum(np.maximum(tslots - block_start[rows], 0), noise.shape[1] - 1)
