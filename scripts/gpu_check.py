@@ -19,13 +19,23 @@ numbers, not accuracy.
    relative to one row of the same width, so K FreeDave drafts (K rows of one canvas) cost about
    one forward where it stays near 1.
 3. decode: the engine (unmask.engine.Engine) decoding random prompts with each decoder at batch
-   1 and 16, in bfloat16, and where available compiled (unmask.compiling) and int8/int4
-   weight-only (unmask.quantize). Columns: `canvas tok/s` = generated positions (requests x
-   gen_length, EOS fill included: random weights rarely stop) per second of wall time;
-   `nfe` = model calls per request (mean); `host ms/step` = the wall time of engine steps
-   spent outside `model.forward` (scoring, K/V store, bookkeeping; the forward is timed with a
-   device synchronisation at its end), per engine step; `peak GiB` = peak device memory
-   allocated during the decode (CUDA only).
+   1 and 16, the family's main decoders (`WIDE`: LLaDA `fast` and `threshold`, SDAR
+   `threshold` in blocks of 4) also at batch 4 and 64 (eager only), in bfloat16, and where available
+   compiled (unmask.compiling) and int8/int4 weight-only (unmask.quantize). Columns:
+   `canvas tok/s` = generated positions (requests x gen_length, EOS fill included: random
+   weights rarely stop) per second of wall time; `nfe` = model calls per request (mean);
+   `host ms/step` = the wall time of engine steps spent outside `model.forward` (scoring, K/V
+   store, bookkeeping; the forward is timed with a device synchronisation at its end), per
+   engine step; `model ms/call`; `floor ms` = the weights' bytes over the device's copy
+   bandwidth (`copy GB/s` in the header, measured in the same run: bytes read plus written by
+   a device-to-device copy, per second), the least time a call that reads every weight once can
+   take; `x floor` = model ms/call over it; `host syncs/step` = device-to-host reads per engine
+   step (`unmask.syncs.SyncCounter`; on the CPU, the reads the same step would make on a GPU);
+   `peak GiB` = peak device memory allocated during the decode (CUDA only). A `batch
+   invariance` row per model and variant: the first prompt's tokens decoded alone against the
+   same prompt as the first row of the batch-16 decode (on --tiny: of 2), identical or the
+   first position that differs. A `graphs` variant (CUDA graphs per shape bucket) is reported
+   as not built yet.
 4. load: a bfloat16 checkpoint of the LLaDA shape written to disk and loaded onto the device
    by `unmask.checkpoint.load_model` in a fresh process: seconds and the process's peak host
    memory (ru_maxrss), against the weights' size.
@@ -65,6 +75,7 @@ from unmask.config import ModelConfig  # noqa: E402
 from unmask.decoding.params import DecodeParams  # noqa: E402
 from unmask.engine import Engine, SchedulerConfig  # noqa: E402
 from unmask.models import build_model  # noqa: E402
+from unmask.syncs import SyncCounter  # noqa: E402
 
 PUBLISHED = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b", "sdar": "sdar-8b-chat"}
 TINY = {  # the published architecture shrunk: same key set, head/kv-head ratio and vocabulary
@@ -75,6 +86,9 @@ TINY = {  # the published architecture shrunk: same key set, head/kv-head ratio 
              "num_hidden_layers": 2, "intermediate_size": 192},
 }
 DECODERS = ("static-1", "threshold", "exact", "balanced", "fast")
+# each family's main decoders, also measured at Sizes.wide_batches (a block-diffusion family
+# decodes in its own blocks: Sizes.block_length does not apply)
+WIDE = {"llada": ("threshold", "fast"), "dream": ("threshold", "fast"), "sdar": ("threshold",)}
 
 
 @dataclass(frozen=True)
@@ -89,13 +103,16 @@ class Sizes:
     gen_length: int
     block_length: int
     batches: tuple[int, ...]
+    wide_batches: tuple[int, ...]
     reps: int
+    copy_mib: int  # the buffer the copy bandwidth is measured on
 
     @classmethod
     def of(cls, tiny: bool) -> Sizes:
         if tiny:
-            return cls(2, 32, (1, 2), (32, 64), 8, 16, 8, (1, 2), 1)
-        return cls(4, 256, (1, 2, 4, 8, 16, 32), (256, 512, 1024), 64, 64, 32, (1, 16), 5)
+            return cls(2, 32, (1, 2), (32, 64), 8, 16, 8, (1, 2), (4,), 1, 64)
+        return cls(4, 256, (1, 2, 4, 8, 16, 32), (256, 512, 1024), 64, 64, 32, (1, 16), (4, 64), 5,
+                   1024)
 
 
 @dataclass
@@ -401,11 +418,21 @@ class ForwardTimer:
         self.model.forward = self.inner
 
 
+def copy_bandwidth(device: torch.device, mib: int) -> float:
+    """Bytes per second a device-to-device copy moves (read plus written), median of 5."""
+    src = torch.empty(mib << 18, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    s = time_call(lambda: dst.copy_(src), device, 5)
+    return 2 * src.numel() * 4 / s
+
+
 def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch.device,
-               seed: int = 0) -> dict[str, Any]:
-    """One decode of `batch` random prompts through the engine; its metrics."""
+               seed: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """One decode of `batch` random prompts through the engine: its metrics and the first
+    prompt's tokens (the same prompt at every batch)."""
     c = model.config
-    params = DecodeParams.parse(spec, gen_length=sz.gen_length, block_length=sz.block_length)
+    params = DecodeParams.parse(spec, gen_length=sz.gen_length,
+                                block_length=c.block_size or sz.block_length)
     g = torch.Generator().manual_seed(seed)
     high = min(c.vocab_size, c.mask_token_id)
     prompts = [torch.randint(0, high, (sz.prompt,), generator=g).tolist() for _ in range(batch)]
@@ -413,12 +440,15 @@ def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch
     timer = ForwardTimer(model, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    # on the CPU, count the reads the same decode would make on a GPU
+    syncs = SyncCounter(cpu_is_device=device.type == "cpu")
     try:
         reqs = [engine.add_request(p, params) for p in prompts]
         steps, t = 0, time.perf_counter()
-        while engine.has_unfinished:
-            engine.step()
-            steps += 1
+        with syncs.counting():
+            while engine.has_unfinished:
+                engine.step()
+                steps += 1
         sync(device)
         wall = time.perf_counter() - t
     finally:
@@ -429,10 +459,11 @@ def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch
     row = {"canvas tok/s": batch * sz.gen_length / wall, "wall s": wall,
            "nfe": statistics.mean(r.nfe for r in reqs), "steps": steps,
            "host ms/step": (wall - timer.seconds) / steps * 1e3,
-           "model ms/call": timer.seconds / max(timer.calls, 1) * 1e3}
+           "model ms/call": timer.seconds / max(timer.calls, 1) * 1e3,
+           "host syncs/step": syncs.total / steps}
     if device.type == "cuda":
         row["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
-    return row
+    return row, reqs[0].token_ids
 
 
 def variant_model(family: str, variant: str, device: torch.device, sz: Sizes,
@@ -458,14 +489,24 @@ def variant_model(family: str, variant: str, device: torch.device, sz: Sizes,
     return model, info
 
 
+def invariance(alone: list[int], inside: list[int]) -> str:
+    """'identical', or the first position where the row's tokens differ."""
+    if alone == inside:
+        return "identical"
+    n = min(len(alone), len(inside))
+    first = next((i for i in range(n) if alone[i] != inside[i]), n)
+    return f"differ from position {first}"
+
+
 def section_decode(report: Report, clock: Clock, family: str, device: torch.device, sz: Sizes,
                    variants: list[str], tiny: bool) -> None:
-    if published_config(family, tiny).block_size is not None:
-        # the engine refuses block-diffusion models until it decodes them (refuse_block_diffusion)
-        report.add("decode", {"model": family, "skipped": "block-diffusion decoding not in the engine yet"})
-        return
+    block = published_config(family, tiny).block_size is not None
     for variant in variants:
         head = {"model": family, "variant": variant}
+        if variant == "graphs":
+            report.add("decode", {**head, "skipped": "CUDA graphs per shape bucket are not built "
+                                  "yet (docs/engine.md, \"Host syncs\"): nothing to capture"})
+            continue
         row0 = {**head, "decoder": "(warm-up: threshold)", "batch": sz.batches[0]}
         with cell_guard(report, "decode", clock, row0, need=20) as row:
             if row is None:
@@ -480,15 +521,28 @@ def section_decode(report: Report, clock: Clock, family: str, device: torch.devi
             row["warm-up s"] = time.perf_counter() - t
             if counter:
                 row["recompiles"] = counter() - before
+            # quantized weights at their packed size
+            floor = importlib.import_module("unmask.quantize").weight_bytes(model) \
+                / report.meta["copy GB/s"] / 1e9
         if row is None or "error" in row:
             continue
-        for batch in sz.batches:
-            for spec in DECODERS:
-                with cell_guard(report, "decode", clock,
-                                {**head, "decoder": spec, "batch": batch}, need=5) as r:
-                    if r is None:
-                        break
-                    r.update(run_decode(model, spec, batch, sz, device))
+        cells = [(b, spec) for b in sz.batches for spec in (WIDE[family] if block else DECODERS)]
+        if variant == "eager":  # (compiled, each new batch would compile again)
+            cells += [(b, spec) for b in sz.wide_batches for spec in WIDE[family]]
+        tokens: dict[tuple[int, str], list[int]] = {}
+        for batch, spec in sorted(cells):
+            with cell_guard(report, "decode", clock,
+                            {**head, "decoder": spec, "batch": batch}, need=5) as r:
+                if r is None:
+                    break
+                measured, tokens[batch, spec] = run_decode(model, spec, batch, sz, device)
+                r.update(measured)
+                r.update({"floor ms": floor * 1e3, "x floor": measured["model ms/call"] / 1e3 / floor})
+        wide = max(sz.batches)
+        for spec in WIDE[family]:
+            if (1, spec) in tokens and (wide, spec) in tokens:
+                report.add("decode", {**head, "decoder": spec, "batch": f"1 vs {wide}",
+                                      "batch invariance": invariance(tokens[1, spec], tokens[wide, spec])})
         del model
         free(device)
 
@@ -555,12 +609,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reference", type=Path, default=None,
                    help="folder of Fast-dLLM's LLaDA modeling files (configuration_llada.py, "
                         "modeling_llada.py, __init__.py) to compare LLaDA logits against")
-    p.add_argument("--models", default="llada,dream,sdar", help="comma-separated: llada, dream, sdar "
-                   "(sdar: logits and forward; the engine does not decode it yet)")
+    p.add_argument("--models", default="llada,dream,sdar", help="comma-separated: llada, dream, sdar")
     p.add_argument("--variants", default="eager,int8,int4,compile",
                    help="decode variants for the first model (the others run eager only): eager, "
                         "int8, int4, compile[:MODE] (torch.compile mode, e.g. max-autotune-no-cudagraphs; "
-                        "CUDA-graph modes are refused, an error row)")
+                        "CUDA-graph modes are refused, an error row), graphs (not built yet: a "
+                        "skipped row)")
     p.add_argument("--sections", default="logits,forward,decode,load",
                    help="comma-separated, run in this order: logits, forward, decode, load")
     args = p.parse_args(argv)
@@ -595,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     sz, clock = Sizes.of(args.tiny), Clock(args.budget)
     sections = args.sections.split(",")
     report = Report(args.out, meta(device, args))
+    report.meta["copy GB/s"] = copy_bandwidth(device, sz.copy_mib) / 1e9
     report.write()
     families = args.models.split(",")
     for section in sections:  # in the order given: a tight --budget keeps the first ones

@@ -15,7 +15,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
 def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
-    variants = "eager,int8,int4,compile"
+    variants = "eager,int8,int4,compile,graphs"
     out = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--out",
                           str(tmp_path), "--variants", variants, "--budget", "600",
                           "--sections", "logits,load,forward,decode"],
@@ -26,21 +26,34 @@ def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
     assert set(sections) == {"logits", "forward", "decode", "load"}
     rows = [r for rs in sections.values() for r in rs]
     assert not [r for r in rows if "error" in r]
-    # every cell ran but SDAR's decode, which the engine refuses until it decodes block models
-    assert [r["model"] for r in rows if "skipped" in r] == ["sdar"]
+    # every cell ran but the graphs variant, which says why not
+    skipped = [r for r in rows if "skipped" in r]
+    assert [(r["model"], r["variant"]) for r in skipped] == [("llada", "graphs")]
+    assert "not built yet" in skipped[0]["skipped"]
     # bf16 against fp32 of the same weights: close, not equal
     for r in sections["logits"]:
         assert 0 < r["max |diff|"] < 0.1 and not r["bit-identical"]
     forward = {(r["model"], r["rows"], r["width"]) for r in sections["forward"]}
     assert forward == {(m, n, w) for m in ("llada", "dream", "sdar") for n in (1, 2) for w in (32, 64)}
-    runs = [r for r in sections["decode"] if "skipped" not in r]
+    runs = [r for r in sections["decode"] if "skipped" not in r and "batch invariance" not in r]
     decoded = {(r["model"], r["variant"], r["decoder"], r.get("batch")) for r in runs}
-    for v in variants.split(","):
+    for v in variants.split(",")[:-1]:
         for spec in ("static-1", "threshold", "exact", "balanced", "fast"):
             assert ("llada", v, spec, 2) in decoded
+    for spec in ("threshold", "fast"):
+        assert ("llada", "eager", spec, 4) in decoded
+    assert {("sdar", "eager", "threshold", b) for b in (1, 2, 4)} <= decoded
     for r in runs:
         if not r["decoder"].startswith("(warm-up"):
             assert r["nfe"] >= 1 and r["canvas tok/s"] > 0 and r["host ms/step"] >= 0
+            assert r["floor ms"] > 0 and r["x floor"] > 0
+            # the scores are read once a step (tests/test_host_syncs.py pins each decoder's count)
+            assert 0 < r["host syncs/step"] <= 1
+    invariance = [r for r in sections["decode"] if "batch invariance" in r]
+    assert {(r["model"], r["variant"], r["decoder"]) for r in invariance} >= {
+        ("llada", "eager", "threshold"), ("llada", "eager", "fast"), ("sdar", "eager", "threshold")}
+    assert {r["batch invariance"] for r in invariance if r["variant"] == "eager"} == {"identical"}
+    assert data["meta"]["copy GB/s"] > 0
     assert sections["load"][0]["load s"] > 0
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## decode" in md and "| llada | eager | fast | 2 |" in md

@@ -62,9 +62,16 @@ class KVStore:
         only. A layer's keys and values are gathered together when its attention reads them, so
         no copy of the whole store is ever made, at most one layer's reads are held at a time,
         and attention runs over what a row can see, not over the store's width."""
-        n, w = self.shape
+        w = self.shape[1]
         flat = torch.from_numpy((rows[:, None] * w + pos).reshape(-1)).to(self.kv.device)  # (R*K,)
-        layers = _LayerReads(self.kv.view(n * w, *self.kv.shape[2:]), flat, pos.shape)
+        return self.read(flat, pos.shape)
+
+    def read(self, flat: Tensor, shape: tuple[int, int]) -> PastKV:
+        """`gather` at flat (row * width + position) indices (R*K,) on the device, already
+        made: (R, K) = shape. A caller that keeps the indices in a buffer of its own reads the
+        store without building them (unmask.engine.buckets)."""
+        n, w = self.shape
+        layers = _LayerReads(self.kv.view(n * w, *self.kv.shape[2:]), flat, shape)
         return PastKV(_Half(layers, 0), _Half(layers, 1))
 
     def tokens_at(self, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 
     python scripts/bench/engine_throughput.py [--n 32] [--gen-length 256] [--decoder fast ...]
         [--concurrency 1,4,16] [--rounds 3] [--profile 1,16 --profile-gen-length 64]
+        [--model unmask-llada]
 
 Throughput: the --n held-out math prompts are all submitted to one `Engine` at once with
 `max_running` = each concurrency (what `LLM.generate(..., batch_size=N)` does), for each
@@ -366,12 +367,13 @@ def main() -> None:
                    help="only prompts the first decoder finishes in <= K steps (no long tail)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall seconds, or this thread's CPU seconds (A/B on a shared machine)")
+    p.add_argument("--model", default="unmask-llada", help="unmask-sdar: block-4 decoding")
     args = p.parse_args()
     global clock
     clock = CLOCKS[args.clock]
     torch.set_num_threads(1)
     decoders = args.decoder or ["fast", "threshold"]
-    llm = LLM()
+    llm = LLM(args.model)
     timer = ForwardTimer(llm.model)
     if args.max_steps:
         prompts = short_prompts(llm, decoders[0], args.n, args.gen_length, args.max_steps)

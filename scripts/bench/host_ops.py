@@ -2,7 +2,7 @@
 engine function, and how many torch calls it makes there (each one a kernel launch on a GPU).
 
     .venv/bin/python scripts/bench/host_ops.py [--decoder fast] [--batch 1] [--n 16] [--gen-length 64]
-        [--repeats 5]
+        [--repeats 5] [--model unmask-llada]
 
 The --n held-out math prompts are decoded --batch at a time on one thread, --repeats times.
 Each listed function is wrapped with a timer of this thread's CPU time (inclusive; time the
@@ -12,7 +12,9 @@ least host time per step is reported (the machine is shared: other processes onl
 Columns are ms per engine step. The decode state is host numpy (unmask/engine/batch.py), so
 the torch calls left outside the model are the scoring of the logits, the K/V store's gather
 and write, and the copies of a call's inputs to the device; they are counted through a
-TorchFunctionMode in one extra run.
+TorchFunctionMode in one extra run, and the device-to-host reads a step would make on a GPU
+(`unmask.syncs.SyncCounter`) in another. --model unmask-sdar measures block-4 calls of the
+shipped SDAR model.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from unmask.engine import decoder as decoder_mod
 from unmask.engine import engine as engine_mod
 from unmask.engine import runner as runner_mod
 from unmask.kv import KVStore
+
+try:
+    from unmask.syncs import SyncCounter
+except ImportError:  # an older engine (scripts/ab/engine.py measures one): no count of reads
+    SyncCounter = None
 
 # (owner, attribute, label): the engine's step, from the outside in
 TIMED = [
@@ -102,9 +109,10 @@ def main() -> None:
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--gen-length", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default="unmask-llada")
     args = p.parse_args()
     torch.set_num_threads(1)
-    llm = LLM()
+    llm = LLM(args.model)
     timers, counter = Timers(), CallCounter()
     inner = llm.model.forward
 
@@ -147,6 +155,11 @@ def main() -> None:
             best = ms
     with counter:
         steps = run()
+    reads = "not counted"
+    if SyncCounter is not None:
+        with SyncCounter(cpu_is_device=True).counting() as syncs:
+            run()
+        reads = f"{syncs.total / steps:.2f}"
     py_calls = PyCalls(counter)
     sys.setprofile(py_calls)
     try:
@@ -159,7 +172,8 @@ def main() -> None:
           f"{steps} steps; host = Engine.step - model.forward = **{host:.3f} ms a step** "
           f"({host / args.batch:.3f} ms a row); {counter.calls / steps:.0f} torch calls and "
           f"{py_calls.calls / steps:.0f} function calls (Python and C) a step outside the model "
-          f"(least host time of {args.repeats} runs)\n")
+          f"(least host time of {args.repeats} runs); {reads} device-to-host "
+          f"reads a step ({args.model})\n")
     print("| function (inclusive) | ms per step |\n|:---|---:|")
     for _, _, label in TIMED:
         print(f"| {label.strip()} | {best.get(label, 0.0):.3f} |")

@@ -248,7 +248,9 @@ def run_freedave_reimplementation(s: Sides, kw: dict, prompts: list[list[int]]) 
 def run_ours(s: Sides, spec: str, prompts: list[list[int]]) -> list[Run]:
     try:
         params = unmask.DecodeParams.parse(spec, gen_length=s.gen_length, block_length=s.block)
-        outs = s.llm.generate_ids(prompts, params)
+        # one prompt at a time, as the references decode: their times compare (the tokens,
+        # NFE and token-forwards are the same in any batch)
+        outs = s.llm.generate_ids(prompts, params, batch_size=1)
     except UnmaskError as e:
         return [failed(e)] * len(prompts)
     return [Run(s.answer(list(g.token_ids)), g.nfe, g.token_forwards) for g in outs]
@@ -366,8 +368,9 @@ def cost(r: Run) -> str:
     return "-" if r.error else f"{r.nfe} / {r.token_forwards}"
 
 
-def section(setting: Setting, prompts: list[list[int]], runs: dict[str, list[Run]]) -> list[str]:
-    """One setting's markdown: what each side ran, identity counts, then per prompt."""
+def section(setting: Setting, prompts: list[list[int]], runs: dict[str, list[Run]],
+            seconds: dict[str, float]) -> list[str]:
+    """One setting's markdown: what each side ran, identity counts, time, then per prompt."""
     sides = list(runs)
     pairs = [(sides[0], b) for b in sides[1:]]  # each against the first
     lines = [f"### {setting.name}", "", *([setting.note, ""] if setting.note else [])]
@@ -375,7 +378,8 @@ def section(setting: Setting, prompts: list[list[int]], runs: dict[str, list[Run
     errors = sorted({f"{k}: {r.error}" for k in sides for r in runs[k] if r.error})
     lines += [f"- **error** {e}" for e in errors]
     lines += [f"- {a} vs {b}: **{identical(runs, a, b)}** prompts token-identical" for a, b in pairs]
-    lines += [f"- NFE / token-forwards, all prompts: {totals(runs)}", ""]
+    lines += [f"- NFE / token-forwards, all prompts: {totals(runs)}",
+              f"- CPU seconds, all prompts (x {sides[0]}'s): {times(seconds)}", ""]
     head = ["prompt", "P", f"{sides[0]} tokens", *[f"{a} vs {b}" for a, b in pairs],
             *[f"{k} NFE / TF" for k in sides], "notes"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -398,20 +402,32 @@ def totals(runs: dict[str, list[Run]]) -> str:
                      for k, rs in runs.items())
 
 
-def summary_row(setting: Setting, runs: dict[str, list[Run]]) -> str:
+def times(seconds: dict[str, float]) -> str:
+    """Each side's CPU seconds and their ratio to the first side's."""
+    first = next(iter(seconds.values()))
+    return ", ".join(f"{k} {v:.1f} ({v / first:.2f}x)" for k, v in seconds.items())
+
+
+def summary_row(setting: Setting, runs: dict[str, list[Run]], seconds: dict[str, float]) -> str:
     first, *others = runs
     same = ", ".join(f"{b} {identical(runs, first, b)}" for b in others)
-    return f"| {setting.name} | {first} | {same} | {totals(runs)} |"
+    return f"| {setting.name} | {first} | {same} | {totals(runs)} | {times(seconds)} |"
 
 
 def check(s: Sides, prompts: list[list[int]]) -> tuple[list[str], list[str]]:
     """(the summary table's rows, the per-setting sections)."""
     rows, body = [], []
     for setting in settings(s.block, s.gen_length):
-        runs = {side.label: side.run(s, side.spec, prompts) for side in setting.sides}
-        block = section(setting, prompts, runs)
+        runs, seconds = {}, {}
+        for side in setting.sides:
+            # CPU time of this process (one torch thread by default): the machine's other
+            # processes do not move it
+            t = time.process_time()
+            runs[side.label] = side.run(s, side.spec, prompts)
+            seconds[side.label] = time.process_time() - t
+        block = section(setting, prompts, runs, seconds)
         print("\n".join(block), flush=True)
-        rows.append(summary_row(setting, runs))
+        rows.append(summary_row(setting, runs, seconds))
         body += block
     return rows, body
 
@@ -481,11 +497,15 @@ def report(args, s: Sides, prompts: list[list[int]], rows: list[str], body: list
         "Tokens compared: the generated ids through the first EOS, cut at gen_length. A cell "
         "'=' is token-identical, a number is the first differing position. NFE / TF: forwards "
         "and token-forwards of the whole request (prefill and store forwards included; SDAR "
-        "decodes the EOS block to its end, FreeDave until a block of EOS only).", "",
+        "decodes the EOS block to its end, FreeDave until a block of EOS only). CPU s: the "
+        f"process's CPU seconds for the side's {len(prompts)} prompts, one prompt at a time "
+        f"(ours too), {torch.get_num_threads()} torch thread(s), in the order the table lists "
+        "them (the first side of the first setting pays the warm-up).", "",
         f"SDAR's entropy_bounded as published: {published_entropy_bounded(s, prompts[0])}.", "",
         "Reading:", "", *SEMANTICS, BY_DTYPE[args.dtype], "",
-        "| setting | against | token-identical prompts | NFE / token-forwards, all prompts |",
-        "|---|---|---|---|", *rows, "", *body])
+        "| setting | against | token-identical prompts | NFE / token-forwards, all prompts | "
+        "CPU s, all prompts (x the first side's) |",
+        "|---|---|---|---|---|", *rows, "", *body])
 
 
 def main() -> None:

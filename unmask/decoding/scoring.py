@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from unmask.decoding.knobs import entry
+from unmask.syncs import cpu_only
 
 NEG_INF = float("-inf")
 Values = float | int | np.ndarray  # one value for every position, or (N,) one each
@@ -155,6 +156,7 @@ def _sample(logits: Tensor, p: Tensor, temperature: np.ndarray, top_p: np.ndarra
     return argmax(noisy)
 
 
+@cpu_only
 def argmax(t: Tensor) -> Tensor:
     """Index of the first maximum along the last dim (NaN counts as the maximum). On the CPU
     this is numpy's argmax, which returns the same index: torch 2.13's CPU argmax over a

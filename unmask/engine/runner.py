@@ -4,7 +4,7 @@ for the other visible slots, and score the positions the decoder needs.
 This is the only place that turns a canvas into model inputs, so every decoder, cache policy and
 suffix policy shares it. It is also where the host meets the device: the rows come in as host
 arrays (unmask.engine.batch), the model's inputs go to its device in one copy each, and the
-scores come back in one copy each (three per call: token, confidence, entropy).
+scores come back in one copy (token, confidence and entropy packed: unmask.syncs.to_host).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from unmask.decoding.grammar import TokenMasks
 from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
+from unmask.engine.buckets import Buckets, CallRows
 from unmask.kv import Frame, KVStore, RowGroup
 from unmask.suffix import SuffixPolicy
+from unmask.syncs import to_host
 
 # A row's shape in a model call depends on the row alone, whoever shares the call, because the
 # CPU kernels round a row's results differently with the shapes around it (BENCHMARKS.md,
@@ -187,6 +189,10 @@ class Runner:
     # keys, the plain forward's bits) or "canonical" (padded; docs/engine.md, "Batch invariance").
     # None: by the cache policy, canonical for one that reads stale K/V, exact otherwise.
     attention_shapes: str | None = None
+    # Calls of a block-causal model cut into shape buckets run from persistent buffers
+    # (unmask/engine/buckets.py: the forward a CUDA graph can hold), by this rule of
+    # `BUCKET_RULES`; None: the calls as they come.
+    bucket_rule: str | None = None
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
@@ -208,6 +214,9 @@ class Runner:
         # A block-causal model's forwarded tokens see their own block and earlier ones only
         # (the frame decides what a call attends to: unmask.kv.Frame.blocks).
         self.block_size: int | None = getattr(model.config, "block_size", None)
+        self.buckets = None
+        if self.bucket_rule is not None and self.block_size is not None:
+            self.buckets = Buckets(self.bucket_rule, self.device, MIN_ROWS)
 
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device)
@@ -243,8 +252,13 @@ class Runner:
         ids_t = self._to_device(ids)
         embeds = self.suffix.embeds(self.model, ids, idx, ok, plan.prev_token,
                                     block_start + self.params.block_length, ids_t)
-        logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok, n_tokens,
-                                       t_hat, embeds, past, blocks, rows, cols)
+        if self.buckets is not None and embeds is None:
+            logits, kv = self.buckets.call(self.model, CallRows(ids, idx - pad[:, None], ok, n_tokens,
+                                                                blocks, rows, cols), past)
+            kv_at = None
+        else:
+            logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok,
+                                           n_tokens, t_hat, embeds, past, blocks, rows, cols)
         u = None
         if noise is not None:
             offset = np.minimum(np.maximum(tslots - block_start[rows], 0), noise.shape[1] - 1)
@@ -260,9 +274,9 @@ class Runner:
         conf = np.full((r, s), -np.inf, dtype=np.float32)
         ent = np.zeros((r, s), dtype=np.float32)
         fresh = np.zeros((r, s), dtype=bool)
-        token[rows, tslots] = sc.token.cpu().numpy()
-        conf[rows, tslots] = sc.conf.cpu().numpy()
-        ent[rows, tslots] = sc.entropy.cpu().numpy()
+        # the step's one read of the device (unmask/syncs.py)
+        token[rows, tslots], conf[rows, tslots], ent[rows, tslots] = to_host(
+            sc.token, sc.conf, sc.entropy)
         fresh[rows, tslots] = True
         return Forwarded(token, conf, ent, fresh, kv, kv_at, idx, ids, ok, plan.refresh, visible,
                          n_tokens)
