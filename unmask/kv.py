@@ -295,3 +295,36 @@ class Frame:
         kb = self.blocks if self.past is None else torch.cat([self.past_blocks, self.blocks], 1)
         mask = self.blocks[:, None, :, None] >= kb[:, None, None, :]
         return mask if keys is None else mask & keys
+
+
+@dataclass
+class Past:
+    """What a call reads from the store: store row `rows[i]` at positions `pos[i]` (R, K) for
+    each of its rows; mask (R, K) False where a row has fewer positions than K; n (R,) each
+    row's count and shape (R,) its attention count (K is the largest)."""
+
+    store: KVStore
+    rows: np.ndarray
+    pos: np.ndarray
+    mask: np.ndarray
+    n: np.ndarray
+    shape: np.ndarray
+    blocks: np.ndarray | None  # (R, K) each position's block (block-causal models; else None)
+
+    def take(self, index: np.ndarray) -> Past:
+        """The rows `index`, all of one attention count, their slots cut to it."""
+        k = int(self.shape[index[0]])
+        return Past(self.store, self.rows[index], self.pos[index, :k], self.mask[index, :k],
+                    self.n[index], self.shape[index],
+                    None if self.blocks is None else self.blocks[index, :k])
+
+    def frame(self, key_mask: Tensor, blocks: Tensor | None) -> Frame:
+        """An unpacked frame of these rows (key_mask: their (R, T) forwarded tokens; blocks:
+        their blocks, block-causal models only), or of no stored keys when none reads any."""
+        if self.pos.shape[1] == 0:
+            return Frame(key_mask=key_mask, blocks=blocks)
+        dev = key_mask.device
+        past_mask = torch.from_numpy(self.mask).to(dev)
+        return Frame(key_mask=key_mask, past=self.store.gather(self.rows, self.pos),
+                     past_mask=past_mask, blocks=blocks,
+                     past_blocks=None if blocks is None else torch.from_numpy(self.blocks).to(dev))

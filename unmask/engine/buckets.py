@@ -22,16 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from unmask.kv import Frame
-
-if TYPE_CHECKING:
-    from unmask.engine.runner import Past
+from unmask.kv import Frame, Past
 
 NO_BLOCK = np.iinfo(np.int64).max  # a padding token's block: it sees every key
 

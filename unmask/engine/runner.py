@@ -21,7 +21,7 @@ from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
 from unmask.engine.buckets import Buckets, CallRows
-from unmask.kv import Frame, KVStore, RowGroup
+from unmask.kv import Frame, KVStore, Past, RowGroup
 from unmask.suffix import SuffixPolicy
 from unmask.syncs import to_host
 
@@ -106,39 +106,6 @@ class StoreRead:
     rows: np.ndarray  # (R,) each call row's store row
     pad: np.ndarray  # (R,) each call row's left padding: slot pad + p holds position p
     valid: np.ndarray  # (R, S) bool slots whose K/V the store holds
-
-
-@dataclass
-class Past:
-    """What a call reads from the store: store row `rows[i]` at positions `pos[i]` (R, K) for
-    each of its rows; mask (R, K) False where a row has fewer positions than K; n (R,) each
-    row's count and shape (R,) its attention count (K is the largest)."""
-
-    store: KVStore
-    rows: np.ndarray
-    pos: np.ndarray
-    mask: np.ndarray
-    n: np.ndarray
-    shape: np.ndarray
-    blocks: np.ndarray | None  # (R, K) each position's block (block-causal models; else None)
-
-    def take(self, index: np.ndarray) -> Past:
-        """The rows `index`, all of one attention count, their slots cut to it."""
-        k = int(self.shape[index[0]])
-        return Past(self.store, self.rows[index], self.pos[index, :k], self.mask[index, :k],
-                    self.n[index], self.shape[index],
-                    None if self.blocks is None else self.blocks[index, :k])
-
-    def frame(self, key_mask: Tensor, blocks: Tensor | None) -> Frame:
-        """An unpacked frame of these rows (key_mask: their (R, T) forwarded tokens; blocks:
-        their blocks, block-causal models only), or of no stored keys when none reads any."""
-        if self.pos.shape[1] == 0:
-            return Frame(key_mask=key_mask, blocks=blocks)
-        dev = key_mask.device
-        past_mask = torch.from_numpy(self.mask).to(dev)
-        return Frame(key_mask=key_mask, past=self.store.gather(self.rows, self.pos),
-                     past_mask=past_mask, blocks=blocks,
-                     past_blocks=None if blocks is None else torch.from_numpy(self.blocks).to(dev))
 
 
 @dataclass
