@@ -43,6 +43,7 @@ from unmask.checkpoint import load_model, save_checkpoint
 from unmask.config import ModelConfig
 from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
+from unmask.engine.runner import MIN_ROWS
 from unmask.hub import SHIPPED
 from unmask.kv import Frame, PastKV
 from unmask.models import build_model
@@ -127,6 +128,21 @@ def call(model: torch.nn.Module, rows: int, positions: int, kv: int) -> Callable
     return run
 
 
+def call_shapes(args: argparse.Namespace) -> list[tuple[int, int, str]]:
+    """(rows, positions per row, label) of each call to time: rows x positions as asked and,
+    where that is fewer than the runner's MIN_ROWS tokens, the call as the engine makes it:
+    its matrix products get MIN_ROWS rows (the runner pads the call with tokens no row attends
+    with, for batch invariance; here each row's positions are padded instead)."""
+    out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        out.append((rows, args.positions, f"{rows} x {args.positions}"))
+        if rows * args.positions < MIN_ROWS:
+            padded = -(-MIN_ROWS // rows)
+            out.append((rows, padded, f"{rows} x {args.positions} as the engine calls it "
+                                      f"({rows * padded} rows)"))
+    return out
+
+
 def timed(fns: dict[str, Callable[[], object]], threads: int, repeat: int) -> dict[str, float]:
     """Median seconds per call of each fn, interleaved round-robin."""
     torch.set_num_threads(threads)
@@ -140,6 +156,29 @@ def timed(fns: dict[str, Callable[[], object]], threads: int, repeat: int) -> di
             f()
             times[k].append(tick() - t)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def profile(models: dict[str, torch.nn.Module], args: argparse.Namespace) -> list[str]:
+    """Where a 1-row call's time goes, per format: torch.profiler's self CPU time by op, one
+    thread, the top ops covering most of it."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.set_num_threads(1)
+    out = ["", f"Where the time goes: 1 x {args.positions} after {args.kv} stored positions, one "
+           f"thread, torch.profiler self CPU time per call (share of the call):", ""]
+    for name, m in models.items():
+        run = call(m, 1, args.positions, args.kv)
+        run()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.repeat):
+                run()
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in events)
+        top = ", ".join(f"`{e.key}` {e.self_cpu_time_total / args.repeat / 1e3:.1f} ms "
+                        f"({100 * e.self_cpu_time_total / total:.0f}%)" for e in events[:6])
+        out.append(f"- {name}, {total / args.repeat / 1e3:.1f} ms: {top}")
+    return out
 
 
 def memory_of(folder: Path, scheme: str | None) -> dict:
@@ -180,24 +219,40 @@ def decode_tps(models: dict[str, torch.nn.Module], threads: int, gen_length: int
     return {k: gen_length / s for k, s in secs.items()}
 
 
+class Lines(list):
+    """The report's lines, each also printed (flushed) as it comes: a long run shows progress."""
+
+    def append(self, line: str) -> None:
+        print(line, flush=True)
+        super().append(line)
+
+    def __iadd__(self, lines):
+        for line in lines:
+            self.append(line)
+        return self
+
+
 def report(folder: Path, args: argparse.Namespace) -> str:
     models = {name: load(folder, scheme) for name, scheme in FORMATS.items()}
     threads = [int(t) for t in args.threads.split(",")]
     bw = {t: bandwidth(t) for t in threads}
-    lines = [f"Read bandwidth (float32 sum over {BANDWIDTH_BYTES >> 20} MiB): "
-             + ", ".join(f"{t} thread{'s' * (t > 1)} {bw[t] / 1e9:.1f} GB/s" for t in threads),
-             "", "| rows x positions, K/V | threads | weights | bytes read | floor, ms | ms per call "
-             "| x floor | x bfloat16 |", "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for rows in [int(r) for r in args.rows.split(",")]:
+    lines = Lines()
+    lines += [f"Read bandwidth (float32 sum over {BANDWIDTH_BYTES >> 20} MiB): "
+              + ", ".join(f"{t} thread{'s' * (t > 1)} {bw[t] / 1e9:.1f} GB/s" for t in threads),
+              "", "| rows x positions, K/V | threads | weights | bytes read | floor, ms | ms per "
+              "call | x floor | x bfloat16 |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for rows, positions, label in call_shapes(args):
         for t in threads:
-            secs = timed({n: call(m, rows, args.positions, args.kv) for n, m in models.items()},
+            secs = timed({n: call(m, rows, positions, args.kv) for n, m in models.items()},
                          t, args.repeat)
             for name, m in models.items():
                 nbytes = bytes_read(m, rows, args.kv)
                 floor = nbytes / bw[t]
-                lines.append(f"| {rows} x {args.positions}, {args.kv} | {t} | {name} | "
+                lines.append(f"| {label}, {args.kv} | {t} | {name} | "
                              f"{mib(nbytes)} | {1e3 * floor:.1f} | {1e3 * secs[name]:.1f} | "
                              f"{secs[name] / floor:.2f} | {secs[name] / secs['bfloat16']:.2f} |")
+    if args.profile:
+        lines += profile(models, args)
     if args.gen_length:
         lines += ["", f"Decode, one 16-token prompt, gen_length {args.gen_length}, tokens/s:", "",
                   "| threads | weights | `static-1` | `threshold` |", "|---:|---|---:|---:|"]
@@ -222,6 +277,8 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts, side by side (default 1,2)")
     ap.add_argument("--repeat", type=int, default=9)
     ap.add_argument("--gen-length", type=int, default=32, help="decode tokens/s (0: skip)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile a 1-row call per format (torch.profiler, by op)")
     ap.add_argument("--no-memory", dest="memory", action="store_false",
                     help="skip the load-memory table")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
@@ -242,7 +299,7 @@ def main() -> None:
              body,
              f"Command: `python scripts/memory_floor.py {' '.join(sys.argv[1:])}`; "
              f"{time.perf_counter() - started:.0f} s."]
-    print("\n\n".join(parts))
+    print(parts[-1])
     if args.out is not None:
         args.out.write_text("\n\n".join(parts) + "\n")
 

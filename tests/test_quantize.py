@@ -273,6 +273,18 @@ def test_int4_where_no_int4_kernel_runs(monkeypatch, device: str, capability, wo
     check_quantize("int8", torch.device(device))  # int8 is plain torch ops: it runs there
 
 
+def test_int4_on_an_x86_cpu_without_avx2_is_refused_in_one_line(monkeypatch) -> None:
+    """torch's int4 CPU kernel without AVX2 or AVX-512 is its scalar fallback, slower than the
+    bfloat16 weights it would replace: refused, naming what is missing and what to use."""
+    from unmask import quantize
+
+    monkeypatch.setattr(quantize.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(InputError, match=r"neither AVX2 nor AVX-512\): use quantize int8$"):
+        check_quantize("int4", torch.device("cpu"))
+    check_quantize("int8", torch.device("cpu"))
+
+
 def test_int4_needs_bfloat16() -> None:
     model = tiny_model("llada")
     with pytest.raises(InputError, match="int4 needs a model in bfloat16, this one is in float32"):
