@@ -211,7 +211,8 @@ def decode_tps(models: dict[str, torch.nn.Module], threads: int, gen_length: int
                repeat: int) -> dict[tuple[str, str], float]:
     torch.set_num_threads(threads)
     prompt = list(range(3, 19))
-    params = {spec: DecodeParams.parse(spec, gen_length=gen_length)
+    block = next(iter(models.values())).config.block_size or gen_length
+    params = {spec: DecodeParams.parse(spec, gen_length=gen_length, block_length=block)
               for spec in ("static-1", "threshold")}
     fns = {(name, spec): (lambda m=m, p=p: decode(m, p, [prompt]))
            for spec, p in params.items() for name, m in models.items()}
