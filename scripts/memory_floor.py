@@ -269,7 +269,7 @@ def report(folder: Path, args: argparse.Namespace) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
+    src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="a model folder")
     src.add_argument("--shape", choices=list(SHAPES), help="a random-weight SDAR shape")
     ap.add_argument("--rows", default="1,8", help="rows per call (default 1,8)")
@@ -289,6 +289,8 @@ def main() -> None:
         folder, scheme = args.memory_of
         print(json.dumps(memory_of(Path(folder), None if scheme == "None" else scheme)))
         return
+    if args.model is None and args.shape is None:
+        ap.error("give --model DIR or --shape NAME")
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model or random_folder(args.shape, Path(tmp))
