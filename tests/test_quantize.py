@@ -97,6 +97,60 @@ def test_quantizing_on_the_cpu_lets_go_of_the_mapped_checkpoint(folders) -> None
         assert p.data_ptr() != before[name][0] and torch.equal(p, before[name][1]), name
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantizing_while_loading_gives_the_weights_quantizing_after_does(folders, scheme: str) -> None:
+    from unmask.checkpoint import load_model
+
+    dtype = DTYPE[scheme]
+    after = load_model(folders["llada"], "cpu", dtype)
+    quantize_model(after, scheme)
+    during = load_model(folders["llada"], "cpu", dtype, quantize=scheme)
+    want = after.state_dict()
+    for key, t in during.state_dict().items():
+        assert type(t) is type(want[key]), key
+        assert all(torch.equal(a, b) for a, b in zip(_parts(t), _parts(want[key]), strict=True)), key
+    assert weight_bytes(during) == weight_bytes(after)
+
+
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a torchao tensor is made of (packed values, scales...), or [t]."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, n) for n in names]
+
+
+_PEAK = """
+import json, sys, torch
+from unmask.quantize import torchao_version
+from unmask.checkpoint import load_model
+torchao_version()
+def status(key):
+    with open("/proc/self/status") as f:
+        return int(next(x for x in f if x.startswith(key + ":")).split()[1]) * 1024
+before = status("VmRSS")
+model = load_model(sys.argv[1], "cpu", quantize="int8")
+print(json.dumps({"peak": status("VmHWM") - before}))
+"""
+
+
+def test_quantizing_while_loading_holds_one_file_of_float_weights(tmp_path: Path) -> None:
+    """int8 from a float32 folder in shards: the load's peak (resident memory, in a fresh
+    process) stays under the float weights' size: each file's weights are quantized as it is
+    read, and its mapping let go before the next (quantizing after the load held them all)."""
+    import json
+    import subprocess
+
+    model = tiny_model("llada", d_model=512, n_heads=8, n_kv_heads=8, n_layers=8,
+                       mlp_hidden_size=1536, vocab_size=512)
+    float_size = weight_bytes(model)  # 8 layers of 3.4M float32 weights: 110 MB
+    folder = save_checkpoint(model, tmp_path / "f32", max_shard_size=8 << 20)
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(folder)], check=True,
+                         capture_output=True, text=True).stdout
+    # measured: 60 MB (28 MB of int8 weights, a shard, torchao's temporaries); 160 MB before
+    assert json.loads(out)["peak"] < 0.7 * float_size
+
+
 # --- numerics ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def embedded() -> LLM:
@@ -217,6 +271,18 @@ def test_int4_where_no_int4_kernel_runs(monkeypatch, device: str, capability, wo
     with pytest.raises(InputError, match=words):
         check_quantize("int4", torch.device(device))
     check_quantize("int8", torch.device(device))  # int8 is plain torch ops: it runs there
+
+
+def test_int4_on_an_x86_cpu_without_avx2_is_refused_in_one_line(monkeypatch) -> None:
+    """torch's int4 CPU kernel without AVX2 or AVX-512 is its scalar fallback, slower than the
+    bfloat16 weights it would replace: refused, naming what is missing and what to use."""
+    from unmask import quantize
+
+    monkeypatch.setattr(quantize.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with pytest.raises(InputError, match=r"neither AVX2 nor AVX-512\): use quantize int8$"):
+        check_quantize("int4", torch.device("cpu"))
+    check_quantize("int8", torch.device("cpu"))
 
 
 def test_int4_needs_bfloat16() -> None:

@@ -26,10 +26,12 @@ from unmask.engine.layout import model_defaults
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.hub import DEFAULT_NAME, SHIPPED, model_name, resolve_model
+from unmask.packing import pack_linears, slow_bf16_note
 from unmask.quantize import (
+    QUANTIZED_FILE,
     check_quantize,
+    float_bytes,
     mib,
-    quantize_model,
     quantized_scheme,
     torchao_version,
     weight_bytes,
@@ -254,8 +256,10 @@ class LLM:
             check_quantize(quantize, self.device)
         if compile:  # before the load: a missing compiler is said at once
             check_compile(self.device)
-        self.model = load_model(self.path, self.device, dtype)
-        self.load_note = self._quantize(quantize)
+        self.model = load_model(self.path, self.device, dtype, quantize=quantize)
+        self.load_note = self._quantize_note(quantize)
+        if not compile:  # torch.compile packs the weights it freezes its own way
+            self.load_note += self._pack()
         log.info("%s: %s", self.path, self.load_note)
         if compile:  # after quantization: the compiled layers trace the weights they will run
             compile_model(self.model)
@@ -264,21 +268,30 @@ class LLM:
         check_tokenizer(self.tokenizer, self.config, self.path)
         self._automata: dict[tuple[str, str], TokenAutomaton] = {}  # LLM.constraint's
 
-    def _quantize(self, scheme: str | None) -> str:
-        """Quantize the loaded model to `scheme` (None: leave it as loaded); returns a line
-        saying what its weights hold now, and held before when it changed them."""
+    def _quantize_note(self, scheme: str | None) -> str:
+        """A line saying what the loaded model's weights hold, and held in their float dtype
+        when load_model quantized them as it read them; InputError for a folder saved quantized
+        in another scheme than `scheme`."""
         held = weight_bytes(self.model)
-        saved = quantized_scheme(self.model)
-        if saved is not None:
-            if scheme not in (None, saved):
-                raise InputError(f"{self.path} was saved quantized as {saved}; load it without "
+        found = quantized_scheme(self.model)
+        if (self.path / QUANTIZED_FILE).is_file():
+            if scheme not in (None, found):
+                raise InputError(f"{self.path} was saved quantized as {found}; load it without "
                                  f"quantize, or quantize its float checkpoint as {scheme}")
-            return f"weights {mib(held)} (saved quantized as {saved})"
+            return f"weights {mib(held)} (saved quantized as {found})"
         if scheme is None:
             return f"weights {mib(held)}"
-        quantize_model(self.model, scheme)
-        return (f"weights {mib(weight_bytes(self.model))} quantized {scheme} with torchao "
-                f"{torchao_version()} ({mib(held)} before)")
+        return (f"weights {mib(held)} quantized {scheme} with torchao {torchao_version()} while "
+                f"loading ({mib(float_bytes(self.model))} before)")
+
+    def _pack(self) -> str:
+        """bfloat16 block weights prepacked for oneDNN on the CPU (unmask.packing); a note
+        saying so, or '' when nothing was packed."""
+        slow = slow_bf16_note(self.model)
+        if slow is not None:
+            warnings.warn(slow, stacklevel=3)
+        n = pack_linears(self.model)
+        return f", {n} linear layers prepacked for oneDNN" if n else ""
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:
         if not isinstance(prompt, str):

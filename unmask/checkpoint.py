@@ -23,7 +23,14 @@ from torch import nn
 from unmask.config import TORCH_DTYPES, ConfigError, ModelConfig
 from unmask.errors import CheckpointError  # noqa: F401  (re-exported)
 from unmask.models import build_model
-from unmask.quantize import QUANTIZED_FILE, load_quantized, quantized_scheme, save_quantized
+from unmask.quantize import (
+    QUANTIZED_FILE,
+    LoadQuantizer,
+    load_quantized,
+    quantized_scheme,
+    release_host_memory,
+    save_quantized,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPES}
@@ -107,11 +114,14 @@ def _split(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[s
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None) -> nn.Module:
+               dtype: str | torch.dtype | None = None, quantize: str | None = None) -> nn.Module:
     """The model in folder `path`, weights memory-mapped and moved to `device` in `dtype`.
 
     dtype None means the config's torch_dtype, on every device; bfloat16 or float16 on the CPU
-    warns once, naming the dtype it runs in. Raises CheckpointError naming what is wrong.
+    warns once, naming the dtype it runs in. quantize: "int8" / "int4" quantizes the block
+    linear weights as each is read (unmask.quantize.LoadQuantizer), so the float weights of at
+    most one file are held at a time; a folder saved quantized loads as saved whatever it says
+    (LLM checks the two agree). Raises CheckpointError naming what is wrong.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -132,7 +142,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     try:
         if quantized:
             return load_quantized(folder, model, torch.device(device), dtype)
-        return _load_weights(folder, model, config, device, dtype)
+        return _load_weights(folder, model, config, device, dtype, quantize)
     except CheckpointError as e:  # which folder: a command may name several, or a hub id
         if str(folder) in str(e):
             raise
@@ -140,11 +150,15 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
 
 
 def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
-                  device: str | torch.device, dtype: torch.dtype) -> nn.Module:
+                  device: str | torch.device, dtype: torch.dtype,
+                  quantize: str | None) -> nn.Module:
     """`model` (on the meta device) with the folder's safetensors weights assigned, each
-    checked against the config's names and shapes (a CheckpointError naming the file or tensor)."""
+    checked against the config's names and shapes (a CheckpointError naming the file or tensor),
+    and its block linear weights quantized as they are read when `quantize` names a scheme."""
     files = weight_files(folder)
     expected = model.state_dict()
+    quantizer = None if quantize is None else LoadQuantizer(model, quantize, dtype,
+                                                            torch.device(device))
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file, names in files.items():
@@ -170,11 +184,15 @@ def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
                         "in a dtype with a wider range")
                 raise CheckpointError(f"{file.name}: tensor {key!r} holds NaN or infinite values "
                                       f"(in {dtype}); the checkpoint is damaged")
+            if quantizer is not None:
+                state[key] = quantizer(key, state[key])
     missing = [k for k in expected if k not in state]
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]!r}"
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     model.load_state_dict(state, assign=True)
+    if quantizer is not None:
+        release_host_memory(model)  # what quantizing left in glibc's heap
     return model.eval()
 
 

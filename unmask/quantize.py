@@ -52,12 +52,14 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from unmask.errors import CheckpointError, InputError
+from unmask.packing import PackedLinear
 
 SCHEMES = ("int8", "int4")
 INSTALL = "pip install 'unmask[quant]'"
 MIN_TORCHAO = (0, 18)  # PrototypeInt4WeightOnlyConfig (0.17 names it otherwise)
 INT4_GROUP_SIZES = (128, 64, 32)  # what both int4 packings accept, largest first
 QUANTIZED_FILE = "model.torchao.pt"
+
 # The torchao tensor types this module creates, by class name (no torchao import needed to ask).
 TENSOR_SCHEMES = {"Int8Tensor": "int8", "Int4OpaqueTensor": "int4",
                   "Int4TilePackedTo4dTensor": "int4"}
@@ -113,6 +115,11 @@ def _check_int4_device(device: torch.device) -> None:
         if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
             raise InputError(f"int4 on the CPU needs torch's _weight_int4pack_mm_for_cpu, which "
                              f"torch {torch.__version__} lacks; use quantize int8")
+        if platform.machine() in ("x86_64", "AMD64") and \
+                torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+            # the kernel's scalar fallback, slower than the bfloat16 weights it replaces
+            raise InputError("int4 on this CPU runs torch's scalar int4 kernel (it has neither "
+                             "AVX2 nor AVX-512): use quantize int8")
         return
     if device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
@@ -139,17 +146,52 @@ def quantize_model(model: nn.Module, scheme: str) -> None:
     from torchao.quantization import quantize_
 
     targets = {id(m) for m in linears.values()}
-    quantize_(model, _torchao_config(scheme, linears, weight),
+    quantize_(model, _torchao_config(scheme, linears, weight.dtype, weight.device),
               filter_fn=lambda module, fqn: id(module) in targets)
     skipped = [name for name, m in linears.items() if not _is_torchao(m.weight)]
     if skipped:  # torchao leaves a layer it cannot quantize as it was, with only a log line
         raise InputError(f"torchao left {skipped[0]} unquantized ({scheme}); its weight is "
                          f"{tuple(linears[skipped[0]].weight.shape)}")
     if weight.device.type == "cpu":
-        _release_host_memory(model)
+        release_host_memory(model)
 
 
-def _release_host_memory(model: nn.Module) -> None:
+class LoadQuantizer:
+    """Quantizes the block linear weights one at a time as load_model reads them, so that a
+    load holds the float weights of at most one checkpoint file at a time besides the quantized
+    ones (quantize_model on a loaded model holds them all). `model` is the model load_model
+    builds on the meta device; the weights come in `dtype` on `device`."""
+
+    def __init__(self, model: nn.Module, scheme: str, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        check_quantize(scheme, device)
+        linears = block_linears(model)
+        self.scheme = scheme
+        self.targets = {f"{name}.weight": m for name, m in linears.items()}
+        self.config = _torchao_config(scheme, linears, dtype, device)
+
+    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """The tensor load_model assigns for `key`: quantized for a block linear's weight; for
+        another tensor, `t` copied out of the memory-mapped file (so the file's mapping, and its
+        pages, go once the file is read)."""
+        if key not in self.targets:
+            return t.clone() if t.device.type == "cpu" else t
+        from torchao.quantization import quantize_
+
+        target = self.targets[key]
+        with torch.device("meta"):
+            layer = nn.Linear(target.in_features, target.out_features, bias=False)
+        layer.weight = nn.Parameter(t, requires_grad=False)
+        quantize_(layer, self.config)
+        if not _is_torchao(layer.weight):  # torchao leaves a layer it cannot quantize as it was
+            raise InputError(f"torchao left {key} unquantized ({self.scheme}); its weight is "
+                             f"{tuple(t.shape)}")
+        if t.device.type == "cpu":  # torchao's float temporaries, freed into glibc's heap
+            trim_heap()
+        return layer.weight
+
+
+def release_host_memory(model: nn.Module) -> None:
     """Hand back what quantizing on the CPU leaves held but unused (measured on a 197M-parameter
     float32 folder, int8, 285 MiB of weights: the process's resident memory was 1,936 MiB after
     quantizing, 600 MiB with this; 221 MiB before the load):
@@ -164,25 +206,34 @@ def _release_host_memory(model: nn.Module) -> None:
         for p in model.parameters():
             if not _is_torchao(p):
                 p.data = p.data.clone()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the free memory at glibc's heap top back to the system (malloc_trim); nothing
+    elsewhere. Quantizing one layer frees float temporaries of a few times its size, which
+    glibc keeps for reuse: a load that quantizes layer after layer piled them up to 3.5x the
+    int8 weights (a 110 MB float32 folder in shards: 100 MB of heap for 28 MB of weights)."""
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def _torchao_config(scheme: str, linears: dict[str, nn.Linear], weight: torch.Tensor):
-    """The torchao config for `scheme` on the weights' device. set_inductor_config=False:
-    torchao's default changes torch._inductor's global settings, which quantizing the weights
-    has no business doing."""
+def _torchao_config(scheme: str, linears: dict[str, nn.Linear], dtype: torch.dtype,
+                    device: torch.device):
+    """The torchao config for `scheme` on weights of `dtype` on `device`.
+    set_inductor_config=False: torchao's default changes torch._inductor's global settings,
+    which quantizing the weights has no business doing."""
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
 
     if scheme == "int8":
         return Int8WeightOnlyConfig(set_inductor_config=False)
-    if weight.dtype != torch.bfloat16:
+    if dtype != torch.bfloat16:
         raise InputError(f"int4 needs a model in bfloat16, this one is in "
-                         f"{str(weight.dtype).removeprefix('torch.')} (torch's int4 kernels run "
+                         f"{str(dtype).removeprefix('torch.')} (torch's int4 kernels run "
                          f"bfloat16; on the CPU other dtypes take a path 50-70x slower): load it "
                          f"with dtype bfloat16, or use quantize int8")
     group_size = _int4_group_size(linears)
-    if weight.device.type == "cpu":
+    if device.type == "cpu":
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
         return PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
@@ -226,8 +277,16 @@ def quantized_scheme(model: nn.Module) -> str | None:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers hold: a torchao tensor counts the tensors it
-    is made of (packed values, scales, zero points), not its logical shape times its dtype."""
-    return sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers()))
+    is made of (packed values, scales, zero points), not its logical shape times its dtype;
+    a PackedLinear (unmask.packing) its packed weight."""
+    packed = sum(m.nbytes() for m in model.modules() if isinstance(m, PackedLinear))
+    return packed + sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers()))
+
+
+def float_bytes(model: nn.Module) -> int:
+    """Bytes the model's parameters and buffers would hold unquantized: each tensor's logical
+    shape times its dtype (a torchao tensor's dtype is the float one it stands for)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

@@ -69,14 +69,15 @@ def variant_model(base: torch.nn.Module, dtype: str, scheme: str | None) -> torc
 
 
 # --- 1. the embedded model ------------------------------------------------------------------------
-def embedded_table(n: int, gen_length: int, block_length: int) -> str:
-    llm = LLM(device="cpu")
+def embedded_table(n: int, gen_length: int, block_length: int, model: str | None = None,
+                   decoders: tuple[str, ...] = DECODERS) -> str:
+    llm = LLM(model, device="cpu")
     base = llm.model
     models = {name: variant_model(base, dtype, scheme) for name, dtype, scheme in VARIANTS}
     examples = TASKS["math"].load("heldout", n)
     ids = [llm.encode_prompt(ex.prompt) for ex in examples]
     decoders = [DecodeParams.parse(s, gen_length=gen_length, block_length=block_length)
-                for s in DECODERS]
+                for s in decoders]
     eos = llm.config.eos_token_id
     runs: dict[tuple[str, str], list[Run]] = {(v, d.spec): [] for v in models for d in decoders}
     names = list(models)
@@ -215,6 +216,10 @@ def main() -> None:
     ap.add_argument("--gen-length", type=int, default=256)
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=5, help="timed repeats on the scaled model")
+    ap.add_argument("--model", default=None,
+                    help="the held-out table alone, for this model (a shipped name or folder)")
+    ap.add_argument("--decoders", default=";".join(DECODERS),
+                    help="with --model: decoder specs, separated by ';'")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")
     ap.add_argument("--memory-of", nargs=2, metavar=("FOLDER", "SCHEME"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -224,18 +229,31 @@ def main() -> None:
         print(json.dumps(memory_of(Path(folder), None if scheme == "None" else scheme)))
         return
     started = time.perf_counter()
-    report = (f"# int8 / int4 weights vs float32 (torchao {torchao_version()}, torch "
-              f"{torch.__version__}, one CPU thread)\n\n"
-              f"## Embedded model, held-out math: {args.n} problems, gen_length {args.gen_length}, "
-              f"block_length {args.block_length}\n\n"
-              f"{embedded_table(args.n, args.gen_length, args.block_length)}\n\n"
-              f"## Random-weight LLaDA-8B shape scaled down ({json.dumps(SCALED)})\n\n"
-              f"{scaled_table(args.repeat)}\n\n"
-              f"Command: `python scripts/bench/quantize_bench.py {' '.join(sys.argv[1:])}`; "
-              f"{time.perf_counter() - started:.0f} s.\n")
+    if args.model is not None:  # the held-out table alone, for a shipped or local model
+        decoders = tuple(args.decoders.split(";"))
+        report = (f"# int8 / int4 weights vs float32, {args.model}, held-out math: {args.n} "
+                  f"problems, gen_length {args.gen_length}, block_length {args.block_length} "
+                  f"(torchao {torchao_version()}, torch {torch.__version__}, one CPU thread)\n\n"
+                  f"{embedded_table(args.n, args.gen_length, args.block_length, args.model, decoders)}"
+                  f"\n\nCommand: `python scripts/bench/quantize_bench.py {' '.join(sys.argv[1:])}`; "
+                  f"{time.perf_counter() - started:.0f} s.\n")
+    else:
+        report = full_report(args, started)
     print(report)
     if args.out is not None:
         args.out.write_text(report)
+
+
+def full_report(args: argparse.Namespace, started: float) -> str:
+    return (f"# int8 / int4 weights vs float32 (torchao {torchao_version()}, torch "
+            f"{torch.__version__}, one CPU thread)\n\n"
+            f"## Embedded model, held-out math: {args.n} problems, gen_length {args.gen_length}, "
+            f"block_length {args.block_length}\n\n"
+            f"{embedded_table(args.n, args.gen_length, args.block_length)}\n\n"
+            f"## Random-weight LLaDA-8B shape scaled down ({json.dumps(SCALED)})\n\n"
+            f"{scaled_table(args.repeat)}\n\n"
+            f"Command: `python scripts/bench/quantize_bench.py {' '.join(sys.argv[1:])}`; "
+            f"{time.perf_counter() - started:.0f} s.\n")
 
 
 if __name__ == "__main__":

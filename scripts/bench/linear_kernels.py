@@ -1,0 +1,177 @@
+"""CPU matrix-product kernels by weight format, at the few-row calls of block decoding and at a
+canvas-sized call: which kernel reads the weights fastest (BENCHMARKS.md, "Memory-bound calls").
+
+Each candidate runs a stack of distinct layers whose weights together exceed the last-level
+cache (so every call reads its weights from memory, as a model's forward does), round-robin
+across candidates, and reports the median ms per pass over the stack and the GB/s of weight
+bytes it read.
+
+    .venv/bin/python scripts/bench/linear_kernels.py [--rows 1,4,32,256] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def bf16_linear(w: torch.Tensor) -> tuple[Kernel, int]:
+    wb = w.to(torch.bfloat16)
+    return (lambda x: F.linear(x.to(torch.bfloat16), wb)), wb.numel() * 2
+
+
+def bf16_colmajor(w: torch.Tensor) -> tuple[Kernel, int]:
+    wb = w.to(torch.bfloat16).t().contiguous().t()  # (N, K) with K-major storage: w.T contiguous
+    return (lambda x: F.linear(x.to(torch.bfloat16), wb)), wb.numel() * 2
+
+
+def f32_colmajor(w: torch.Tensor) -> tuple[Kernel, int]:
+    wt = w.t().contiguous().t()
+    return (lambda x: F.linear(x, wt)), w.numel() * 4
+
+
+def f32_linear(w: torch.Tensor) -> tuple[Kernel, int]:
+    return (lambda x: F.linear(x, w)), w.numel() * 4
+
+
+def int8_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127  # (N,)
+    q = torch.round(w / scale[:, None]).clamp(-128, 127).to(torch.int8)  # (N, K)
+    return q, scale
+
+
+def int8pack(dtype: torch.dtype) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
+    def make(w: torch.Tensor) -> tuple[Kernel, int]:
+        q, scale = int8_scales(w)
+        s = scale.to(dtype)
+        nbytes = q.numel() + s.numel() * s.element_size()
+        return (lambda x: torch.ops.aten._weight_int8pack_mm(x.to(dtype), q, s)), nbytes
+    return make
+
+
+def int4pack(group: int = 128) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
+    def make(w: torch.Tensor) -> tuple[Kernel, int]:
+        n, k = w.shape
+        g = w.view(n, k // group, group)
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        scale = ((hi - lo) / 15).clamp(min=1e-8)  # (N, K/G, 1)
+        zero = lo + 8 * scale  # value of code 8
+        q = torch.round((g - lo) / scale).clamp(0, 15).to(torch.int32).view(n, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        sz = torch.stack([scale.squeeze(-1).t(), zero.squeeze(-1).t()], dim=-1)  # (K/G, N, 2)
+        sz = sz.to(torch.bfloat16).contiguous()
+        nbytes = packed.numel() * packed.element_size() + sz.numel() * 2
+        return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), packed, group, sz)), nbytes
+    return make
+
+
+def torchao(scheme: str) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
+    def make(w: torch.Tensor) -> tuple[Kernel, int]:
+        from unmask.quantize import _tensor_bytes, quantize_model  # noqa: PLC0415
+
+        class M(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.layers = torch.nn.ModuleList([torch.nn.Linear(w.shape[1], w.shape[0], bias=False)])
+
+        m = M().to(torch.bfloat16)
+        with torch.no_grad():
+            m.layers[0].weight.copy_(w)
+        quantize_model(m, scheme)
+        lin = m.layers[0]
+        return (lambda x: lin(x.to(torch.bfloat16))), _tensor_bytes(lin.weight)
+    return make
+
+
+def dynamic_int8(w: torch.Tensor) -> tuple[Kernel, int]:
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    q = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}, torch.qint8)[0]
+    return (lambda x: q(x.float())), w.numel()
+
+
+def mkldnn_bf16(w: torch.Tensor) -> tuple[Kernel, int]:
+    wb = w.to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(wb, 4)
+    return (lambda x: torch.ops.mkldnn._linear_pointwise(
+        x.to(torch.bfloat16), packed, None, "none", [], "")), wb.numel() * 2
+
+
+CANDIDATES = {
+    "bf16 F.linear": bf16_linear,
+    "bf16 F.linear K-major": bf16_colmajor,
+    "f32 F.linear": f32_linear,
+    "f32 F.linear K-major": f32_colmajor,
+    "bf16 mkldnn packed": mkldnn_bf16,
+    "int8 torchao": torchao("int8"),
+    "int8pack bf16": int8pack(torch.bfloat16),
+    "int8pack f32": int8pack(torch.float32),
+    "int8 dynamic (fbgemm)": dynamic_int8,
+    "int4 torchao": torchao("int4"),
+    "int4pack bf16": int4pack(),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", default="1,4,32,256")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--k", type=int, default=1024)
+    p.add_argument("--n", type=int, default=3072)
+    p.add_argument("--layers", type=int, default=24, help="distinct weights, > last-level cache")
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--only", default=None, help="comma-separated candidate names")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                   help="cpu: this process's CPU time (one thread: others' load does not count)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    torch.manual_seed(0)
+    names = args.only.split(",") if args.only else list(CANDIDATES)
+    weights = [torch.randn(args.n, args.k) * 0.02 for _ in range(args.layers)]
+    stacks: dict[str, tuple[list[Kernel], int]] = {}
+    for name in names:
+        try:
+            made = [CANDIDATES[name](w) for w in weights]
+        except Exception as e:  # noqa: BLE001  (a probe: report the candidate that cannot run)
+            print(f"{name}: cannot run ({type(e).__name__}: {str(e)[:120]})")
+            continue
+        stacks[name] = ([f for f, _ in made], sum(b for _, b in made))
+    print(f"K {args.k} -> N {args.n}, {args.layers} layers, {args.threads} thread(s), "
+          f"{args.clock} clock, load average {os.getloadavg()[0]:.1f}; ms per pass "
+          f"(weight GB/s), median of {args.repeat}\n")
+    rows = [int(r) for r in args.rows.split(",")]
+    print("| kernel | MiB | " + " | ".join(f"{m} rows" for m in rows) + " |")
+    print("|:---|---:|" + "---:|" * len(rows))
+    results: dict[tuple[str, int], list[float]] = {}
+    for m in rows:
+        x = torch.randn(m, args.k)
+        for f, _ in stacks.values():  # warm up
+            for g in f:
+                g(x)
+        for _ in range(args.repeat):
+            for name, (fs, _) in stacks.items():  # round-robin: drift hits every kernel alike
+                t = clock()
+                for g in fs:
+                    g(x)
+                results.setdefault((name, m), []).append(clock() - t)
+    for name, (_, nbytes) in stacks.items():
+        cells = []
+        for m in rows:
+            ms = statistics.median(results[name, m]) * 1e3
+            cells.append(f"{ms:.2f} ({nbytes / ms / 1e6:.0f})")
+        print(f"| {name} | {nbytes / 2**20:.0f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
