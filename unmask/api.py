@@ -21,6 +21,7 @@ from unmask.compiling import check_compile, compile_model
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
 from unmask.engine.layout import model_defaults
+from unmask.engine.prefix_store import make_prefix_store
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.hub import DEFAULT_NAME, SHIPPED, resolve_model
@@ -216,11 +217,15 @@ class LLM:
 
     def __init__(self, path: str | Path | None = None, device: str | None = None,
                  dtype: str | None = None, quantize: str | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, prefix_cache: bool = True,
+                 prefix_cache_gib: float | None = None) -> None:
         """quantize: None, or "int8" / "int4": the transformer blocks' linear weights quantized
         at load (unmask.quantize). A folder saved quantized loads quantized as saved. compile:
         the model's layers compiled with torch.compile after quantization (unmask.compiling;
-        the first calls of new shapes then take seconds each)."""
+        the first calls of new shapes then take seconds each). prefix_cache: a block-causal
+        model's finished blocks are kept and reused by every engine of this LLM
+        (`prefix_store`; docs/engine.md, "Prefix reuse"), under prefix_cache_gib GiB (default
+        a share of the memory free after the load)."""
         if not isinstance(compile, bool):
             raise InputError(f"compile must be True or False, got {compile!r}")
         if path is not None:
@@ -253,6 +258,8 @@ class LLM:
         if compile:  # after quantization: the compiled layers trace the weights they will run
             compile_model(self.model)
         self.config = self.model.config
+        self.prefix_store = make_prefix_store(self.model, self.device, prefix_cache,
+                                              prefix_cache_gib)
         self.tokenizer = load_tokenizer(self.path)
         check_tokenizer(self.tokenizer, self.config, self.path)
 
@@ -355,7 +362,8 @@ class LLM:
             raise SpecError("params must be a DecodeParams")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        reqs = decode(self.model, params, prompt_ids, max_running=batch_size, on_event=on_event)
+        reqs = decode(self.model, params, prompt_ids, max_running=batch_size, on_event=on_event,
+                      prefix=self.prefix_store)
         return [self.generation(r) for r in reqs]
 
     def generation(self, r: Request) -> Generation:

@@ -22,7 +22,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
-from unmask.cli_args import add_decode_arguments, add_model_arguments, check_prompts
+from unmask.cli_args import (
+    add_decode_arguments,
+    add_model_arguments,
+    add_prefix_arguments,
+    check_prompts,
+)
 from unmask.decoding.params import DecodeParams
 from unmask.errors import CanvasTooLong, InputError, UnmaskError
 
@@ -75,7 +80,8 @@ class Chat:
         self.llm, self.params, self.out = llm, params, out
         self.console = console
         self.typed = dict(typed or {})
-        self.engine = Engine(llm.model, SchedulerConfig(max_running=1))
+        # the LLM's prefix store: a turn reads the history's blocks the last turn left there
+        self.engine = Engine(llm.model, SchedulerConfig(max_running=1), prefix=llm.prefix_store)
         self.history: list[dict[str, str]] = []
         self.stats: AnswerStats | None = None
         self.watch = False
@@ -287,6 +293,7 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
                    help="the model, as --model takes it (`unmask chat org/name`)")
     add_model_arguments(p)
+    add_prefix_arguments(p)
     add_decode_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the spec's)")
 
