@@ -50,6 +50,7 @@ class Generation:
     tps: float  # useful tokens (up to the first EOS) per second
     seconds: float
     finish_reason: str = "length"  # eos | length | error (see unmask.engine.request)
+    cached_tokens: int = 0  # prompt tokens read from the prefix store, not forwarded
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -372,7 +373,8 @@ class LLM:
             raise RuntimeError(f"request {r.request_id} failed in the engine: {r.error}")
         return Generation(text=self.detokenize(r.token_ids[: r.useful]), token_ids=r.token_ids,
                           nfe=r.nfe, token_forwards=r.token_forwards, tpf=r.tpf, tps=r.tps,
-                          seconds=r.seconds, finish_reason=r.finish_reason or "length")
+                          seconds=r.seconds, finish_reason=r.finish_reason or "length",
+                          cached_tokens=r.cached_tokens)
 
 
 def resolve_params(params: DecodeParams | str | None, overrides: dict,

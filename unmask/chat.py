@@ -58,6 +58,7 @@ class AnswerStats:
     tokens: int  # tokens of the answer shown (up to EOS, or what was committed before a stop)
     seconds: float
     finish_reason: str
+    cached_tokens: int = 0  # prompt tokens (the history) read from the prefix store
 
     @property
     def tps(self) -> float:
@@ -129,7 +130,7 @@ class Chat:
         self._write(stream.sent if view is not None else rest)
         self._write("\n")
         self.stats = AnswerStats(req.nfe, req.tpf, stream.n_tokens, req.seconds,
-                                 req.finish_reason or "length")
+                                 req.finish_reason or "length", req.cached_tokens)
         if stopped:
             print("(stopped: this turn is left out of the conversation)", file=sys.stderr)
         elif self.llm.has_chat_template:

@@ -47,7 +47,9 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
                                                max_queue=config.max_queue,
                                                max_slots=config.max_slots),
                     prefix=llm.prefix_store)
-    door = EngineClient(engine, ServerMetrics())
+    metrics = ServerMetrics()
+    metrics.watch_prefix(llm.prefix_store)
+    door = EngineClient(engine, metrics)
     # A vocabulary entry is at least as long as the text its token decodes to (byte-level BPE:
     # one character per byte; SentencePiece: one per character; WordPiece adds "##"), so no
     # token covers more characters than the longest entry.

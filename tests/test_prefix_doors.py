@@ -1,0 +1,111 @@
+"""Prefix reuse at every door: the server's usage (`prompt_tokens_details.cached_tokens`,
+streamed too, read by the real openai client) and /metrics, `LLM.generate` across calls, `unmask
+chat` between turns, the flags, and `unmask show`'s budget. Reuse changes no token anywhere."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from helpers import LiveServer, tiny_model_dir
+
+from unmask.api import LLM
+from unmask.chat import Chat
+from unmask.decoding.params import DecodeParams
+from unmask.server.app import ServerConfig, build_app
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = ("You are a careful assistant. Answer with the number only, and check the sum twice "
+          "before you answer.")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.mktemp("sdar"), "sdar")
+
+
+def messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def test_usage_reports_cached_tokens_streamed_or_not(folder: Path) -> None:
+    """The same system prompt twice: the second request reads its blocks from the store
+    (usage says how many, the stream's usage chunk too) and answers as the first server
+    without a store does."""
+    on, off = LLM(str(folder), device="cpu"), LLM(str(folder), device="cpu", prefix_cache=False)
+    config = ServerConfig(decoder="threshold", max_running=4)
+    with LiveServer(build_app(on, config)) as s, LiveServer(build_app(off, config)) as t:
+        kw = dict(model="tiny-sdar", max_tokens=8, seed=3)
+        first = s.client().chat.completions.create(messages=messages("what is 1 + 2?"), **kw)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        second = s.client().chat.completions.create(messages=messages("what is 3 + 4?"), **kw)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        n = second.usage.prompt_tokens
+        assert 0 < cached < n and cached % 4 == 0
+        plain = t.client().chat.completions.create(messages=messages("what is 3 + 4?"), **kw)
+        assert plain.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.choices[0].message.content == plain.choices[0].message.content
+        chunks = list(s.client().chat.completions.create(
+            messages=messages("what is 5 + 6?"), stream=True,
+            stream_options={"include_usage": True}, **kw))
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens_details.cached_tokens >= cached
+        metrics = httpx.get(f"{s.url}/metrics", timeout=10).text
+        hits = float(metrics.split("\nunmask_prefix_hit_tokens_total ")[1].split()[0])
+        assert hits >= 2 * cached
+        assert "unmask_prefix_stored_bytes" in metrics and "unmask_prefix_budget_bytes" in metrics
+        assert "unmask_prefix" not in httpx.get(f"{t.url}/metrics", timeout=10).text
+
+
+def test_generate_reuses_across_calls(folder: Path) -> None:
+    llm = LLM(str(folder), device="cpu")
+    params = DecodeParams.parse("threshold", gen_length=8, block_length=4)
+    prompt = SYSTEM + " What is 2 + 2?"
+    (first,) = llm.generate([prompt], params)
+    (second,) = llm.generate([prompt], params)
+    assert first.cached_tokens == 0 and second.cached_tokens > 0
+    assert second.token_forwards < first.token_forwards
+    assert (second.token_ids, second.nfe) == (first.token_ids, first.nfe)
+    cold = LLM(str(folder), device="cpu", prefix_cache=False)
+    (plain,) = cold.generate([prompt], params)
+    assert plain.cached_tokens == 0 and plain.token_ids == first.token_ids
+
+
+def test_chat_reuses_its_history(folder: Path) -> None:
+    llm = LLM(str(folder), device="cpu")
+    chat = Chat(llm, DecodeParams.parse("threshold", gen_length=8, block_length=4), io.StringIO())
+    chat.answer(SYSTEM)
+    assert chat.stats.cached_tokens == 0
+    chat.answer("and what is 2 + 2?")
+    assert chat.stats.cached_tokens > 0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "unmask.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("value, needle", [("0", "positive number of GiB"),
+                                           ("-1", "positive number of GiB"),
+                                           ("nan", "positive number of GiB"),
+                                           ("lots", "not a number of GiB"),
+                                           ("1e9", "exceeds the memory free")])
+def test_bad_budgets_exit_2_in_one_line(folder: Path, value: str, needle: str) -> None:
+    r = run_cli("generate", "hi", "--model", str(folder), "--device", "cpu", "--threads", "1",
+                "--prefix-cache-gib", value)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_budget_for_a_bidirectional_model_is_refused_by_name(tmp_path: Path) -> None:
+    llada = tiny_model_dir(tmp_path, "llada")
+    r = run_cli("generate", "hi", "--model", str(llada), "--device", "cpu", "--threads", "1",
+                "--prefix-cache-gib", "0.1")
+    assert r.returncode == 2 and "block-causal models" in r.stderr, r.stderr
