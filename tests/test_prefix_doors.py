@@ -109,3 +109,18 @@ def test_a_budget_for_a_bidirectional_model_is_refused_by_name(tmp_path: Path) -
     r = run_cli("generate", "hi", "--model", str(llada), "--device", "cpu", "--threads", "1",
                 "--prefix-cache-gib", "0.1")
     assert r.returncode == 2 and "block-causal models" in r.stderr, r.stderr
+
+
+def test_show_counts_the_budget_of_a_block_causal_model(capsys) -> None:
+    import json
+
+    from unmask.cli import main
+
+    assert main(["show", "unmask-sdar", "--json", "--prefix-cache-gib", "0.5"]) == 0
+    r = json.loads(capsys.readouterr().out)["memory"]
+    assert r["prefix"] == 1 << 29
+    assert r["total"] == r["weights"] + r["kv"] + r["logits"] + r["activations"] + (1 << 29)
+    assert main(["show", "unmask-llada", "--json", "--prefix-cache-gib", "0.5"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory"]["prefix"] == 0  # no store: no reuse
+    assert main(["show", "unmask-sdar"]) == 0
+    assert "prefix store" in capsys.readouterr().out  # the default share of the RAM available

@@ -35,11 +35,7 @@ from unmask.engine.batch import DecodeBatch
 from unmask.engine.layout import block_size_of
 from unmask.engine.request import Request
 from unmask.errors import InputError
-
-GIB = 1 << 30
-# The default budget: this share of the memory free on the model's device when the store is
-# made (docs/engine.md, "Prefix reuse": how it was chosen).
-DEFAULT_SHARE = 0.1
+from unmask.show import GIB, PREFIX_SHARE, available_ram
 
 
 def check_budget(gib: float, free_bytes: int | None = None) -> int:
@@ -67,15 +63,13 @@ def free_bytes(device: torch.device) -> int:
     """Memory free on `device` now: RAM available (unmask.show) or the GPU's free memory."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    from unmask.show import available_ram
-
     return available_ram()
 
 
 def make_prefix_store(model: torch.nn.Module, device: torch.device, enabled: bool = True,
                       gib: float | None = None) -> PrefixStore | None:
     """The store an `LLM` shares between its engines: None when off or for a bidirectional
-    model; its budget `gib` GiB, else DEFAULT_SHARE of the memory free on the device now. A
+    model; its budget `gib` GiB, else PREFIX_SHARE of the memory free on the device now. A
     budget given for a model that cannot use it, or with reuse off, is refused by name."""
     if not isinstance(enabled, bool):
         raise InputError(f"prefix_cache must be True or False, got {enabled!r}")
@@ -89,7 +83,7 @@ def make_prefix_store(model: torch.nn.Module, device: torch.device, enabled: boo
             raise InputError(BIDIRECTIONAL)
         return None
     free = free_bytes(device)
-    budget = check_budget(gib, free) if gib is not None else max(int(DEFAULT_SHARE * free), 1)
+    budget = check_budget(gib, free) if gib is not None else max(int(PREFIX_SHARE * free), 1)
     return PrefixStore(block, budget)
 
 
