@@ -124,3 +124,26 @@ def test_show_counts_the_budget_of_a_block_causal_model(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["memory"]["prefix"] == 0  # no store: no reuse
     assert main(["show", "unmask-sdar"]) == 0
     assert "prefix store" in capsys.readouterr().out  # the default share of the RAM available
+
+
+def test_bench_serve_sends_a_shared_system_prompt_and_counts_reuse(folder: Path,
+                                                                     tmp_path: Path) -> None:
+    import json
+
+    from unmask.cli import main
+
+    system = tmp_path / "system.txt"
+    system.write_text(SYSTEM)
+    out = tmp_path / "report.json"
+    llm = LLM(str(folder), device="cpu")
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold", max_running=4))) as s:
+        assert main(["bench-serve", "--url", s.url, "--system", str(system), "--n", "4",
+                     "--concurrency", "1", "--max-tokens", "8", "--warmup", "0",
+                     "--json", str(out)]) == 0
+    cell = json.loads(out.read_text())["cells"][0]
+    reqs = cell["requests"]
+    assert reqs[0]["cached_tokens"] == 0 and all(r["cached_tokens"] > 0 for r in reqs[1:])
+    assert cell["cached_tokens"] == sum(r["cached_tokens"] for r in reqs)
+    assert cell["prefill_forwards"] == sum(r["prompt_tokens"] - r["cached_tokens"] for r in reqs)
+    assert "--system" in json.loads(out.read_text())["command"]
+    assert main(["bench-serve", "--system", str(tmp_path / "none.txt")]) == 2

@@ -102,6 +102,9 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="selects prompts, the max_tokens order and arrival times (default: 0)")
     p.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds a request may take before it counts as an error (default: 300)")
+    p.add_argument("--system", default=None, metavar="FILE",
+                   help="a system prompt every request starts with (a shared prefix: the "
+                        "chat endpoint sends it as the system message, completions prepend it)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write the report (cells and every request) as JSON")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -149,6 +152,7 @@ class Job:
     max_tokens: int  # the length the request asks for (what the report records)
     offset: float
     send_max_tokens: bool = True  # False: the decoder spec's own gen_length decides
+    system: str | None = None  # the shared system prompt (--system)
 
 
 @dataclass
@@ -164,6 +168,9 @@ class Outcome:
     latency: float | None = None
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, read from the server's prefix store
+    token_forwards: int | None = None
+    text: str = ""  # what was streamed (reuse on vs off: the same text)
     nfe: int | None = None
     tpf: float | None = None
     finish_reason: str | None = None
@@ -290,12 +297,26 @@ def make_jobs(prompts: list[str], cell: Cell, args: argparse.Namespace) -> list[
         k = i % len(cell.decoders)
         own = cell.gen_length(k)
         jobs.append(Job(i, p, cell.decoders[k], tokens[i] if own is None else own, offsets[i],
-                        send_max_tokens=own is None))
+                        send_max_tokens=own is None, system=getattr(args, "system_text", None)))
     return jobs
 
 
 def max_tokens_values(args: argparse.Namespace) -> list[int]:
     return args.max_tokens or [DEFAULT_MAX_TOKENS]
+
+
+def read_system(path: str | None) -> str | None:
+    """The --system file's text (None: no system prompt)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--system {path}: {e.strerror if isinstance(e, OSError) else e}") \
+            from None
+    if not text.strip():
+        raise InputError(f"--system {path} is empty")
+    return text.strip()
 
 
 def load_prompts(task: str, n: int, seed: int) -> list[str]:
@@ -312,9 +333,10 @@ def request_body(job: Job, endpoint: str) -> dict[str, Any]:
     if job.send_max_tokens:
         body["max_tokens"] = job.max_tokens
     if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": job.prompt}]
+        system = [] if job.system is None else [{"role": "system", "content": job.system}]
+        body["messages"] = [*system, {"role": "user", "content": job.prompt}]
     else:
-        body["prompt"] = job.prompt
+        body["prompt"] = (job.system or "") + job.prompt
     if job.decoder is not None:
         body["decoder"] = job.decoder
     return body
@@ -371,15 +393,20 @@ async def _stream(client: Any, url: str, body: dict[str, Any], out: Outcome, sta
             if "error" in payload:
                 out.error = f"server: {payload['error'].get('message')}"
                 return
-            if out.ttft is None and _chunk_text(payload):
+            text = _chunk_text(payload)
+            if out.ttft is None and text:
                 out.ttft = time.perf_counter() - start - out.sent
+            out.text += text
             for choice in payload.get("choices") or []:
                 out.finish_reason = choice.get("finish_reason") or out.finish_reason
             if payload.get("usage"):
                 out.completion_tokens = int(payload["usage"]["completion_tokens"])
                 out.prompt_tokens = int(payload["usage"]["prompt_tokens"])
+                details = payload["usage"].get("prompt_tokens_details") or {}
+                out.cached_tokens = int(details.get("cached_tokens") or 0)
             if payload.get("unmask"):
                 out.nfe, out.tpf = payload["unmask"].get("nfe"), payload["unmask"].get("tpf")
+                out.token_forwards = payload["unmask"].get("token_forwards")
 
 
 # --------------------------------------------------------------------------- one run
@@ -429,6 +456,10 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
         "wall_s": wall, "req_per_s": len(ok) / wall if wall > 0 else 0.0,
         "useful_tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "nfe_mean": sum(nfes) / len(nfes) if nfes else None,
+        "cached_tokens": sum(o.cached_tokens for o in ok),
+        # the prompt positions the server forwarded: its prompt tokens less those it reused
+        "prefill_forwards": sum(o.prompt_tokens - o.cached_tokens for o in ok),
+        "token_forwards": sum(o.token_forwards or 0 for o in ok),
     }
     for name, xs in (("ttft", ttft), ("latency", lat)):
         for q in (50, 95, 99):
@@ -574,7 +605,8 @@ def markdown_table(cells: list[dict[str, Any]]) -> str:
     cols = [("server", "server", "{}"), ("decoder", "decoder", "`{}`"),
             ("concurrency", "conc.", "{}"), ("completed", "done", "{}"), ("errors", "err", "{}"),
             ("req_per_s", "req/s", "{:.2f}"), ("tokens_per_s", "tokens/s", "{:.1f}"),
-            ("x_baseline", "x", "{:.2f}x"),
+            ("x_baseline", "x", "{:.2f}x"), ("prefill_forwards", "prefill fw", "{}"),
+            ("cached_tokens", "cached", "{}"),
             ("ttft_p50", "TTFT p50 s", "{:.3f}"), ("ttft_p95", "p95", "{:.3f}"),
             ("ttft_p99", "p99", "{:.3f}"), ("latency_p50", "latency p50 s", "{:.3f}"),
             ("latency_p95", "p95", "{:.3f}"), ("latency_p99", "p99", "{:.3f}")]
@@ -649,6 +681,8 @@ def command_line(args: argparse.Namespace) -> str:
     for u in args.url or [DEFAULT_URL]:
         argv += ["--url", u]
     argv += ["--endpoint", args.endpoint, "--task", args.task, "--n", str(args.n)]
+    if args.system:
+        argv += ["--system", args.system]
     for d in args.decoder or []:
         argv += ["--decoder", d]
     if args.mix:
@@ -677,6 +711,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise InputError("--plot draws each cell at its --concurrency, and --rate without "
                          "--concurrency has none; add --concurrency N[,N...] or drop --plot")
     check_outputs(args, ("json", "plot"))
+    args.system_text = read_system(args.system)
     prompts = load_prompts(args.task, args.n, args.seed)
     started = time.time()
     doc = asyncio.run(bench(args, cells, prompts))
