@@ -147,3 +147,21 @@ def test_bench_serve_sends_a_shared_system_prompt_and_counts_reuse(folder: Path,
     assert cell["prefill_forwards"] == sum(r["prompt_tokens"] - r["cached_tokens"] for r in reqs)
     assert "--system" in json.loads(out.read_text())["command"]
     assert main(["bench-serve", "--system", str(tmp_path / "none.txt")]) == 2
+
+
+def test_fresh_prompts_give_each_run_its_own_prompts_on_every_server() -> None:
+    from unmask.bench.serve import n_prompts, plan_cells, run_slices
+    from unmask.cli import build_parser
+
+    args = build_parser().parse_args(["bench-serve", "--url", "a=http://x", "--url", "b=http://y",
+                                      "--concurrency", "1,4", "--rounds", "2", "--n", "3",
+                                      "--fresh-prompts"])
+    cells = plan_cells(args)
+    runs = run_slices(cells, args)
+    by_cell = {(c.server.name, c.concurrency, r): runs[(c.decoders, c.concurrency, r)]
+               for c in cells for r in range(2)}
+    assert sorted(set(by_cell.values())) == [0, 1, 2, 3]  # one slice per concurrency and round
+    assert all(by_cell[("a", c, r)] == by_cell[("b", c, r)] for c in (1, 4) for r in range(2))
+    assert n_prompts(cells, args) == 3 * 5  # and one slice for the warm-up
+    args.fresh_prompts = False
+    assert run_slices(cells, args) == {} and n_prompts(cells, args) == 3

@@ -102,6 +102,10 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="selects prompts, the max_tokens order and arrival times (default: 0)")
     p.add_argument("--timeout", type=_positive_float, default=300.0,
                    help="seconds a request may take before it counts as an error (default: 300)")
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="every run (a cell's round) sends prompts of its own, the same on every "
+                        "server, none sent twice to one server (a server that reuses prefixes "
+                        "then reuses only what the prompts share: --system)")
     p.add_argument("--system", default=None, metavar="FILE",
                    help="a system prompt every request starts with (a shared prefix: the "
                         "chat endpoint sends it as the system message, completions prepend it)")
@@ -536,7 +540,7 @@ async def warm_up(client: Any, cells: list[Cell], prompts: list[str],
             seen.add((cell.server, d))
             own = cell.gen_length(k)
             for i in range(args.warmup):
-                job = Job(-1, prompts[i % len(prompts)], d,
+                job = Job(-1, prompts[-1 - i % len(prompts)], d,
                           max(max_tokens_values(args)) if own is None else own, 0.0,
                           send_max_tokens=own is None)
                 out = await send(client, cell.server.url, job, args.endpoint,
@@ -557,11 +561,13 @@ async def bench(args: argparse.Namespace, cells: list[Cell], prompts: list[str],
                                                      key=lambda s: s.name))
         await warm_up(client, cells, prompts, args)
         results: dict[Cell, tuple[list[Outcome], float]] = {c: ([], 0.0) for c in cells}
+        runs = run_slices(cells, args)
         progress = Progress(len(cells) * args.rounds)
         for rnd in range(args.rounds):
             shift = rnd % len(cells)
             for cell in cells[shift:] + cells[:shift]:
-                jobs = make_jobs(prompts, cell, args)
+                k = runs.get((cell.decoders, cell.concurrency, rnd), 0)
+                jobs = make_jobs(prompts[k * args.n : (k + 1) * args.n], cell, args)
                 progress.start(cell.label, len(jobs))
                 outs, wall = await run_jobs(client, cell.server.url, jobs, args.endpoint,
                                             cell.concurrency, args.timeout, progress.request_done)
@@ -571,6 +577,22 @@ async def bench(args: argparse.Namespace, cells: list[Cell], prompts: list[str],
                 prev, w = results[cell]
                 results[cell] = (prev + outs, w + wall)
     return {"models": models, "cells": [cell_report(c, *results[c]) for c in cells]}
+
+
+def run_slices(cells: list[Cell], args: argparse.Namespace) -> dict[tuple, int]:
+    """With --fresh-prompts, the slice of n prompts each (decoders, concurrency, round) sends,
+    the same for every server; else none (every run sends the first n)."""
+    if not args.fresh_prompts:
+        return {}
+    keys = dict.fromkeys((c.decoders, c.concurrency) for c in cells)
+    return {(*key, rnd): rnd * len(keys) + i for rnd in range(args.rounds)
+            for i, key in enumerate(keys)}
+
+
+def n_prompts(cells: list[Cell], args: argparse.Namespace) -> int:
+    """Prompts a run loads: n, or with --fresh-prompts n per run and n for the warm-up."""
+    runs = run_slices(cells, args)
+    return args.n * (len(runs) + 1 if runs else 1)
 
 
 def cell_report(cell: Cell, outs: list[Outcome], wall: float) -> dict[str, Any]:
@@ -683,6 +705,8 @@ def command_line(args: argparse.Namespace) -> str:
     argv += ["--endpoint", args.endpoint, "--task", args.task, "--n", str(args.n)]
     if args.system:
         argv += ["--system", args.system]
+    if args.fresh_prompts:
+        argv.append("--fresh-prompts")
     for d in args.decoder or []:
         argv += ["--decoder", d]
     if args.mix:
@@ -712,7 +736,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
                          "--concurrency has none; add --concurrency N[,N...] or drop --plot")
     check_outputs(args, ("json", "plot"))
     args.system_text = read_system(args.system)
-    prompts = load_prompts(args.task, args.n, args.seed)
+    prompts = load_prompts(args.task, n_prompts(cells, args), args.seed)
     started = time.time()
     doc = asyncio.run(bench(args, cells, prompts))
     with_ratios(doc["cells"])
