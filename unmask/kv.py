@@ -278,7 +278,7 @@ class Frame:
         """`spans`' blocks one at a time: q (B, H, T, D) over k/v (B, H_kv, K, D) -> (B, H, T, D).
         A block's queries are padded (with copies of its first) to a multiple of QUERY_STEP: the
         kernel rounds a query's result alike at any such count (fewer rows, or a lone row after
-        a split, round differently: benchmarks/prefix-reuse.md)."""
+        a split, round differently: benchmarks/block-attention-bits.md)."""
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for a, b, c in self.spans:
