@@ -165,3 +165,21 @@ def test_fresh_prompts_give_each_run_its_own_prompts_on_every_server() -> None:
     assert n_prompts(cells, args) == 3 * 5  # and one slice for the warm-up
     args.fresh_prompts = False
     assert run_slices(cells, args) == {} and n_prompts(cells, args) == 3
+
+
+def test_the_live_trace_says_how_many_prompt_tokens_were_reused(folder: Path) -> None:
+    import json
+
+    llm = LLM(str(folder), device="cpu")
+
+    def trace() -> list[dict]:
+        with httpx.stream("POST", f"{s.url}/v1/unmask/trace", timeout=60, json={
+                "prompt": SYSTEM, "decoders": ["threshold"], "max_tokens": 8}) as r:
+            assert r.status_code == 200
+            return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold"))) as s:
+        first, second = trace(), trace()
+    steps = [[e["cached_tokens"] for e in t if e["event"] == "step"] for t in (first, second)]
+    assert set(steps[0]) == {0} and steps[1][0] > 0 and len(set(steps[1])) == 1
+    assert "metaText(ev.cached_tokens)" in (ROOT / "unmask/server/static/canvas.js").read_text()
