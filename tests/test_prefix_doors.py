@@ -183,3 +183,28 @@ def test_the_live_trace_says_how_many_prompt_tokens_were_reused(folder: Path) ->
     steps = [[e["cached_tokens"] for e in t if e["event"] == "step"] for t in (first, second)]
     assert set(steps[0]) == {0} and steps[1][0] > 0 and len(set(steps[1])) == 1
     assert "metaText(ev.cached_tokens)" in (ROOT / "unmask/server/static/canvas.js").read_text()
+
+
+def test_bench_serve_turns_resend_the_conversation_and_reuse_it(folder: Path,
+                                                                 tmp_path: Path) -> None:
+    """3-turn chats: turn k sends the k questions and the server's k - 1 answers, so its prompt
+    grows, and the turns after the first read the conversation's blocks from the store."""
+    import json
+
+    from unmask.cli import main
+
+    out = tmp_path / "report.json"
+    llm = LLM(str(folder), device="cpu")
+    with LiveServer(build_app(llm, ServerConfig(decoder="threshold", max_running=4))) as s:
+        assert main(["bench-serve", "--url", s.url, "--turns", "3", "--n", "2",
+                     "--concurrency", "2", "--max-tokens", "8", "--warmup", "0",
+                     "--json", str(out)]) == 0
+    reqs = json.loads(out.read_text())["cells"][0]["requests"]
+    assert sorted(r["turn"] for r in reqs) == [0, 0, 1, 1, 2, 2]
+    by_turn = {t: [r for r in reqs if r["turn"] == t] for t in range(3)}
+    assert all(r["cached_tokens"] == 0 for r in by_turn[0])
+    assert all(r["cached_tokens"] > 0 for t in (1, 2) for r in by_turn[t])
+    for i in (0, 1):  # each conversation's prompt grows turn by turn
+        sizes = [r["prompt_tokens"] for t in range(3) for r in by_turn[t] if r["index"] == i]
+        assert sizes == sorted(sizes) and len(set(sizes)) == 3
+    assert main(["bench-serve", "--turns", "2", "--endpoint", "completions"]) == 2

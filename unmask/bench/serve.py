@@ -29,7 +29,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,10 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="every run (a cell's round) sends prompts of its own, the same on every "
                         "server, none sent twice to one server (a server that reuses prefixes "
                         "then reuses only what the prompts share: --system)")
+    p.add_argument("--turns", type=positive, default=1,
+                   help="each request a conversation of this many turns (chat endpoint): turn k "
+                        "sends the questions and the server's answers so far and one more "
+                        "question; every turn is measured (default: 1)")
     p.add_argument("--system", default=None, metavar="FILE",
                    help="a system prompt every request starts with (a shared prefix: the "
                         "chat endpoint sends it as the system message, completions prepend it)")
@@ -157,6 +161,8 @@ class Job:
     offset: float
     send_max_tokens: bool = True  # False: the decoder spec's own gen_length decides
     system: str | None = None  # the shared system prompt (--system)
+    follow_ups: tuple[str, ...] = ()  # the next turns' questions (--turns)
+    history: tuple[tuple[str, str], ...] = ()  # (question, answer) of the turns before
 
 
 @dataclass
@@ -180,6 +186,7 @@ class Outcome:
     finish_reason: str | None = None
     error: str | None = None
     round: int = 0
+    turn: int = 0
 
 
 def parse_servers(urls: list[str] | None) -> list[Server]:
@@ -295,13 +302,17 @@ def max_tokens_order(n: int, values: list[int], seed: int) -> list[int]:
 
 def make_jobs(prompts: list[str], cell: Cell, args: argparse.Namespace) -> list[Job]:
     offsets = arrival_offsets(len(prompts), args.rate, args.seed)
-    tokens = max_tokens_order(len(prompts), max_tokens_values(args), args.seed)
+    turns = getattr(args, "turns", 1)
+    n = len(prompts) // turns  # with --turns, prompts[k * n + i] is job i's question k
+    tokens = max_tokens_order(n, max_tokens_values(args), args.seed)
+    offsets = offsets[:n]
     jobs = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts[:n]):
         k = i % len(cell.decoders)
         own = cell.gen_length(k)
         jobs.append(Job(i, p, cell.decoders[k], tokens[i] if own is None else own, offsets[i],
-                        send_max_tokens=own is None, system=getattr(args, "system_text", None)))
+                        send_max_tokens=own is None, system=getattr(args, "system_text", None),
+                        follow_ups=tuple(prompts[k * n + i] for k in range(1, turns))))
     return jobs
 
 
@@ -338,7 +349,9 @@ def request_body(job: Job, endpoint: str) -> dict[str, Any]:
         body["max_tokens"] = job.max_tokens
     if endpoint == "chat":
         system = [] if job.system is None else [{"role": "system", "content": job.system}]
-        body["messages"] = [*system, {"role": "user", "content": job.prompt}]
+        history = [{"role": role, "content": text} for q, a in job.history
+                   for role, text in (("user", q), ("assistant", a))]
+        body["messages"] = [*system, *history, {"role": "user", "content": job.prompt}]
     else:
         body["prompt"] = (job.system or "") + job.prompt
     if job.decoder is not None:
@@ -423,18 +436,27 @@ async def run_jobs(client: Any, url: str, jobs: list[Job], endpoint: str,
     gate = asyncio.Semaphore(concurrency or len(jobs) or 1)
     start = time.perf_counter()
 
-    async def one(job: Job) -> Outcome:
+    async def one(job: Job) -> list[Outcome]:
         delay = job.offset - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
-        async with gate:
-            out = await send(client, url, job, endpoint, start, timeout)
-        if on_done is not None:
-            on_done(out)
-        return out
+        outs = []
+        async with gate:  # a conversation holds its place: its turns follow one another
+            for turn, question in enumerate((job.prompt, *job.follow_ups)):
+                if turn:
+                    job = replace(job, prompt=question, follow_ups=(),
+                                  history=(*job.history, (job.prompt, outs[-1].text)))
+                out = await send(client, url, job, endpoint, start, timeout)
+                out.turn = turn
+                outs.append(out)
+                if on_done is not None:
+                    on_done(out)
+                if out.error:
+                    break
+        return outs
 
-    outs = await asyncio.gather(*(one(j) for j in jobs))
-    return list(outs), time.perf_counter() - start
+    convs = await asyncio.gather(*(one(j) for j in jobs))
+    return [o for outs in convs for o in outs], time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -567,8 +589,9 @@ async def bench(args: argparse.Namespace, cells: list[Cell], prompts: list[str],
             shift = rnd % len(cells)
             for cell in cells[shift:] + cells[:shift]:
                 k = runs.get((cell.decoders, cell.concurrency, rnd), 0)
-                jobs = make_jobs(prompts[k * args.n : (k + 1) * args.n], cell, args)
-                progress.start(cell.label, len(jobs))
+                per_run = args.n * args.turns
+                jobs = make_jobs(prompts[k * per_run : (k + 1) * per_run], cell, args)
+                progress.start(cell.label, len(jobs) * args.turns)
                 outs, wall = await run_jobs(client, cell.server.url, jobs, args.endpoint,
                                             cell.concurrency, args.timeout, progress.request_done)
                 progress.run_done(outs, wall)
@@ -592,7 +615,7 @@ def run_slices(cells: list[Cell], args: argparse.Namespace) -> dict[tuple, int]:
 def n_prompts(cells: list[Cell], args: argparse.Namespace) -> int:
     """Prompts a run loads: n, or with --fresh-prompts n per run and n for the warm-up."""
     runs = run_slices(cells, args)
-    return args.n * (len(runs) + 1 if runs else 1)
+    return args.n * getattr(args, "turns", 1) * (len(runs) + 1 if runs else 1)
 
 
 def cell_report(cell: Cell, outs: list[Outcome], wall: float) -> dict[str, Any]:
@@ -707,6 +730,8 @@ def command_line(args: argparse.Namespace) -> str:
         argv += ["--system", args.system]
     if args.fresh_prompts:
         argv.append("--fresh-prompts")
+    if args.turns > 1:
+        argv += ["--turns", str(args.turns)]
     for d in args.decoder or []:
         argv += ["--decoder", d]
     if args.mix:
@@ -735,6 +760,9 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise InputError("--plot draws each cell at its --concurrency, and --rate without "
                          "--concurrency has none; add --concurrency N[,N...] or drop --plot")
     check_outputs(args, ("json", "plot"))
+    if args.turns > 1 and args.endpoint != "chat":
+        raise InputError("--turns needs the chat endpoint (a conversation's turns are messages); "
+                         "drop --endpoint completions or --turns")
     args.system_text = read_system(args.system)
     prompts = load_prompts(args.task, n_prompts(cells, args), args.seed)
     started = time.time()
