@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-QUERY_STEP = 8  # a block's queries are padded to a multiple of this (Frame._by_block)
-
 
 @dataclass
 class PastKV:
@@ -201,8 +199,9 @@ class Frame:
     attn_mask: optional (B, 1, T, K) bool overriding everything (tests use it for causal masks).
     spans: a block-causal model's rows at their exact shapes (keys in position order, no
         padding; every row of the frame at the same positions): per block of the forwarded
-        tokens, (first token, one past its last, keys it sees). Each block then attends alone
-        over exactly the keys up to its end (`_by_block`), so the bits of a block's K/V and
+        tokens, (first token, one past its last, keys it sees), and span_rows the model's block
+        size. Each block then attends alone over exactly the keys up to its end, its queries
+        padded to a whole block (`_by_block`), so the bits of a block's K/V and
         logits depend on its tokens and those before it only, never on how far the call
         reaches: the K/V of a finished block is the same bits whichever request computed it
         (unmask.engine.prefix_store).
@@ -220,6 +219,7 @@ class Frame:
     groups: list[RowGroup] | None = None
     extra: int = 0  # packed: tokens after the rows' own, which no group attends with
     spans: list[tuple[int, int, int]] | None = None
+    span_rows: int = 1
     fresh: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     _mask: Tensor | None = field(default=None, repr=False)  # the keys' mask, once built
     _mask_built: bool = field(default=False, repr=False)
@@ -276,17 +276,17 @@ class Frame:
 
     def _by_block(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """`spans`' blocks one at a time: q (B, H, T, D) over k/v (B, H_kv, K, D) -> (B, H, T, D).
-        A block's queries are padded (with copies of its first) to a multiple of QUERY_STEP: the
-        kernel rounds a query's result alike at any such count (fewer rows, or a lone row after
-        a split, round differently: benchmarks/block-attention-bits.md)."""
+        A block's queries are padded (with copies of its first) to a whole block, span_rows: the
+        kernel rounds a query's result differently with the number of queries beside it (a
+        lone slot against a block of 4: benchmarks/block-attention-bits.md), so every query
+        runs among a block's count."""
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         for a, b, c in self.spans:
             qa = q[:, :, a:b]
             n = b - a
-            m = -(-n // QUERY_STEP) * QUERY_STEP
-            if m != n:
-                qa = torch.cat([qa, qa[:, :, :1].expand(-1, -1, m - n, -1)], dim=2)
+            if n < self.span_rows:
+                qa = torch.cat([qa, qa[:, :, :1].expand(-1, -1, self.span_rows - n, -1)], dim=2)
             o = F.scaled_dot_product_attention(qa, k[:, :, :c], v[:, :, :c], enable_gqa=gqa)
             out[:, :, a:b] = o[:, :, :n]
         return out

@@ -303,7 +303,7 @@ class Runner:
         blocks_t = None if blocks is None else self._to_device(blocks)
         if self.unpacked(len(groups), r, t, n):
             frame = Frame(key_mask=ok_t, blocks=blocks_t) if past is None else past.frame(ok_t, blocks_t)
-            frame.spans = self._spans(blocks, 0, t, past)
+            frame.spans, frame.span_rows = self._spans(blocks, 0, t, past), self.block_size or 1
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=self._at_least(rows, cols))
             return logits[: rows.size], frame.fresh, None
@@ -372,7 +372,7 @@ class Runner:
         sub = past if past is None or whole else past.take(g)
         frame = Frame(key_mask=key_mask, blocks=blocks_g) if sub is None else sub.frame(key_mask,
                                                                                         blocks_g)
-        frame.spans = self._spans(blocks, int(g[0]), t_g, past)
+        frame.spans, frame.span_rows = self._spans(blocks, int(g[0]), t_g, past), self.block_size or 1
         return RowGroup(
             grid=self._to_device(grid), shape=(g.size, t_g),
             real=None if real.all() else self._to_device(np.flatnonzero(real)),
