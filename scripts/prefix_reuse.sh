@@ -9,7 +9,8 @@
 #      a shared ~540-token system prompt (benchmarks/data/shared-system-prompt.txt) + short
 #      held-out math questions (none sent twice: --fresh-prompts), at concurrency 1, 4 and 16;
 #      then the questions alone through
-#      the completions endpoint (prompts that share nothing but their first words);
+#      the completions endpoint (prompts that share nothing but their first words); then
+#      4-turn chats (--turns 4), each turn resending the conversation so far;
 #   3. whether every request's text is the same with reuse on and off;
 #   4. 1,000 distinct prompts through a small store (scripts/prefix_store_budget.py).
 #
@@ -48,17 +49,22 @@ COMMON=(--concurrency 1,4,16 --n "$N" --max-tokens "$MAX_TOKENS" --rounds "$ROUN
   --json "$A/prefix-reuse-shared.json" > "$A/prefix-reuse-shared.md"
 "$UNMASK" bench-serve "${URLS[@]}" --endpoint completions "${COMMON[@]}" \
   --json "$A/prefix-reuse-random.json" > "$A/prefix-reuse-random.md"
+"$UNMASK" bench-serve "${URLS[@]}" --turns 4 --concurrency 1,4,16 --n "$((N / 4))" \
+  --max-tokens "$MAX_TOKENS" --rounds "$ROUNDS" --fresh-prompts \
+  --json "$A/prefix-reuse-turns.json" > "$A/prefix-reuse-turns.md"
 curl -s "http://127.0.0.1:$PORT_ON/metrics" | grep '^unmask_prefix' > "$A/prefix-reuse-metrics.txt"
 stop_servers
 "$PYTHON" scripts/prefix_store_budget.py > "$A/prefix-reuse-budget.md"
-"$PYTHON" - "$A/prefix-reuse-shared.json" "$A/prefix-reuse-random.json" > "$A/prefix-reuse-same.md" <<'PY'
+"$PYTHON" - "$A/prefix-reuse-shared.json" "$A/prefix-reuse-random.json" "$A/prefix-reuse-turns.json" \
+  > "$A/prefix-reuse-same.md" <<'PY'
 import json, sys
 for path in sys.argv[1:]:
     cells = json.load(open(path))["cells"]
     text = {}
     for c in cells:
         for r in c["requests"]:
-            text.setdefault((c["concurrency"], r["round"], r["index"]), {})[c["server"]] = r["text"]
+            key = (c["concurrency"], r["round"], r["index"], r["turn"])
+            text.setdefault(key, {})[c["server"]] = r["text"]
     same = sum(v.get("on") == v.get("off") for v in text.values())
     print(f"- {path}: {same} of {len(text)} requests have the same text with reuse on and off")
 PY
@@ -90,6 +96,18 @@ Command: \`$(sed -n 's/.*"command": "\(.*\)",$/\1/p' "$A/prefix-reuse-random.jso
 
 EOF
   cat "$A/prefix-reuse-random.md"
+  cat <<EOF
+
+### 4-turn chats
+
+Each request is a conversation of 4 turns; turn k sends the k questions and the server's own
+k - 1 answers (so the "on" server reads the conversation so far from its store: its answers'
+blocks included). $((N / 4)) conversations per cell, every turn measured.
+
+Command: \`$(sed -n 's/.*"command": "\(.*\)",$/\1/p' "$A/prefix-reuse-turns.json" | sed 's/\\"/"/g')\`
+
+EOF
+  cat "$A/prefix-reuse-turns.md"
   cat <<EOF
 
 ### Same tokens
