@@ -193,6 +193,9 @@ class PrefixStore:
             row = int(b.store_row[i])
             token = b.store.token[row]  # (W,) position -> token its K/V came from (-1: none)
             n_pos = min(token.shape[0], req.slots) // bs * bs
+            last = (chain.blocks + 1) * bs - 1  # blocks are stored whole, in order: most steps
+            if last >= n_pos or token[last] < 0:  # finish none, and one look says so
+                continue
             held = token[:n_pos].reshape(-1, bs) >= 0  # (blocks, bs)
             whole = int(np.argmin(held.all(-1))) if not held.all() else held.shape[0]
             while chain.blocks < whole:
