@@ -98,7 +98,7 @@ def reuses(params: DecodeParams) -> bool:
 @dataclass
 class PrefixStats:
     """What the store did, for metrics: token positions read from it instead of forwarded,
-    blocks and bytes it holds now, blocks it evicted."""
+    blocks and bytes it holds now, blocks it evicted, blocks it took in all."""
 
     hit_tokens: int = 0
     stored_blocks: int = 0
@@ -225,8 +225,3 @@ class PrefixStore:
         self.stats.stored_bytes += size
         self.stats.stored_blocks += 1
         self.stats.inserted_blocks += 1
-
-    def clear(self) -> None:
-        with self._lock:
-            self._blocks.clear()
-            self.stats.stored_blocks = self.stats.stored_bytes = 0
