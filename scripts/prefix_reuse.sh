@@ -12,7 +12,8 @@
 #      the completions endpoint (prompts that share nothing but their first words); then
 #      4-turn chats (--turns 4), each turn resending the conversation so far;
 #   3. whether every request's text is the same with reuse on and off;
-#   4. 1,000 distinct prompts through a small store (scripts/prefix_store_budget.py).
+#   4. 1,000 distinct prompts through a small store (scripts/prefix_store_budget.py);
+#   5. the workloads on the engine alone, in CPU time (scripts/prefix_reuse_cpu.py).
 #
 #   bash scripts/prefix_reuse.sh                           # the documented run
 #   N=8 ROUNDS=1 ASSEMBLE=0 bash scripts/prefix_reuse.sh   # a smoke run
@@ -55,6 +56,7 @@ COMMON=(--concurrency 1,4,16 --n "$N" --max-tokens "$MAX_TOKENS" --rounds "$ROUN
 curl -s "http://127.0.0.1:$PORT_ON/metrics" | grep '^unmask_prefix' > "$A/prefix-reuse-metrics.txt"
 stop_servers
 "$PYTHON" scripts/prefix_store_budget.py > "$A/prefix-reuse-budget.md"
+"$PYTHON" scripts/prefix_reuse_cpu.py > "$A/prefix-reuse-cpu.md"
 "$PYTHON" - "$A/prefix-reuse-shared.json" "$A/prefix-reuse-random.json" "$A/prefix-reuse-turns.json" \
   > "$A/prefix-reuse-same.md" <<'PY'
 import json, sys
@@ -121,6 +123,15 @@ The "on" server's store at the end (\`/metrics\`):
 \`\`\`
 $(cat "$A/prefix-reuse-metrics.txt")
 \`\`\`
+
+### In CPU time, without HTTP
+
+The same three workloads on the engine alone, reuse off and on alternating in one process, in
+CPU time (which the machine's other work does not move as it moves wall time):
+
+EOF
+  cat "$A/prefix-reuse-cpu.md"
+  cat <<EOF
 
 ### 1,000 distinct prompts through a small store
 
