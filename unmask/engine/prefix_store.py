@@ -200,7 +200,7 @@ class PrefixStore:
             whole = int(np.argmin(held.all(-1))) if not held.all() else held.shape[0]
             while chain.blocks < whole:
                 lo = chain.blocks * bs
-                key = self.next_key(chain.key, token[lo : lo + bs].tolist())
+                key = self.next_key(chain.key, token[lo : lo + bs])  # int64: as a list hashes
                 self._put(key, b.store.kv[row, lo : lo + bs])
                 chain.blocks, chain.key = chain.blocks + 1, key
 
