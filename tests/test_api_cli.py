@@ -17,7 +17,7 @@ from unmask.decoding.params import DecodeParams, SpecError
 PROMPTS = ["hello", "what is 12 + 34?", "sort the list [3, 1, 2] to get a sorted list of numbers",
            "def"]
 JSON_KEYS = {"text", "token_ids", "nfe", "token_forwards", "tpf", "tps", "seconds", "finish_reason",
-             "useful"}
+             "useful", "cached_tokens"}
 
 
 @pytest.fixture(scope="module")

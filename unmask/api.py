@@ -23,6 +23,7 @@ from unmask.decoding.grammar import Constraint, ResponseFormat, TokenAutomaton, 
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
 from unmask.engine.layout import model_defaults
+from unmask.engine.prefix_store import make_prefix_store
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.hub import DEFAULT_NAME, SHIPPED, model_name, resolve_model
@@ -57,6 +58,7 @@ class Generation:
     seconds: float
     finish_reason: str = "length"  # eos | length | error (see unmask.engine.request)
     useful: int | None = None  # the answer's tokens: token_ids[:useful] (None: all of them)
+    cached_tokens: int = 0  # prompt tokens read from the prefix store, not forwarded
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -224,11 +226,15 @@ class LLM:
 
     def __init__(self, path: str | Path | None = None, device: str | None = None,
                  dtype: str | None = None, quantize: str | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, prefix_cache: bool = True,
+                 prefix_cache_gib: float | None = None) -> None:
         """quantize: None, or "int8" / "int4": the transformer blocks' linear weights quantized
         at load (unmask.quantize). A folder saved quantized loads quantized as saved. compile:
         the model's layers compiled with torch.compile after quantization (unmask.compiling;
-        the first calls of new shapes then take seconds each)."""
+        the first calls of new shapes then take seconds each). prefix_cache: a block-causal
+        model's finished blocks are kept and reused by every engine of this LLM
+        (`prefix_store`; docs/engine.md, "Prefix reuse"), under prefix_cache_gib GiB (default
+        a share of the memory free after the load)."""
         if not isinstance(compile, bool):
             raise InputError(f"compile must be True or False, got {compile!r}")
         if path is not None:
@@ -264,6 +270,8 @@ class LLM:
         if compile:  # after quantization: the compiled layers trace the weights they will run
             compile_model(self.model)
         self.config = self.model.config
+        self.prefix_store = make_prefix_store(self.model, self.device, prefix_cache,
+                                              prefix_cache_gib)
         self.tokenizer = load_tokenizer(self.path)
         check_tokenizer(self.tokenizer, self.config, self.path)
         self._automata: dict[tuple[str, str], TokenAutomaton] = {}  # LLM.constraint's
@@ -397,7 +405,7 @@ class LLM:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         reqs = decode(self.model, params, prompt_ids, max_running=batch_size, on_event=on_event,
-                      constraints=constraints)
+                      constraints=constraints, prefix=self.prefix_store)
         return [self.generation(r) for r in reqs]
 
     def generation(self, r: Request) -> Generation:
@@ -407,7 +415,8 @@ class LLM:
         return Generation(text=self.detokenize(r.token_ids[: r.useful]), token_ids=r.token_ids,
                           useful=r.useful,
                           nfe=r.nfe, token_forwards=r.token_forwards, tpf=r.tpf, tps=r.tps,
-                          seconds=r.seconds, finish_reason=r.finish_reason or "length")
+                          seconds=r.seconds, finish_reason=r.finish_reason or "length",
+                          cached_tokens=r.cached_tokens)
 
 
 def resolve_params(params: DecodeParams | str | None, overrides: dict,

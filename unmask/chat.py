@@ -22,7 +22,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TextIO
 
-from unmask.cli_args import add_decode_arguments, add_model_arguments, check_prompts
+from unmask.cli_args import (
+    add_decode_arguments,
+    add_model_arguments,
+    add_prefix_arguments,
+    check_prompts,
+)
 from unmask.decoding.params import DecodeParams
 from unmask.errors import CanvasTooLong, InputError, UnmaskError
 
@@ -53,6 +58,7 @@ class AnswerStats:
     tokens: int  # tokens of the answer shown (up to EOS, or what was committed before a stop)
     seconds: float
     finish_reason: str
+    cached_tokens: int = 0  # prompt tokens (the history) read from the prefix store
 
     @property
     def tps(self) -> float:
@@ -77,7 +83,8 @@ class Chat:
         self.llm, self.params, self.out = llm, params, out
         self.console = console
         self.typed = dict(typed or {})
-        self.engine = Engine(llm.model, SchedulerConfig(max_running=1))
+        # the LLM's prefix store: a turn reads the history's blocks the last turn left there
+        self.engine = Engine(llm.model, SchedulerConfig(max_running=1), prefix=llm.prefix_store)
         self.history: list[dict[str, str]] = []
         self.keep_history = keep_history
         self.stats: AnswerStats | None = None
@@ -127,7 +134,7 @@ class Chat:
         self._write(stream.sent if view is not None else rest)
         self._write("\n")
         self.stats = AnswerStats(req.nfe, req.tpf, stream.n_tokens, req.seconds,
-                                 req.finish_reason or "length")
+                                 req.finish_reason or "length", req.cached_tokens)
         if stopped:
             print("(stopped: this turn is left out of the conversation)", file=sys.stderr)
         elif self.llm.has_chat_template and self.keep_history:
@@ -291,6 +298,7 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
                    help="the model, as --model takes it (`unmask chat org/name`)")
     add_model_arguments(p)
+    add_prefix_arguments(p)
     add_decode_arguments(p)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the spec's)")
     p.add_argument("--history", action=argparse.BooleanOptionalAction, default=None,

@@ -22,6 +22,7 @@ from unmask.cli_args import (
     add_decode_arguments,
     add_format_arguments,
     add_model_arguments,
+    add_prefix_arguments,
     chat_for,
     check_decoder,
     check_prompts,
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one or more prompts; with several, each answer gets a '=== [i/n] PROMPT' "
                         "header line")
     add_model_arguments(g)
+    add_prefix_arguments(g)
     add_decode_arguments(g)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")

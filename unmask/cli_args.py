@@ -61,6 +61,28 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="say on stderr how the model is run: threads chosen and why")
 
 
+def gib(text: str) -> float:
+    """A memory budget in GiB: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not 0 < value < float("inf"):  # NaN fails both
+        raise argparse.ArgumentTypeError(f"must be a positive number of GiB, got {text}")
+    return value
+
+
+def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
+    """Prefix reuse across requests (docs/engine.md, "Prefix reuse"): commands whose requests
+    may share prompts (generate, chat, serve). Others (bench, eval) run without it."""
+    p.add_argument("--prefix-cache-gib", type=gib, default=None, metavar="GIB",
+                   help="memory for the K/V of finished blocks that later requests starting "
+                        "with the same tokens reuse (block-causal models; default: 10%% of the "
+                        "memory free after loading)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="recompute every prompt from scratch (no reuse across requests)")
+
+
 def load_llm(args: argparse.Namespace) -> LLM:
     """The model the arguments of add_model_arguments name, run on --threads CPU threads, else
     on unmask.api.default_threads' choice; with --quantize, a note on stderr says what its
@@ -70,7 +92,8 @@ def load_llm(args: argparse.Namespace) -> LLM:
     if args.threads is not None:  # before the load: a count this machine cannot run fails at once
         set_threads(args.threads)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
-              compile=args.compile)
+              compile=args.compile, prefix_cache=getattr(args, "prefix_cache", False),
+              prefix_cache_gib=getattr(args, "prefix_cache_gib", None))
     if args.threads is None:
         n, why = default_threads(sum(p.numel() for p in llm.model.parameters()))
         set_threads(n)

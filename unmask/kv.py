@@ -204,6 +204,14 @@ class Frame:
         (a call that forwards a finished block with the next one) and the stored keys alike.
         None: bidirectional.
     attn_mask: optional (B, 1, T, K) bool overriding everything (tests use it for causal masks).
+    spans: a block-causal model's rows at their exact shapes (keys in position order, no
+        padding; every row of the frame at the same positions): per block of the forwarded
+        tokens, (first token, one past its last, keys it sees), and span_rows the model's block
+        size. Each block then attends alone over exactly the keys up to its end, its queries
+        padded to a whole block (`_by_block`), so the bits of a block's K/V and
+        logits depend on its tokens and those before it only, never on how far the call
+        reaches: the K/V of a finished block is the same bits whichever request computed it
+        (unmask.engine.prefix_store).
     After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens as attention
     got them: (B, H_kv, T, D), or packed (1, H_kv, N, D).
     """
@@ -217,6 +225,8 @@ class Frame:
     packed: bool = False
     groups: list[RowGroup] | None = None
     extra: int = 0  # packed: tokens after the rows' own, which no group attends with
+    spans: list[tuple[int, int, int]] | None = None
+    span_rows: int = 1
     fresh: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     _mask: Tensor | None = field(default=None, repr=False)  # the keys' mask, once built
     _mask_built: bool = field(default=False, repr=False)
@@ -265,17 +275,41 @@ class Frame:
 
     def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Unpacked rows: q (B, H, T, D), k/v (B, H_kv, T, D) with the stored keys -> (B, H, T, D)."""
+        if self.spans is not None:
+            return self._by_block(q, *self._concat(layer, k, v))
         k, v, mask = self._keys(layer, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
+
+    def _by_block(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """`spans`' blocks one at a time: q (B, H, T, D) over k/v (B, H_kv, K, D) -> (B, H, T, D).
+        A block's queries are padded (with copies of its first) to a whole block, span_rows: the
+        kernel rounds a query's result differently with the number of queries beside it (a
+        lone slot against a block of 4: benchmarks/probe/block-attention-bits.md), so every query
+        runs among a block's count."""
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        for a, b, c in self.spans:
+            qa = q[:, :, a:b]
+            n = b - a
+            if n < self.span_rows:
+                qa = torch.cat([qa, qa[:, :, :1].expand(-1, -1, self.span_rows - n, -1)], dim=2)
+            o = F.scaled_dot_product_attention(qa, k[:, :, :c], v[:, :, :c], enable_gqa=gqa)
+            out[:, :, a:b] = o[:, :, :n]
+        return out
+
+    def _concat(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The layer's keys and values, stored ones first: (B, H_kv, K, D) each."""
+        if self.past is not None:  # the store is slot-major: (R, K, H_kv, D)
+            k = torch.cat([self.past.k[layer], k.transpose(1, 2)], dim=1).transpose(1, 2)
+            v = torch.cat([self.past.v[layer], v.transpose(1, 2)], dim=1).transpose(1, 2)
+        return k, v
 
     def _keys(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """The layer's keys and values (stored ones first) and the (B,1,T|1,K) mask."""
         if self.attn_mask is not None:
             return k, v, self.attn_mask
-        if self.past is not None:  # the store is slot-major: (R, K, H_kv, D)
-            k = torch.cat([self.past.k[layer], k.transpose(1, 2)], dim=1).transpose(1, 2)
-            v = torch.cat([self.past.v[layer], v.transpose(1, 2)], dim=1).transpose(1, 2)
+        k, v = self._concat(layer, k, v)
         if not self._mask_built:  # the same keys in every layer: built at the first
             mask = self.key_mask
             if self.past is not None:

@@ -13,7 +13,9 @@ against loaded models in tests/test_show.py):
 Working memory is an estimate, not a measurement: the K/V store holds every position of the
 batch (``KVStore``: 2 x layers x K/V heads x head width, in the dtype), the logits are those of
 every generated position in the dtype plus the float32 copy scoring makes (`unmask/decoding/scoring.py`),
-and one layer's activations are the MLP's three hidden-width tensors per position.
+and one layer's activations are the MLP's three hidden-width tensors per position. A
+block-causal model adds its prefix store's budget (`--prefix-cache-gib`, default PREFIX_SHARE of
+the RAM available: unmask.engine.prefix_store), which it may fill.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from unmask.catalog import (
     meta_model,
     weights_dtype,
 )
+from unmask.cli_args import gib as gib_budget
 from unmask.cli_args import positive
 from unmask.decoding.params import DecodeParams
 from unmask.errors import InputError
@@ -42,6 +45,10 @@ from unmask.errors import InputError
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 SCHEMES = ("int8", "int4")
 GEN_LENGTH = DecodeParams().gen_length
+GIB = 1 << 30
+# The prefix store's default budget: this share of the memory free on the model's device once
+# it is loaded (docs/engine.md, "Prefix reuse").
+PREFIX_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class Workload:
     gen_length: int = GEN_LENGTH
     prompt_length: int = 128
     batch: int = 1
+    prefix_bytes: int = 0  # the prefix store's budget (block-causal models)
 
     def __post_init__(self) -> None:
         if self.dtype not in WIDTH:
@@ -70,10 +78,11 @@ class MemoryEstimate:
     kv: int
     logits: int
     activations: int
+    prefix: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.logits + self.activations
+        return self.weights + self.kv + self.logits + self.activations + self.prefix
 
 
 def weight_bytes(config, work: Workload) -> int:
@@ -104,7 +113,8 @@ def estimate(config, work: Workload) -> MemoryEstimate:
     kv = positions * config.n_layers * 2 * config.n_kv_heads * config.head_dim * width
     logits = work.batch * work.gen_length * config.vocab_size * (width + 4)
     activations = positions * config.mlp_hidden_size * 3 * width
-    return MemoryEstimate(weight_bytes(config, work), kv, logits, activations)
+    prefix = work.prefix_bytes if config.block_size is not None else 0
+    return MemoryEstimate(weight_bytes(config, work), kv, logits, activations, prefix)
 
 
 # --- the machine ------------------------------------------------------------------------------
@@ -192,6 +202,9 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"generated positions (default: {GEN_LENGTH}, the decoders')")
     p.add_argument("--prompt-length", type=positive, default=128, help="prompt tokens (128)")
     p.add_argument("--batch", type=positive, default=1, help="canvases decoded at once (1)")
+    p.add_argument("--prefix-cache-gib", type=gib_budget, default=None, metavar="GIB",
+                   help="the prefix store's budget, for a block-causal model (default: "
+                        f"{PREFIX_SHARE:.0%} of the RAM available)")
     p.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -204,9 +217,11 @@ def run_show(args: argparse.Namespace) -> int:
     if not folder.is_dir():
         raise InputError(f"model folder {folder} does not exist")
     config = config_of(folder)
+    prefix = (int(args.prefix_cache_gib * GIB) if args.prefix_cache_gib is not None
+              else int(PREFIX_SHARE * available_ram()))
     work = Workload(dtype=args.dtype or config.torch_dtype, quantize=args.quantize,
                     gen_length=args.gen_length or GEN_LENGTH, prompt_length=args.prompt_length,
-                    batch=args.batch)
+                    batch=args.batch, prefix_bytes=prefix)
     report = describe(folder, config, work)
     if args.json:
         print(json.dumps(report))
@@ -259,7 +274,8 @@ def print_report(r: dict) -> None:
         f"chat         {'chat template present' if r['chat_template'] else 'no chat template'}",
         f"memory       {w['dtype']}{scheme}, batch {w['batch']} x ({w['prompt_length']} prompt + "
         f"{w['gen_length']} generated): weights {gib(m['weights'])} + K/V {gib(m['kv'])} + "
-        f"logits {gib(m['logits'])} + activations {gib(m['activations'])} = {gib(m['total'])}",
+        f"logits {gib(m['logits'])} + activations {gib(m['activations'])}"
+        + (f" + prefix store {gib(m['prefix'])}" if m["prefix"] else "") + f" = {gib(m['total'])}",
     ]
     for dev, f in r["fits"].items():
         what = "RAM available" if dev == "cpu" else "free"

@@ -94,7 +94,8 @@ class Lane:
                 "drafted": ev.drafted, "forwarded": ev.forwarded, "refreshed": ev.refreshed,
                 "block": list(ev.block), "prefix": ev.prefix, "suffix_kept": ev.suffix_kept,
                 "nfe": ev.nfe, "token_forwards": ev.token_forwards, "decided": ev.decided,
-                "useful": useful, "elapsed": round(elapsed, 6), "text": text}
+                "useful": useful, "elapsed": round(elapsed, 6), "text": text,
+                "cached_tokens": self.request.cached_tokens}
 
     def _done(self, ev: StepEvent) -> dict[str, Any]:
         r = self.request

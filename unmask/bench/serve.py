@@ -30,7 +30,7 @@ import random
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,17 @@ def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help=f"sent as a Bearer token, for a server started with --api-key "
                         f"(default: ${KEY_ENV}, else none)")
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="every run (a cell's round) sends prompts of its own, the same on every "
+                        "server, none sent twice to one server (a server that reuses prefixes "
+                        "then reuses only what the prompts share: --system)")
+    p.add_argument("--turns", type=positive, default=1,
+                   help="each request a conversation of this many turns (chat endpoint): turn k "
+                        "sends the questions and the server's answers so far and one more "
+                        "question; every turn is measured (default: 1)")
+    p.add_argument("--system", default=None, metavar="FILE",
+                   help="a system prompt every request starts with (a shared prefix: the "
+                        "chat endpoint sends it as the system message, completions prepend it)")
     p.add_argument("--json", default=None, metavar="FILE",
                    help="write the report (cells and every request) as JSON")
     p.add_argument("--plot", default=None, metavar="FILE",
@@ -154,6 +165,9 @@ class Job:
     max_tokens: int  # the length the request asks for (what the report records)
     offset: float
     send_max_tokens: bool = True  # False: the decoder spec's own gen_length decides
+    system: str | None = None  # the shared system prompt (--system)
+    follow_ups: tuple[str, ...] = ()  # the next turns' questions (--turns)
+    history: tuple[tuple[str, str], ...] = ()  # (question, answer) of the turns before
 
 
 @dataclass
@@ -169,11 +183,15 @@ class Outcome:
     latency: float | None = None
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, read from the server's prefix store
+    token_forwards: int | None = None
+    text: str = ""  # what was streamed (reuse on vs off: the same text)
     nfe: int | None = None
     tpf: float | None = None
     finish_reason: str | None = None
     error: str | None = None
     round: int = 0
+    turn: int = 0
 
 
 def parse_servers(urls: list[str] | None) -> list[Server]:
@@ -289,18 +307,36 @@ def max_tokens_order(n: int, values: list[int], seed: int) -> list[int]:
 
 def make_jobs(prompts: list[str], cell: Cell, args: argparse.Namespace) -> list[Job]:
     offsets = arrival_offsets(len(prompts), args.rate, args.seed)
-    tokens = max_tokens_order(len(prompts), max_tokens_values(args), args.seed)
+    turns = getattr(args, "turns", 1)
+    n = len(prompts) // turns  # with --turns, prompts[k * n + i] is job i's question k
+    tokens = max_tokens_order(n, max_tokens_values(args), args.seed)
+    offsets = offsets[:n]
     jobs = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts[:n]):
         k = i % len(cell.decoders)
         own = cell.gen_length(k)
         jobs.append(Job(i, p, cell.decoders[k], tokens[i] if own is None else own, offsets[i],
-                        send_max_tokens=own is None))
+                        send_max_tokens=own is None, system=getattr(args, "system_text", None),
+                        follow_ups=tuple(prompts[k * n + i] for k in range(1, turns))))
     return jobs
 
 
 def max_tokens_values(args: argparse.Namespace) -> list[int]:
     return args.max_tokens or [DEFAULT_MAX_TOKENS]
+
+
+def read_system(path: str | None) -> str | None:
+    """The --system file's text (None: no system prompt)."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--system {path}: {e.strerror if isinstance(e, OSError) else e}") \
+            from None
+    if not text.strip():
+        raise InputError(f"--system {path} is empty")
+    return text.strip()
 
 
 def load_prompts(task: str, n: int, seed: int) -> list[str]:
@@ -317,9 +353,12 @@ def request_body(job: Job, endpoint: str) -> dict[str, Any]:
     if job.send_max_tokens:
         body["max_tokens"] = job.max_tokens
     if endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": job.prompt}]
+        system = [] if job.system is None else [{"role": "system", "content": job.system}]
+        history = [{"role": role, "content": text} for q, a in job.history
+                   for role, text in (("user", q), ("assistant", a))]
+        body["messages"] = [*system, *history, {"role": "user", "content": job.prompt}]
     else:
-        body["prompt"] = job.prompt
+        body["prompt"] = (job.system or "") + job.prompt
     if job.decoder is not None:
         body["decoder"] = job.decoder
     return body
@@ -389,15 +428,20 @@ async def _stream(client: Any, url: str, body: dict[str, Any], out: Outcome, sta
             if "error" in payload:
                 out.error = f"server: {payload['error'].get('message')}"
                 return
-            if out.ttft is None and _chunk_text(payload):
+            text = _chunk_text(payload)
+            if out.ttft is None and text:
                 out.ttft = time.perf_counter() - start - out.sent
+            out.text += text
             for choice in payload.get("choices") or []:
                 out.finish_reason = choice.get("finish_reason") or out.finish_reason
             if payload.get("usage"):
                 out.completion_tokens = int(payload["usage"]["completion_tokens"])
                 out.prompt_tokens = int(payload["usage"]["prompt_tokens"])
+                details = payload["usage"].get("prompt_tokens_details") or {}
+                out.cached_tokens = int(details.get("cached_tokens") or 0)
             if payload.get("unmask"):
                 out.nfe, out.tpf = payload["unmask"].get("nfe"), payload["unmask"].get("tpf")
+                out.token_forwards = payload["unmask"].get("token_forwards")
 
 
 # --------------------------------------------------------------------------- one run
@@ -410,18 +454,27 @@ async def run_jobs(client: Any, url: str, jobs: list[Job], endpoint: str,
     gate = asyncio.Semaphore(concurrency or len(jobs) or 1)
     start = time.perf_counter()
 
-    async def one(job: Job) -> Outcome:
+    async def one(job: Job) -> list[Outcome]:
         delay = job.offset - (time.perf_counter() - start)
         if delay > 0:
             await asyncio.sleep(delay)
-        async with gate:
-            out = await send(client, url, job, endpoint, start, timeout)
-        if on_done is not None:
-            on_done(out)
-        return out
+        outs = []
+        async with gate:  # a conversation holds its place: its turns follow one another
+            for turn, question in enumerate((job.prompt, *job.follow_ups)):
+                if turn:
+                    job = replace(job, prompt=question, follow_ups=(),
+                                  history=(*job.history, (job.prompt, outs[-1].text)))
+                out = await send(client, url, job, endpoint, start, timeout)
+                out.turn = turn
+                outs.append(out)
+                if on_done is not None:
+                    on_done(out)
+                if out.error:
+                    break
+        return outs
 
-    outs = await asyncio.gather(*(one(j) for j in jobs))
-    return list(outs), time.perf_counter() - start
+    convs = await asyncio.gather(*(one(j) for j in jobs))
+    return [o for outs in convs for o in outs], time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -447,6 +500,10 @@ def summarize(outcomes: list[Outcome], wall: float) -> dict[str, Any]:
         "wall_s": wall, "req_per_s": len(ok) / wall if wall > 0 else 0.0,
         "useful_tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "nfe_mean": sum(nfes) / len(nfes) if nfes else None,
+        "cached_tokens": sum(o.cached_tokens for o in ok),
+        # the prompt positions the server forwarded: its prompt tokens less those it reused
+        "prefill_forwards": sum(o.prompt_tokens - o.cached_tokens for o in ok),
+        "token_forwards": sum(o.token_forwards or 0 for o in ok),
     }
     for name, xs in (("ttft", ttft), ("latency", lat)):
         for q in (50, 95, 99):
@@ -530,7 +587,7 @@ async def warm_up(client: Any, cells: list[Cell], prompts: list[str],
             seen.add((cell.server, d))
             own = cell.gen_length(k)
             for i in range(args.warmup):
-                job = Job(-1, prompts[i % len(prompts)], d,
+                job = Job(-1, prompts[-1 - i % len(prompts)], d,
                           max(max_tokens_values(args)) if own is None else own, 0.0,
                           send_max_tokens=own is None)
                 out = await send(client, cell.server.url, job, args.endpoint,
@@ -552,12 +609,15 @@ async def bench(args: argparse.Namespace, cells: list[Cell], prompts: list[str],
                                                      key=lambda s: s.name))
         await warm_up(client, cells, prompts, args)
         results: dict[Cell, tuple[list[Outcome], float]] = {c: ([], 0.0) for c in cells}
+        runs = run_slices(cells, args)
         progress = Progress(len(cells) * args.rounds)
         for rnd in range(args.rounds):
             shift = rnd % len(cells)
             for cell in cells[shift:] + cells[:shift]:
-                jobs = make_jobs(prompts, cell, args)
-                progress.start(cell.label, len(jobs))
+                k = runs.get((cell.decoders, cell.concurrency, rnd), 0)
+                per_run = args.n * args.turns
+                jobs = make_jobs(prompts[k * per_run : (k + 1) * per_run], cell, args)
+                progress.start(cell.label, len(jobs) * args.turns)
                 outs, wall = await run_jobs(client, cell.server.url, jobs, args.endpoint,
                                             cell.concurrency, args.timeout, progress.request_done)
                 progress.run_done(outs, wall)
@@ -566,6 +626,22 @@ async def bench(args: argparse.Namespace, cells: list[Cell], prompts: list[str],
                 prev, w = results[cell]
                 results[cell] = (prev + outs, w + wall)
     return {"models": models, "cells": [cell_report(c, *results[c]) for c in cells]}
+
+
+def run_slices(cells: list[Cell], args: argparse.Namespace) -> dict[tuple, int]:
+    """With --fresh-prompts, the slice of n prompts each (decoders, concurrency, round) sends,
+    the same for every server; else none (every run sends the first n)."""
+    if not args.fresh_prompts:
+        return {}
+    keys = dict.fromkeys((c.decoders, c.concurrency) for c in cells)
+    return {(*key, rnd): rnd * len(keys) + i for rnd in range(args.rounds)
+            for i, key in enumerate(keys)}
+
+
+def n_prompts(cells: list[Cell], args: argparse.Namespace) -> int:
+    """Prompts a run loads: n, or with --fresh-prompts n per run and n for the warm-up."""
+    runs = run_slices(cells, args)
+    return args.n * getattr(args, "turns", 1) * (len(runs) + 1 if runs else 1)
 
 
 def cell_report(cell: Cell, outs: list[Outcome], wall: float) -> dict[str, Any]:
@@ -600,7 +676,8 @@ def markdown_table(cells: list[dict[str, Any]]) -> str:
     cols = [("server", "server", "{}"), ("decoder", "decoder", "`{}`"),
             ("concurrency", "conc.", "{}"), ("completed", "done", "{}"), ("errors", "err", "{}"),
             ("req_per_s", "req/s", "{:.2f}"), ("tokens_per_s", "tokens/s", "{:.1f}"),
-            ("x_baseline", "x", "{:.2f}x"),
+            ("x_baseline", "x", "{:.2f}x"), ("prefill_forwards", "prefill fw", "{}"),
+            ("cached_tokens", "cached", "{}"),
             ("ttft_p50", "TTFT p50 s", "{:.3f}"), ("ttft_p95", "p95", "{:.3f}"),
             ("ttft_p99", "p99", "{:.3f}"), ("latency_p50", "latency p50 s", "{:.3f}"),
             ("latency_p95", "p95", "{:.3f}"), ("latency_p99", "p99", "{:.3f}")]
@@ -675,6 +752,12 @@ def command_line(args: argparse.Namespace) -> str:
     for u in args.url or [DEFAULT_URL]:
         argv += ["--url", u]
     argv += ["--endpoint", args.endpoint, "--task", args.task, "--n", str(args.n)]
+    if args.system:
+        argv += ["--system", args.system]
+    if args.fresh_prompts:
+        argv.append("--fresh-prompts")
+    if args.turns > 1:
+        argv += ["--turns", str(args.turns)]
     for d in args.decoder or []:
         argv += ["--decoder", d]
     if args.mix:
@@ -703,7 +786,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         raise InputError("--plot draws each cell at its --concurrency, and --rate without "
                          "--concurrency has none; add --concurrency N[,N...] or drop --plot")
     check_outputs(args, ("json", "plot"))
-    prompts = load_prompts(args.task, args.n, args.seed)
+    if args.turns > 1 and args.endpoint != "chat":
+        raise InputError("--turns needs the chat endpoint (a conversation's turns are messages); "
+                         "drop --endpoint completions or --turns")
+    args.system_text = read_system(args.system)
+    prompts = load_prompts(args.task, n_prompts(cells, args), args.seed)
     started = time.time()
     doc = asyncio.run(bench(args, cells, prompts))
     with_ratios(doc["cells"])

@@ -33,6 +33,7 @@ from unmask.engine.allocator import tune_for
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.decoder import Decoder, StepResult
 from unmask.engine.layout import block_size_of, canvas_length, for_model
+from unmask.engine.prefix_store import PrefixStore, reuses
 from unmask.engine.request import Request, StepEvent, useful_length
 from unmask.engine.scheduler import Scheduler, SchedulerConfig
 from unmask.errors import CanvasTooLong, InputError
@@ -66,11 +67,18 @@ def _locked(method: Callable) -> Callable:
 
 class Engine:
     def __init__(self, model: nn.Module, config: SchedulerConfig | None = None,
-                 mask_id: int | None = None, eos_id: int | None = None) -> None:
-        """mask_id / eos_id default to the model config's (tests override them)."""
+                 mask_id: int | None = None, eos_id: int | None = None,
+                 prefix: PrefixStore | None = None) -> None:
+        """mask_id / eos_id default to the model config's (tests override them). prefix: the
+        store of finished blocks this engine reads and feeds (block-causal models' exact block
+        cache only; several engines of one model may share one), or None: no reuse."""
         self.model = model
         # set for a block-causal model: its blocks, canvas and cache (unmask.engine.layout)
         self.block_size = block_size_of(model)
+        if prefix is not None and prefix.block_size != self.block_size:
+            raise InputError(f"a prefix store of blocks of {prefix.block_size} cannot serve a "
+                             f"model of blocks of {self.block_size}")
+        self.prefix = prefix
         c = model.config
         self.mask_id = c.mask_token_id if mask_id is None else mask_id
         self.eos_id = c.eos_token_id if eos_id is None else eos_id
@@ -229,6 +237,8 @@ class Engine:
             joining.setdefault(key, []).append(req)
         for key, reqs in joining.items():  # one resize of each batch, whoever joins
             self.batches[key].extend(reqs)
+            if self._reuses(self.decoders[key]):
+                self.prefix.restore(self.batches[key], reqs)
         for key, b in list(self.batches.items()):
             if len(b):
                 events += self._run(self.decoders[key], b)
@@ -254,12 +264,18 @@ class Engine:
             return self._fail(b, f"{type(e).__name__}: {e}")
         if res.model_call:
             self.model_calls += 1
+        if self._reuses(dec):
+            self.prefix.offer(b)
         self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before
         events = self._events(dec, b, res)
         gone = res.finished | res.stalled
         if gone.any():
             b.filter((~gone).tolist())
         return events
+
+    def _reuses(self, dec: Decoder) -> bool:
+        """Whether `dec` reads and feeds the prefix store."""
+        return self.prefix is not None and reuses(dec.params)
 
     def _events(self, dec: Decoder, b: DecodeBatch, res: StepResult) -> list[StepEvent]:
         gen = slice(b.P, b.S)
@@ -327,6 +343,8 @@ class Engine:
             req.finished_at = time.perf_counter()
         self.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
+        if self.prefix is not None:
+            self.prefix.forget(req.request_id)
 
     def _final_event(self, req: Request) -> StepEvent:
         return StepEvent(req.request_id, req.steps, [], [], [], False, False, (0, 0), 0, req.nfe,
@@ -355,11 +373,13 @@ def decode(model: nn.Module, params: DecodeParams, prompts: list[list[int]],
            max_running: int | None = None, mask_id: int | None = None,
            eos_id: int | None = None,
            on_event: Callable[[StepEvent], None] | None = None,
-           constraints: list[Constraint | None] | None = None) -> list[Request]:
+           constraints: list[Constraint | None] | None = None,
+           prefix: PrefixStore | None = None) -> list[Request]:
     """Decode token-id prompts to completion (all admitted at once unless max_running);
-    constraints: each prompt's structured-output constraint (None: none)."""
+    constraints: each prompt's structured-output constraint (None: none); prefix: the store of
+    finished blocks' K/V to read and feed (None: no reuse)."""
     engine = Engine(model, SchedulerConfig(max_running=max_running or max(len(prompts), 1)),
-                    mask_id, eos_id)
+                    mask_id, eos_id, prefix)
     constraints = constraints or [None] * len(prompts)
     reqs = [engine.add_request(p, params, constraint=c)
             for p, c in zip(prompts, constraints, strict=True)]

@@ -51,6 +51,7 @@ class Request:
     nfe: int = 0  # model calls this request took part in
     token_forwards: int = 0  # token positions those calls processed for it
     decided: int = 0  # generated positions committed by a forward's decision (not EOS fill)
+    cached_tokens: int = 0  # prompt positions whose K/V came from the prefix store, not forwarded
     steps: int = 0
     started: float | None = None  # when its first step began
     finished_at: float | None = None

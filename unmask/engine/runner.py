@@ -170,6 +170,10 @@ class Runner:
                                 for kind in ("cache", "remasking", "method"))
         stale = entry("cache", params.cache).facts.stale_keys
         self.shapes = self.attention_shapes or ("canonical" if stale else "exact")
+        self.block_size: int | None = getattr(model.config, "block_size", None)
+        # The exact block cache's rows attend block by block (kv.Frame.spans): a finished
+        # block's K/V is then the same bits whichever call computed it (prefix reuse).
+        self.by_block = self.block_size is not None and self.shapes == "exact" and not stale
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
         # EOS leaves the distribution (LLaDA's logits_eos_inf); the mask token is only never chosen
@@ -180,7 +184,6 @@ class Runner:
         self.shift = int(getattr(model, "logit_shift", 0))
         # A block-causal model's forwarded tokens see their own block and earlier ones only
         # (the frame decides what a call attends to: unmask.kv.Frame.blocks).
-        self.block_size: int | None = getattr(model.config, "block_size", None)
         self.buckets = None
         if self.bucket_rule is not None and self.block_size is not None:
             self.buckets = Buckets(self.bucket_rule, self.device, MIN_ROWS)
@@ -287,6 +290,7 @@ class Runner:
         blocks_t = None if blocks is None else self._to_device(blocks)
         if self.unpacked(len(groups), r, t, n):
             frame = Frame(key_mask=ok_t, blocks=blocks_t) if past is None else past.frame(ok_t, blocks_t)
+            frame.spans, frame.span_rows = self._spans(blocks, 0, t, past), self.block_size or 1
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=self._at_least(rows, cols))
             return logits[: rows.size], frame.fresh, None
@@ -294,7 +298,7 @@ class Runner:
         extra = max(MIN_ROWS - n, 0)  # tokens that no row attends with, for the products' sake
         whole = len(groups) == 1 and not extra
         frame = Frame(key_mask=ok_t, packed=True, extra=extra,
-                      groups=[self._group(g, whole, at, ok, t_hat, ok_t, past, blocks_t)
+                      groups=[self._group(g, whole, at, ok, t_hat, ok_t, past, blocks, blocks_t)
                               for g in groups])
         logits = self.model(self._packed(ids[ok_t], extra), self._packed(pos[ok_t], extra),
                             frame=frame,
@@ -326,8 +330,21 @@ class Runner:
             t = torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
         return t[None]
 
+    def _spans(self, blocks: np.ndarray | None, row: int, t: int,
+               past: Past | None) -> list[tuple[int, int, int]] | None:
+        """`Frame.spans` of rows at the exact shape of call row `row` (blocks: (R, T) each
+        forwarded token's block; t: the rows' token count), None unless they attend by block.
+        Their stored keys are the positions before their forwarded tokens (the block cache's
+        finished blocks), so a block's keys are the stored ones and the forwarded up to its end."""
+        if not self.by_block:
+            return None
+        own = blocks[row, :t]
+        cut = (np.flatnonzero(own[1:] != own[:-1]) + 1).tolist()
+        n_past = 0 if past is None else int(past.n[row])
+        return [(a, b, n_past + b) for a, b in zip([0, *cut], [*cut, t], strict=True)]
+
     def _group(self, g: np.ndarray, whole: bool, at: np.ndarray, ok: np.ndarray,
-               t_hat: np.ndarray, ok_t: Tensor, past: Past | None,
+               t_hat: np.ndarray, ok_t: Tensor, past: Past | None, blocks: np.ndarray | None,
                blocks_t: Tensor | None) -> RowGroup:
         """Rows g (one attention shape) of a packed call as one attention batch (whole: g is every
         row, in order, and the call has no extra tokens)."""
@@ -337,11 +354,13 @@ class Runner:
         real = ok_g.reshape(-1)
         rows = slice(None) if whole else self._to_device(g)
         key_mask = ok_t[rows, :t_g]
-        blocks = None if blocks_t is None else blocks_t[rows, :t_g]
+        blocks_g = None if blocks_t is None else blocks_t[rows, :t_g]
         # a single group's stored keys are already at its attention count
         sub = past if past is None or whole else past.take(g)
+        frame = Frame(key_mask=key_mask, blocks=blocks_g) if sub is None else sub.frame(key_mask,
+                                                                                        blocks_g)
+        frame.spans, frame.span_rows = self._spans(blocks, int(g[0]), t_g, past), self.block_size or 1
         return RowGroup(
             grid=self._to_device(grid), shape=(g.size, t_g),
             real=None if real.all() else self._to_device(np.flatnonzero(real)),
-            out_at=None if whole else self._to_device(grid[real]),
-            frame=Frame(key_mask=key_mask, blocks=blocks) if sub is None else sub.frame(key_mask, blocks))
+            out_at=None if whole else self._to_device(grid[real]), frame=frame)

@@ -45,8 +45,11 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     engine = Engine(llm.model, SchedulerConfig(max_running=config.max_running,
                                                max_queue=config.max_queue,
-                                               max_slots=config.max_slots))
-    door = EngineClient(engine, ServerMetrics())
+                                               max_slots=config.max_slots),
+                    prefix=llm.prefix_store)
+    metrics = ServerMetrics()
+    metrics.watch_prefix(llm.prefix_store)
+    door = EngineClient(engine, metrics)
     # A vocabulary entry is at least as long as the text its token decodes to (byte-level BPE:
     # one character per byte; SentencePiece: one per character; WordPiece adds "##"), so no
     # token covers more characters than the longest entry.

@@ -12,6 +12,10 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from unmask.engine.prefix_store import PrefixStore
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -57,6 +61,11 @@ class ServerMetrics:
         self.useful_rate.set_function(lambda: self._window_sums()[2] / self.window)
         self.tpf.set_function(lambda: (lambda s: s[3] / s[4] if s[4] else 0.0)(self._window_sums()))
 
+    def watch_prefix(self, store: PrefixStore | None) -> None:
+        """Report the prefix store's counts, read from it when scraped (none without one)."""
+        if store is not None:
+            self.registry.register(_PrefixCollector(store))
+
     def engine_totals(self, model_calls: int, token_forwards: int) -> None:
         """Called after each step with the engine's running totals."""
         with self._lock:
@@ -88,3 +97,23 @@ class ServerMetrics:
         with self._lock:
             self._prune()
             return [sum(s[i] for s in self._samples) for i in range(1, 6)]
+
+
+class _PrefixCollector(Collector):
+    """The prefix store's numbers (unmask.engine.prefix_store.PrefixStats) at scrape time."""
+
+    def __init__(self, store: PrefixStore) -> None:
+        self.store = store
+
+    def collect(self):
+        s = self.store.stats
+        yield CounterMetricFamily("unmask_prefix_hit_tokens", "Prompt positions read from the "
+                                  "prefix store instead of forwarded", value=s.hit_tokens)
+        yield CounterMetricFamily("unmask_prefix_evicted_blocks", "Blocks evicted from the "
+                                  "prefix store to stay under its budget", value=s.evictions)
+        yield GaugeMetricFamily("unmask_prefix_stored_blocks", "Blocks the prefix store holds",
+                                value=s.stored_blocks)
+        yield GaugeMetricFamily("unmask_prefix_stored_bytes", "Bytes of K/V the prefix store "
+                                "holds", value=s.stored_bytes)
+        yield GaugeMetricFamily("unmask_prefix_budget_bytes", "The prefix store's budget",
+                                value=self.store.budget)

@@ -138,11 +138,16 @@ class Choice:
             self.first_text = time.perf_counter()
 
 
-def usage(choices: list[Choice]) -> dict[str, int]:
-    prompt = sum(c.prompt_tokens for c in choices)
+def usage(choices: list[Choice]) -> dict[str, Any]:
+    """OpenAI's usage: prompt tokens (each prompt once), completion tokens, and of the prompt
+    tokens those read from the prefix store (`prompt_tokens_details.cached_tokens`)."""
+    counted = [c for c in choices if c.prompt_tokens]
+    prompt = sum(c.prompt_tokens for c in counted)
     completion = sum(c.text.n_tokens for c in choices)
+    cached = sum(c.handle.request.cached_tokens for c in counted)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def decode_numbers(choices: list[Choice], params: DecodeParams) -> dict[str, Any]:

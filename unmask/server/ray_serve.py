@@ -75,6 +75,8 @@ class RayServeOptions:
     dtype: str | None = None
     quantize: str | None = None  # int8 | int4: weight-only, at each replica's load
     compile: bool = False  # each replica compiles its model's layers (unmask.compiling)
+    prefix_cache: bool = True  # each replica keeps its own prefix store (docs/engine.md)
+    prefix_cache_gib: float | None = None
     threads: int | None = None  # torch threads per replica (default: max(1, cpus_per_replica))
     server: ServerConfig = field(default_factory=ServerConfig)
     health_check_period_s: float = 1.0
@@ -207,7 +209,8 @@ class EngineReplica:
         set_threads(opts.threads or max(1, int(opts.cpus_per_replica)),
                     "--threads" if opts.threads else "--cpus-per-replica")
         llm = LLM(opts.model, device=opts.device, dtype=opts.dtype, quantize=opts.quantize,
-                  compile=opts.compile)
+                  compile=opts.compile, prefix_cache=opts.prefix_cache,
+                  prefix_cache_gib=opts.prefix_cache_gib)
         self.app = build_app(llm, opts.server)
         self.lifespan = self.app.router.lifespan_context(self.app)
         await self.lifespan.__aenter__()  # starts the engine thread
@@ -449,6 +452,7 @@ def run_ray(args: Any) -> int:
         replicas=args.replicas, cpus_per_replica=args.cpus_per_replica,
         gpus_per_replica=args.gpus_per_replica, model=args.model, device=args.device,
         dtype=args.dtype, quantize=args.quantize, compile=args.compile, threads=args.threads,
+        prefix_cache=args.prefix_cache, prefix_cache_gib=args.prefix_cache_gib,
         server=args.server_config, shutdown_timeout_s=args.shutdown_timeout)
     local = args.address is None
     init: dict[str, Any] = {"include_dashboard": False, "logging_level": args.log_level.upper()}

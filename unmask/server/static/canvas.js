@@ -74,13 +74,19 @@ class Lane {
       this.grid.append(c);
     }
     this.grid.addEventListener("animationend", () => this.grid.classList.remove("flash"));
-    const meta = el("p", "lane-meta",
-      `${layout.prompt_tokens} prompt tokens + ${layout.gen_length} positions in blocks of ` +
-      `${layout.block_length}`);
+    this.meta = el("p", "lane-meta", this.metaText(0));
     this.text = el("p", "lane-text");
-    this.root.append(head, dl, meta, this.grid, this.text);
+    this.root.append(head, dl, this.meta, this.grid, this.text);
     parent.append(this.root);
     this.reset();
+  }
+
+  // The lane's sizes; cached: prompt tokens whose blocks came from the prefix store.
+  metaText(cached) {
+    const l = this.layout;
+    const reused = cached ? ` (${cached} reused: their blocks read from the prefix store)` : "";
+    return `${l.prompt_tokens} prompt tokens${reused} + ${l.gen_length} positions in blocks of ` +
+      `${l.block_length}`;
   }
 
   reset() {
@@ -103,6 +109,7 @@ class Lane {
 
   // Apply one step event; flash: animate a cache refresh (live), not when scrubbing a replay.
   step(ev, flash) {
+    if (ev.cached_tokens) this.meta.textContent = this.metaText(ev.cached_tokens);
     for (const i of this.marked) this.cells[i].classList.remove("fresh", "in-block", "dropped");
     this.marked = [];
     const drafted = new Set(ev.drafted), eos = new Set(ev.eos);

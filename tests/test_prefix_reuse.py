@@ -1,0 +1,197 @@
+"""Prefix reuse across requests (unmask.engine.prefix_store) on block-causal models.
+
+(a) reuse on == reuse off, bit for bit: tokens, every step's scores, every step's stored K/V,
+    for random shared prefixes, joins, aborts and 1-16 requests at once (hypothesis);
+(b) a finished block's K/V is the same bits whichever call computed it (kv.Frame.spans);
+(c) eviction under pressure while readers run: the store stays under budget, nothing changes;
+(d) budgets: bad ones refused in one line, a prompt longer than the budget runs unstored.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import numpy as np
+import pytest
+import torch
+from helpers import BLOCK_FAMILIES, peaky_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from unmask.decoding.params import DecodeParams
+from unmask.engine import Engine, SchedulerConfig
+from unmask.engine.prefix_store import PrefixStore, check_budget, make_prefix_store
+from unmask.errors import InputError
+
+VOCAB, MASK, EOS, BS = 64, 63, 1, 4
+SPECS = ["static-1", "threshold,threshold=0.5", "freedave,draft_steps=3",
+         "threshold,threshold=0.7,temperature=0.8"]
+
+
+@functools.cache
+def model(family: str, dtype: torch.dtype) -> torch.nn.Module:
+    return copy.deepcopy(peaky_model(family, 0, 4.0, VOCAB, MASK, EOS)).to(dtype)
+
+
+def params(spec: str, gen: int, seed: int) -> DecodeParams:
+    return DecodeParams.parse(spec, gen_length=gen, block_length=BS, seed=seed)
+
+
+def decode_all(m, jobs, prefix: PrefixStore | None, max_running: int, join_at: list[int],
+               abort: tuple[int, int] | None) -> dict:
+    """Run `jobs` (prompt, spec, gen) on one engine: job i joins at step join_at[i]; abort
+    (job, step) aborts that job then. Returns, by (job, step), what the engine held for it after
+    the step: canvas, predictions, confidences (bits) and stored K/V by position; and by job
+    its outcome."""
+    eng = Engine(m, SchedulerConfig(max_running=max_running), mask_id=MASK, eos_id=EOS,
+                 prefix=prefix)
+    seen, reqs, step = {}, {}, 0
+    while len(reqs) < len(jobs) or eng.has_unfinished:
+        for i, (prompt, spec, gen) in enumerate(jobs):
+            if i not in reqs and join_at[i] <= step:
+                reqs[i] = eng.add_request(prompt, params(spec, gen, i))
+        if abort is not None and abort[1] == step and abort[0] in reqs:
+            eng.abort(reqs[abort[0]].request_id)
+        eng.step()
+        step += 1
+        label = {r.request_id: i for i, r in reqs.items()}
+        for b in eng.batches.values():
+            for row, r in enumerate(b.requests):
+                pad = int(b.rows.pad[row])
+                state = [b.x[row, pad:], b.preds.token[row, pad:], b.preds.conf[row, pad:].view(np.int32)]
+                srow = int(b.store_row[row])
+                held = b.store.token[srow, : r.slots]
+                state += [held, b.store.kv[srow, : r.slots][torch.from_numpy(held >= 0)].clone()]
+                seen[(label[r.request_id], step)] = state
+        assert step < 500
+    outcome = {i: (r.token_ids, r.nfe, r.decided, r.finish_reason) for i, r in reqs.items()}
+    return {"steps": seen, "outcome": outcome,
+            "cached": {i: r.cached_tokens for i, r in reqs.items()}}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["outcome"] == b["outcome"]
+    assert a["steps"].keys() == b["steps"].keys()
+    for key, state in a["steps"].items():
+        for x, y in zip(state, b["steps"][key], strict=True):
+            if isinstance(x, torch.Tensor):
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), key
+            else:
+                np.testing.assert_array_equal(x, y, err_msg=str(key))
+
+
+tokens = st.integers(3, VOCAB - 3)
+
+
+# --- (a) reuse on == reuse off, bit for bit ----------------------------------------------------
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), family=st.sampled_from(list(BLOCK_FAMILIES)),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       shared=st.lists(tokens, min_size=0, max_size=14), n=st.integers(1, 16),
+       max_running=st.integers(1, 16), spec=st.sampled_from(SPECS))
+def test_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec) -> None:
+    """Requests sharing a prefix (or parts of it), joining at random steps, one aborted: with a
+    store (fed by a first round, then by the requests themselves) every step's canvas, scores
+    and stored K/V are the bits of the same requests without one."""
+    m = model(family, dtype)
+    jobs = [(shared[: data.draw(st.integers(0, len(shared)))]
+             + data.draw(st.lists(tokens, min_size=1, max_size=6)), spec,
+             data.draw(st.sampled_from([4, 8, 12]))) for _ in range(n)]
+    join_at = data.draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))
+    abort = data.draw(st.none() | st.tuples(st.integers(0, n - 1), st.integers(1, 8)))
+    store = PrefixStore(BS, 1 << 30)
+    off = decode_all(m, jobs, None, max_running, join_at, abort)
+    first = decode_all(m, jobs, store, max_running, join_at, abort)
+    again = decode_all(m, jobs, store, max_running, join_at, abort)  # the store warm
+    assert_same(off, first)
+    assert_same(off, again)
+    # every prompt's whole blocks but the one holding its last token came from the store
+    for i, (prompt, _, _) in enumerate(jobs):
+        if abort is None or abort[0] != i:
+            assert again["cached"][i] == (len(prompt) - 1) // BS * BS
+
+
+# --- (b) a finished block's K/V does not depend on the call ---------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_finished_blocks_kv_is_the_same_bits_from_any_call(dtype) -> None:
+    """The first block's K/V from prompts of 5 and 21 tokens (calls of 8 and 24 keys): without
+    block-by-block attention the kernel rounds them differently."""
+    m = model("sdar", dtype)
+    prefix = [5, 6, 7, 8]
+    kv = []
+    for tail in ([9], list(range(9, 26))):
+        eng = Engine(m, mask_id=MASK, eos_id=EOS)
+        eng.add_request(prefix + tail, params("static-1", 4, 0))
+        eng.step()
+        b = next(iter(eng.batches.values()))
+        kv.append(b.store.kv[int(b.store_row[0]), :BS].clone())
+    assert torch.equal(kv[0].view(torch.uint8), kv[1].view(torch.uint8))
+
+
+# --- (c) eviction while readers run ---------------------------------------------------------------
+def test_eviction_under_pressure_changes_nothing_and_keeps_the_budget() -> None:
+    """A store of 6 blocks, prompts sharing prefixes of several lengths and many distinct ones,
+    8 at a time: blocks are evicted while requests that read them run; every step's bits equal
+    reuse off, and the store never holds more than its budget."""
+    m = model("sdar", torch.float32)
+    rng = np.random.default_rng(0)
+    stems = [rng.integers(3, VOCAB - 3, 12).tolist() for _ in range(3)]
+    jobs = [(stems[i % 3][: 4 + 4 * (i % 3)] + rng.integers(3, VOCAB - 3, 1 + i % 5).tolist(),
+             "threshold,threshold=0.5", 8) for i in range(24)]
+    one_block = 2 * m.config.n_layers * m.config.n_kv_heads * m.config.head_dim * 4 * BS
+    store = PrefixStore(BS, 6 * one_block)
+    high = []
+    offer = PrefixStore._offer
+
+    def watch(self, b):
+        offer(self, b)
+        high.append(self.stats.stored_bytes)
+
+    join_at = [i // 3 for i in range(len(jobs))]
+    off = decode_all(m, jobs, None, 8, join_at, None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PrefixStore, "_offer", watch)
+        on = decode_all(m, jobs, store, 8, join_at, None)
+    assert_same(off, on)
+    assert store.stats.evictions > 0 and store.stats.hit_tokens > 0
+    assert max(high) <= store.budget and store.stats.stored_blocks <= 6
+
+
+# --- (d) budgets ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("gib", [0, -1, float("nan"), float("inf"), True, "1"])
+def test_bad_budgets_are_refused(gib) -> None:
+    with pytest.raises(InputError, match="prefix_cache_gib"):
+        check_budget(gib)
+
+
+def test_a_budget_past_free_memory_is_refused() -> None:
+    with pytest.raises(InputError, match="exceeds the memory free"):
+        check_budget(2.0, free_bytes=1 << 30)
+    assert check_budget(0.5, free_bytes=1 << 30) == 1 << 29
+
+
+def test_the_store_is_for_block_causal_models_only() -> None:
+    llada = peaky_model("llada", 0, 4.0, VOCAB, MASK, EOS)
+    cpu = torch.device("cpu")
+    assert make_prefix_store(llada, cpu) is None  # the default: no store, no error
+    with pytest.raises(InputError, match="block-causal models"):
+        make_prefix_store(llada, cpu, gib=0.5)
+    with pytest.raises(InputError, match="off"):
+        make_prefix_store(model("sdar", torch.float32), cpu, enabled=False, gib=0.5)
+    store = make_prefix_store(model("sdar", torch.float32), cpu)
+    assert store.block_size == BS and store.budget > 0
+
+
+def test_a_prompt_longer_than_the_budget_runs_without_storing() -> None:
+    m = model("sdar", torch.float32)
+    store = PrefixStore(BS, 3 * 2 * m.config.n_layers * m.config.n_kv_heads * m.config.head_dim
+                        * 4 * BS)  # three blocks
+    jobs = [(list(range(3, 40)), "static-1", 8)]  # 10 whole blocks: runs, stores nothing
+    off = decode_all(m, jobs, None, 1, [0], None)
+    on = decode_all(m, jobs, store, 1, [0], None)
+    assert_same(off, on)
+    assert store.stats.inserted_blocks == 0
+    short = [(list(range(3, 8)), "static-1", 4)]  # 8 positions, fits: stored
+    decode_all(m, short, store, 1, [0], None)
+    assert store.stats.inserted_blocks > 0 and store.stats.stored_bytes <= store.budget

@@ -1,0 +1,227 @@
+"""Prefix reuse across requests: the K/V of finished blocks of a block-causal model, computed
+once, read by every later request whose prompt starts with the same blocks.
+
+For a block-causal model (SDAR, LLaDA2, Fast-dLLM v2) the K/V of a block depends only on the
+tokens of that block and of the blocks before it, at their positions (blocks lie on absolute
+positions: unmask.engine.layout.CausalBlockLayout). So a block is keyed by a hash chain of whole
+blocks of token ids (block i's key hashes block i-1's key and block i's tokens) and its K/V is
+exact for any request whose canvas starts with those tokens. The exact block cache stores K/V
+only once its block is final (unmask.caching.BlockCache): every whole block of a store row whose
+positions all hold K/V is such a block, prompt or generated answer alike.
+
+A hit is *copied* into the request's own K/V store row when it joins (`PrefixStore.restore`), and
+its slots marked as holding those tokens: the decoder then forwards only the rest of the prompt,
+as it forwards any slot without K/V, in the same model call as the rest of its batch. Nothing a
+running request reads lives here, so evicting an entry (LRU, under a byte budget) can never
+change or fail a request in flight (docs/engine.md, "Prefix reuse").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from unmask.decoding.knobs import entry
+from unmask.decoding.params import DecodeParams
+from unmask.engine.batch import DecodeBatch
+from unmask.engine.layout import block_size_of
+from unmask.engine.request import Request
+from unmask.errors import InputError
+from unmask.show import GIB, PREFIX_SHARE, available_ram
+
+
+def check_budget(gib: float, free_bytes: int | None = None) -> int:
+    """A budget in GiB as bytes, or an InputError naming what is wrong with it (0, negative,
+    NaN, or more than the memory free on the device)."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)):
+        raise InputError(f"prefix_cache_gib must be a number of GiB, got {type(gib).__name__}")
+    if math.isnan(gib) or gib <= 0 or math.isinf(gib):
+        raise InputError(f"prefix_cache_gib must be a positive number of GiB, got {gib}; "
+                         "turn reuse off with --no-prefix-cache")
+    budget = int(gib * GIB)
+    if free_bytes is not None and budget > free_bytes:
+        raise InputError(f"prefix_cache_gib {gib} exceeds the memory free on the model's device "
+                         f"({free_bytes / GIB:.2f} GiB); valid: <= {free_bytes / GIB:.2f}")
+    return max(budget, 1)
+
+
+# Why full-attention families get no store (docs/decoders.md, "Prefix reuse").
+BIDIRECTIONAL = ("prefix reuse applies to block-causal models (SDAR, LLaDA2, Fast-dLLM v2) "
+                 "only: a bidirectional model's prompt K/V depends on the whole canvas, so a "
+                 "stored prefix would be an approximation; drop prefix_cache_gib")
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory free on `device` now: RAM available (unmask.show) or the GPU's free memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_ram()
+
+
+def make_prefix_store(model: torch.nn.Module, device: torch.device, enabled: bool = True,
+                      gib: float | None = None) -> PrefixStore | None:
+    """The store an `LLM` shares between its engines: None when off or for a bidirectional
+    model; its budget `gib` GiB, else PREFIX_SHARE of the memory free on the device now. A
+    budget given for a model that cannot use it, or with reuse off, is refused by name."""
+    if not isinstance(enabled, bool):
+        raise InputError(f"prefix_cache must be True or False, got {enabled!r}")
+    if not enabled:
+        if gib is not None:
+            raise InputError("prefix_cache_gib given with the prefix cache off: drop one")
+        return None
+    block = block_size_of(model)
+    if block is None:
+        if gib is not None:
+            raise InputError(BIDIRECTIONAL)
+        return None
+    free = free_bytes(device)
+    budget = check_budget(gib, free) if gib is not None else max(int(PREFIX_SHARE * free), 1)
+    return PrefixStore(block, budget)
+
+
+def reuses(params: DecodeParams) -> bool:
+    """Whether a decoder of these params reads and feeds the store: only the exact block cache
+    (a block-causal cache that never reads stale K/V), whose finished blocks are the same bits
+    whoever computed them."""
+    facts = entry("cache", params.cache).facts
+    return facts.block_causal and facts.uses_store and not facts.stale_keys
+
+
+@dataclass
+class PrefixStats:
+    """What the store did, for metrics: token positions read from it instead of forwarded,
+    blocks and bytes it holds now, blocks it evicted, blocks it took in all."""
+
+    hit_tokens: int = 0
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    evictions: int = 0
+    inserted_blocks: int = 0
+
+
+@dataclass
+class _Chain:
+    """A request's progress through the store: how many of its leading blocks the store has
+    been offered (or gave it), and the key of the last."""
+
+    blocks: int = 0
+    key: bytes = b""
+
+
+@dataclass
+class PrefixStore:
+    """K/V of whole blocks (block_size positions, every layer) by hash-chain key, least recently
+    used first, at most `budget` bytes."""
+
+    block_size: int
+    budget: int
+    stats: PrefixStats = field(default_factory=PrefixStats)
+    _blocks: OrderedDict[bytes, Tensor] = field(default_factory=OrderedDict, repr=False)
+    _chains: dict[str, _Chain] = field(default_factory=dict, repr=False)
+    # engines of one LLM (a server's, LLM.generate's) may run on different threads
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.budget < 1:
+            raise InputError(f"a prefix store needs a block size and a budget >= 1, got "
+                             f"{self.block_size} and {self.budget}")
+
+    # --- keys ---------------------------------------------------------------------------------
+    @staticmethod
+    def next_key(key: bytes, tokens: Sequence[int]) -> bytes:
+        """The key of a block of `tokens` after the block keyed `key` (b"": the first)."""
+        data = np.asarray(tokens, dtype=np.int64).tobytes()
+        return hashlib.blake2b(key + data, digest_size=16).digest()
+
+    # --- requests joining: hits copied into their store rows ----------------------------------
+    def restore(self, b: DecodeBatch, reqs: list[Request]) -> None:
+        """Copy each joining request's stored leading blocks into its row of b's K/V store (the
+        requests are b's last rows). A prompt's last token is always forwarded: its block is the
+        first the decoder forwards (a model that predicts a slot from the one before reads it)."""
+        with self._lock:
+            self._restore(b, reqs)
+
+    def _restore(self, b: DecodeBatch, reqs: list[Request]) -> None:
+        first = len(b) - len(reqs)
+        per_position = b.store.kv[0, 0].numel() * b.store.kv.element_size()
+        for i, req in enumerate(reqs):
+            chain, hits = _Chain(), []
+            limit = (req.prompt_len - 1) // self.block_size
+            while chain.blocks < limit:
+                lo = chain.blocks * self.block_size
+                key = self.next_key(chain.key, req.prompt_ids[lo : lo + self.block_size])
+                kv = self._blocks.get(key)
+                if kv is None:
+                    break
+                hits.append((key, kv))
+                chain = _Chain(chain.blocks + 1, key)
+            if req.slots * per_position <= self.budget:
+                # else its blocks would only evict each other: it runs without storing
+                self._chains[req.request_id] = chain
+            if not hits:
+                continue
+            for key, _ in reversed(hits):  # a chain's first block is its most recently used
+                self._blocks.move_to_end(key)
+            n = chain.blocks * self.block_size
+            row = int(b.store_row[first + i])
+            b.store.kv[row, :n] = torch.cat([kv for _, kv in hits])  # (n, L, 2, H, D)
+            b.store.token[row, :n] = req.prompt_ids[:n]
+            req.cached_tokens = n
+            self.stats.hit_tokens += n
+
+    # --- after a step: finished blocks offered ------------------------------------------------
+    def offer(self, b: DecodeBatch) -> None:
+        """Store every whole block of b's rows that holds final K/V and is not stored yet (the
+        exact block cache stores a slot's K/V only once its block is final)."""
+        with self._lock:
+            self._offer(b)
+
+    def _offer(self, b: DecodeBatch) -> None:
+        bs = self.block_size
+        for i, req in enumerate(b.requests):
+            chain = self._chains.get(req.request_id)
+            if chain is None:
+                continue
+            row = int(b.store_row[i])
+            token = b.store.token[row]  # (W,) position -> token its K/V came from (-1: none)
+            n_pos = min(token.shape[0], req.slots) // bs * bs
+            last = (chain.blocks + 1) * bs - 1  # blocks are stored whole, in order: most steps
+            if last >= n_pos or token[last] < 0:  # finish none, and one look says so
+                continue
+            held = token[:n_pos].reshape(-1, bs) >= 0  # (blocks, bs)
+            whole = int(np.argmin(held.all(-1))) if not held.all() else held.shape[0]
+            while chain.blocks < whole:
+                lo = chain.blocks * bs
+                key = self.next_key(chain.key, token[lo : lo + bs])  # int64: as a list hashes
+                self._put(key, b.store.kv[row, lo : lo + bs])
+                chain.blocks, chain.key = chain.blocks + 1, key
+
+    def forget(self, request_id: str) -> None:
+        """A request left: its progress is no longer needed."""
+        with self._lock:
+            self._chains.pop(request_id, None)
+
+    def _put(self, key: bytes, kv: Tensor) -> None:
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+            return
+        size = kv.numel() * kv.element_size()
+        if size > self.budget:  # a block larger than the whole budget is never kept
+            return
+        while self.stats.stored_bytes + size > self.budget:
+            _, old = self._blocks.popitem(last=False)
+            self.stats.stored_bytes -= old.numel() * old.element_size()
+            self.stats.stored_blocks -= 1
+            self.stats.evictions += 1
+        self._blocks[key] = kv.clone()
+        self.stats.stored_bytes += size
+        self.stats.stored_blocks += 1
+        self.stats.inserted_blocks += 1
