@@ -26,7 +26,9 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 
 
 
 def decoded(kind: str, spec: str, rule: str | None, monkeypatch, batch: int):
-    """Each request's outcome and every model call's logits, with the runner's bucket rule."""
+    """Each request's outcome and every model call's logits, with the runner's bucket rule
+    (without it: the calls as they come, attending in one call per shape as the buckets do, not
+    block by block)."""
     model = peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)
     seen: list[torch.Tensor] = []
     real_score = runner_mod.score
@@ -37,6 +39,7 @@ def decoded(kind: str, spec: str, rule: str | None, monkeypatch, batch: int):
 
     with monkeypatch.context() as mp:
         mp.setattr(runner_mod.Runner, "bucket_rule", rule)
+        mp.setattr(runner_mod.Runner, "block_by_block", False)
         mp.setattr(runner_mod, "score", spy)
         params = DecodeParams.parse(spec, gen_length=16, block_length=4)
         reqs = decode(model, params, PROMPTS, mask_id=MASK, eos_id=EOS, max_running=batch)

@@ -9,7 +9,7 @@ weights) halves the transformer blocks' linear time at 4 rows and matches it at 
 thread, a 1024 -> 3072 layer; BENCHMARKS.md, "Memory-bound calls"), with the same bits: the
 same oneDNN kernel runs on the same values.
 
-What is packed: the block stack's nn.Linear layers (unmask.quantize.block_linears) of a model in
+What is packed: the block stack's nn.Linear layers (unmask.weights.block_linears) of a model in
 bfloat16 on the CPU, where oneDNN has a bfloat16 kernel (AVX512-BF16 or AMX). The module keeps
 its state_dict keys and tensors (the packed weight unpacked on save), so saving and reading its
 weights work as before; the LM head and embeddings stay as they are.
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from unmask.weights import block_linears, release_host_memory
 
 # oneDNN picks the packed layout for a batch size hint; any small one gives the same layout here
 _PACK_HINT = 4
@@ -80,8 +82,6 @@ def pack_linears(model: nn.Module) -> int:
     """Replace the block stack's bfloat16 nn.Linear layers of a CPU model by PackedLinear, in
     place; returns how many. Nothing happens (0) off the CPU, in another dtype, or where oneDNN
     has no bfloat16 kernel."""
-    from unmask.quantize import block_linears, release_host_memory
-
     linears = block_linears(model)
     first = next(iter(linears.values())).weight
     if first.device.type != "cpu" or not bf16_kernel():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -41,14 +40,11 @@ from unmask.cli_args import gib as gib_budget
 from unmask.cli_args import positive
 from unmask.decoding.params import DecodeParams
 from unmask.errors import InputError
+from unmask.memory import GIB, PREFIX_SHARE, available_ram
 
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
 SCHEMES = ("int8", "int4")
 GEN_LENGTH = DecodeParams().gen_length
-GIB = 1 << 30
-# The prefix store's default budget: this share of the memory free on the model's device once
-# it is loaded (docs/engine.md, "Prefix reuse").
-PREFIX_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -128,17 +124,6 @@ def machine_memory() -> dict[str, int]:
             out[f"cuda:{i}"] = torch.cuda.mem_get_info(i)[0]
     return out
 
-
-def available_ram() -> int:
-    """MemAvailable of /proc/meminfo (Linux: what can be allocated without swapping), else
-    the free pages sysconf reports."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def verdict(config, work: Workload, free: int) -> str:

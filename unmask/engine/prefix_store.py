@@ -35,7 +35,7 @@ from unmask.engine.batch import DecodeBatch
 from unmask.engine.layout import block_size_of
 from unmask.engine.request import Request
 from unmask.errors import InputError
-from unmask.show import GIB, PREFIX_SHARE, available_ram
+from unmask.memory import GIB, PREFIX_SHARE, available_ram
 
 
 def check_budget(gib: float, free_bytes: int | None = None) -> int:

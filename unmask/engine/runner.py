@@ -158,8 +158,13 @@ class Runner:
     attention_shapes: str | None = None
     # Calls of a block-causal model cut into shape buckets run from persistent buffers
     # (unmask/engine/buckets.py: the forward a CUDA graph can hold), by this rule of
-    # `BUCKET_RULES`; None: the calls as they come.
+    # `BUCKET_RULES`; None: the calls as they come. The buckets do not attend block by block
+    # (below) yet: with them a finished block's K/V bits may depend on the call that computed it,
+    # so prefix reuse is exact in tokens there, not in bits (docs/engine.md, "Shape buckets").
     bucket_rule: str | None = None
+    # The exact block cache's rows attend block by block (kv.Frame.spans): a finished block's
+    # K/V is then the same bits whichever call computed it (docs/engine.md, "Prefix reuse").
+    block_by_block: bool = True
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy) -> None:
@@ -171,9 +176,8 @@ class Runner:
         stale = entry("cache", params.cache).facts.stale_keys
         self.shapes = self.attention_shapes or ("canonical" if stale else "exact")
         self.block_size: int | None = getattr(model.config, "block_size", None)
-        # The exact block cache's rows attend block by block (kv.Frame.spans): a finished
-        # block's K/V is then the same bits whichever call computed it (prefix reuse).
-        self.by_block = self.block_size is not None and self.shapes == "exact" and not stale
+        self.by_block = (self.block_by_block and self.bucket_rule is None
+                         and self.block_size is not None and self.shapes == "exact" and not stale)
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
         # EOS leaves the distribution (LLaDA's logits_eos_inf); the mask token is only never chosen

@@ -1,0 +1,52 @@
+"""What the weight conversions (unmask/quantize.py, unmask/packing.py) touch, and the host memory
+a conversion leaves behind."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from unmask.errors import InputError
+
+
+def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The nn.Linear layers inside the model's block stacks (its nn.ModuleLists), by name."""
+    inside = {id(m) for stack in model.modules() if isinstance(stack, nn.ModuleList)
+              for m in stack.modules()}
+    found = {name: m for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and id(m) in inside}
+    if not found:
+        raise InputError(f"{type(model).__name__} has no linear layers in a block stack to "
+                         f"quantize")
+    return found
+
+
+def release_host_memory(model: nn.Module) -> None:
+    """Hand back what quantizing on the CPU leaves held but unused (measured on a 197M-parameter
+    float32 folder, int8, 285 MiB of weights: the process's resident memory was 1,936 MiB after
+    quantizing, 600 MiB with this; 221 MiB before the load):
+
+    - load_model leaves the weights as views of the memory-mapped checkpoint file, which stays
+      mapped, with the replaced float weights' pages resident, while any view of it lives: the
+      tensors kept as they were (embeddings, norms, head) are copied out of it;
+    - torchao computes each layer's scales and values through float temporaries of a few times
+      the layer's size, which glibc keeps in the heap once freed: malloc_trim returns them.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            if not is_traceable_wrapper_subclass(p.data):  # a torchao tensor is not mapped
+                p.data = p.data.clone()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the free memory at glibc's heap top back to the system (malloc_trim); nothing
+    elsewhere. Quantizing one layer frees float temporaries of a few times its size, which
+    glibc keeps for reuse: a load that quantizes layer after layer piled them up to 3.5x the
+    int8 weights (a 110 MB float32 folder in shards: 100 MB of heap for 28 MB of weights)."""
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
