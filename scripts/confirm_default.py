@@ -183,6 +183,7 @@ def report(args: argparse.Namespace, jsonl: Path) -> dict[str, Any]:
         choose_default,
         guarantee_of,
         strata_tables,
+        underpowered,
     )
 
     by = _load(jsonl)
@@ -209,6 +210,7 @@ def report(args: argparse.Namespace, jsonl: Path) -> dict[str, Any]:
            "per_bucket_asked": args.per_bucket, "code_asked": args.code,
            "rule": {"floor": rule.floor, "within": rule.within, "buckets": buckets},
            "chosen": None if chosen is None else chosen.name, "verdicts": verdicts,
+           "underpowered": underpowered(results[0]["strata"], buckets, rule),
            "results": results}
     stem = jsonl.with_suffix("")
     Path(f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -233,7 +235,10 @@ def markdown(doc: dict[str, Any], tables: str) -> str:
                  "n/a" if plain is None else f"{plain:.2f}x ({r['speed_problems']} problems)",
                  doc["verdicts"].get(r["decoder"], "")]
         lines.append(f"| {' | '.join(cells)} |")
-    chosen = doc["chosen"] or f"none: the default falls back to `{BASELINE}`"
+    weak = doc["underpowered"]
+    chosen = (f"none can pass at this size: on {', '.join(weak)} `{BASELINE}`'s own interval "
+              f"against itself reaches below {100 * rule['floor']:+.0f} points" if weak
+              else f"none passes: the default falls back to `{BASELINE}`")
     return "\n\n".join([
         "# The default decoder on the confirmation split",
         f"Produced by `{doc['command']}` (scripts/confirm_default.py): gen_length "
@@ -244,7 +249,7 @@ def markdown(doc: dict[str, Any], tables: str) -> str:
         f"{100 * rule['floor']:+.0f} points or above on every bucket ({', '.join(rule['buckets'])}); "
         f"within {rule['within']}x of it in speed, the strongest guarantee.",
         "\n".join(lines),
-        f"**Chosen: {'`' + chosen + '`' if doc['chosen'] else chosen}**",
+        f"**Chosen: {'`' + doc['chosen'] + '`' if doc['chosen'] else chosen}**",
         tables, ""])
 
 

@@ -14,6 +14,7 @@ from unmask.bench.strata import (
     bucket_stats,
     choose_default,
     guarantee_of,
+    underpowered,
 )
 from unmask.bench.tasks import load_task
 from unmask.errors import InputError
@@ -128,6 +129,14 @@ def test_rule_reads_every_bucket_and_the_interval_not_the_point() -> None:
     assert choose_default([_cand("c", {"digits-4": 0, "code": 9}, 20.0)], BUCKETS)[0] is None
     # a looser floor takes it
     assert choose_default([one], BUCKETS, Rule(floor=-0.05))[0] is one
+
+
+def test_underpowered_buckets() -> None:
+    # a decoder identical to the baseline passes -2 points at 200 problems, not at 60
+    big, small = _cand("b", {"digits-4": 0, "code": 0}, 1.0), _cand("s", {"digits-4": 0}, 1.0, n=60)
+    assert underpowered(big.strata, BUCKETS) == []
+    assert underpowered(small.strata, ["digits-4"]) == ["digits-4"]
+    assert underpowered(small.strata, ["digits-4"], Rule(floor=-0.1)) == []
 
 
 def test_rule_and_candidate_validate() -> None:

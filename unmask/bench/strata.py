@@ -167,6 +167,15 @@ class Candidate:
         return [b for b in buckets if not self.strata[b]["delta_lo"] >= floor]
 
 
+def underpowered(baseline: dict[str, dict[str, Any]], buckets: Sequence[str],
+                 rule: Rule = Rule()) -> list[str]:
+    """The buckets on which the rule cannot pass any decoder: the baseline's interval against
+    itself (``baseline``: its {bucket: bucket_stats} against itself) already reaches below the
+    floor there, so even a decoder with the baseline's very answers fails; more problems are
+    needed (about 200 a bucket at -2 points)."""
+    return [b for b in buckets if not baseline[b]["delta_lo"] >= rule.floor]
+
+
 def choose_default(candidates: Sequence[Candidate], buckets: Sequence[str],
                    rule: Rule = Rule()) -> tuple[Candidate | None, dict[str, str]]:
     """The candidate ``rule`` picks over ``buckets`` (None when none passes), and a one-line
