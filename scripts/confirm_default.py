@@ -175,6 +175,13 @@ def _speed(rows: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]]) -> f
     return median(ratios) if ratios else None
 
 
+def _calls(rows: dict[int, dict[str, Any]], ref: dict[int, dict[str, Any]]) -> float:
+    """How many times fewer model calls than ``ref`` on the problems both ran (the cost on a
+    device where a call's time hardly depends on its width, a GPU at batch 1)."""
+    ids = [p for p in rows if p in ref]
+    return sum(ref[p]["nfe"] for p in ids) / max(1, sum(rows[p]["nfe"] for p in ids))
+
+
 def report(args: argparse.Namespace, jsonl: Path) -> dict[str, Any]:
     from unmask.bench.strata import (
         GUARANTEES,
@@ -200,7 +207,8 @@ def report(args: argparse.Namespace, jsonl: Path) -> dict[str, Any]:
         results.append({"decoder": d.spec, "role": d.role, "note": d.note,
                         "guarantee": GUARANTEES[guarantee_of(d.spec)], "strata": st,
                         "speed_vs_static1_ee": speed_ee, "speed_vs_static1": speed_plain,
-                        "speed_problems": len([p for p in rows if p in plain])})
+                        "speed_problems": len([p for p in rows if p in plain]),
+                        "calls_vs_static1_ee": _calls(rows, base)})
         if d.role == "candidate" and speed_ee is not None:
             cands.append(Candidate(d.spec, st, speed_ee, guarantee_of(d.spec)))
     rule = Rule()
@@ -223,7 +231,7 @@ def markdown(doc: dict[str, Any], tables: str) -> str:
     rule = doc["rule"]
     ns = ", ".join(f"{b} {doc['results'][0]['strata'][b]['n']}" for b in rule["buckets"])
     head = ["decoder", "role", "guarantee", "lowest bound (bucket)", "speed vs static-1,EE (all)",
-            "speed vs static-1 (subset)", "verdict"]
+            "speed vs static-1 (subset)", "fewer model calls than static-1,EE", "verdict"]
     lines = [f"| {' | '.join(head)} |", "|" + "---|" * len(head)]
     for r in doc["results"]:
         lows = {b: r["strata"][b]["delta_lo"] for b in rule["buckets"]}
@@ -233,6 +241,7 @@ def markdown(doc: dict[str, Any], tables: str) -> str:
                  f"{100 * lows[worst]:+.1f} ({worst})" if r["role"] != "baseline" else "-",
                  "n/a" if ee is None else f"{ee:.2f}x",
                  "n/a" if plain is None else f"{plain:.2f}x ({r['speed_problems']} problems)",
+                 f"{r['calls_vs_static1_ee']:.2f}x",
                  doc["verdicts"].get(r["decoder"], "")]
         lines.append(f"| {' | '.join(cells)} |")
     weak = doc["underpowered"]

@@ -23,6 +23,15 @@ the tables in BENCHMARKS.md were measured on the first problems of that interlea
 bucket to it would change which problems a given ``n`` draws. Ask for it by name
 (:func:`parse_buckets`, ``--task math-strata:digits-4,off-template``). Each bucket's stream is
 seeded by its own name, so a bucket's problems do not depend on which others are asked for.
+
+Two splits (:data:`SPLITS`) share these generators. ``tuning`` (task ``math-strata``) is what
+decoders were compared and chosen on. ``confirm`` (task ``math-confirm``) confirms a choice
+once, on problems nobody tuned on: a stream of its own, minus :func:`reserved_prompts` (every
+problem the tuning streams and math's held-out split drew, or may have drawn, before it
+existed), so its problems are disjoint from training, tuning and every committed run
+(tests/test_confirm.py checks the problems themselves). A fresh seed alone would not do: the
+held-out space is small for short lists and 1-2 digit operands, and a fresh stream repeats
+tuning problems there.
 """
 
 from __future__ import annotations
