@@ -90,14 +90,15 @@ def run(args: argparse.Namespace, jsonl: Path, lane_file: Path) -> None:
     set_threads(args.threads)
     llm = LLM()
     rows = problems(args.per_bucket, args.code)
-    done = _done(lane_file, rows)
+    done = _done(jsonl, rows)
     main = [d for d in DECODERS if d.role != "speed"]
     seen: dict[str, int] = {}
     started, measured = time.process_time(), 0
     with lane_file.open("a") as out:
         for i, (bucket, ex, check) in enumerate(rows):
             seen[bucket] = seen.get(bucket, 0) + 1
-            if i in done or i % args.lanes != args.lane:
+            # lanes split each bucket's problems, so that every lane runs every bucket
+            if i in done or (seen[bucket] - 1) % args.lanes != args.lane:
                 continue
             chosen = main + ([d for d in DECODERS if d.role == "speed"]
                              if seen[bucket] <= args.speed_per_bucket else [])
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace, jsonl: Path, lane_file: Path) -> None:
                 out.write(json.dumps({"problem": i, "bucket": bucket, "prompt": ex.prompt,
                                       "decoder": d.spec,
                                       "correct": s.correct, "tps": s.tps, "seconds": s.seconds,
-                                      "nfe": s.nfe, "useful": s.useful}) + "\n")
+                                      "nfe": s.nfe, "token_forwards": s.token_forwards,
+                                      "useful": s.useful}) + "\n")
             out.flush()
             measured += 1
             print(f"problem {i + 1}/{len(rows)} ({bucket}): {time.process_time() - started:.0f} s "
@@ -120,12 +122,10 @@ def run(args: argparse.Namespace, jsonl: Path, lane_file: Path) -> None:
 
 
 def _done(jsonl: Path, rows: list[tuple[str, Any, Any]]) -> set[int]:
-    """The problems the file already has every row of; exits with a message when the file holds
-    other problems (another size or version of the split)."""
-    if not jsonl.exists():
-        return set()
+    """The problems every lane's file already has every row of; exits with a message when a
+    file holds other problems (another size or version of the split)."""
     decoders: dict[int, set[str]] = {}
-    for line in jsonl.read_text().splitlines():
+    for line in _lines(jsonl):
         r = json.loads(line)
         if r["problem"] >= len(rows) or rows[r["problem"]][1].prompt != r["prompt"]:
             sys.exit(f"{jsonl} holds problem {r['problem']} of another run (other sizes?); "
