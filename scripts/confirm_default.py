@@ -247,7 +247,7 @@ def markdown(doc: dict[str, Any], tables: str) -> str:
     weak = doc["underpowered"]
     chosen = (f"none can pass at this size: on {', '.join(weak)} `{BASELINE}`'s own interval "
               f"against itself reaches below {100 * rule['floor']:+.0f} points" if weak
-              else f"none passes: the default falls back to `{BASELINE}`")
+              else "none passes: no candidate is confirmed (the rule names no fallback)")
     return "\n\n".join([
         "# The default decoder on the confirmation split",
         f"Produced by `{doc['command']}` (scripts/confirm_default.py): gen_length "
