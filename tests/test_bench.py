@@ -110,7 +110,8 @@ def test_list_tasks(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--list-tasks"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split()[0] for ln in lines] == ["math", "math-strata", "math-strata:B,...",
-                                               "code", "gsm8k:PATH", "humaneval"]
+                                               "math-confirm[:B,...]", "code", "code-confirm",
+                                               "gsm8k:PATH", "humaneval"]
 
 
 @pytest.mark.parametrize("argv", [

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from unmask.bench.markdown import aligned_table
@@ -109,6 +110,97 @@ def stratify(strata: Sequence[str | None], correct: Sequence[Sequence[bool]],
                                   [tps[d][i] for i in idx], [tps[baseline][i] for i in idx])
         out.append(row)
     return out
+
+
+# --------------------------------------------------------------------------- choosing a default
+
+# What a decoder promises about its text, weakest first: an approximate K/V cache (keys from an
+# older canvas) can change any token; without one, only the commit rule departs from static-1;
+# lossless: static-1's text.
+GUARANTEES: tuple[str, ...] = ("approximate cache", "no approximate cache", "lossless")
+
+
+def guarantee_of(spec: str) -> int:
+    """A decoder spec's index in GUARANTEES, read from its parameters: an approximate
+    (stale-key) cache or suffix is the weakest; static-1, or a method exact w.r.t. it
+    (FreeDave), without either is lossless."""
+    from unmask.decoding.knobs import entry
+    from unmask.decoding.params import DecodeParams, reference_of
+
+    p = DecodeParams.parse(spec)
+    if entry("cache", p.cache).facts.stale_keys or p.suffix != DecodeParams().suffix:
+        return 0
+    ref = reference_of(p)
+    return 2 if "static-1" in (p.method, ref and ref.method) else 1
+
+
+@dataclass(frozen=True)
+class Rule:
+    """docs/decoders.md, "Choosing the default": the fastest candidate whose paired 95% interval
+    against the baseline has its lower bound at ``floor`` or above on every bucket; among those
+    within ``within``x of its speed, the strongest guarantee (then the fastest)."""
+
+    floor: float = -0.02  # a fraction: -0.02 is -2 points
+    within: float = 1.3
+
+    def __post_init__(self) -> None:
+        if not -1.0 <= self.floor <= 0.0:
+            raise ValueError(f"floor must be a loss in [-1, 0], got {self.floor}")
+        if self.within < 1.0:
+            raise ValueError(f"within must be a speed ratio >= 1, got {self.within}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoder measured against the baseline: {bucket: bucket_stats}, a speed (any unit, the
+    same for every candidate) and its guarantee (an index into GUARANTEES)."""
+
+    name: str
+    strata: dict[str, dict[str, Any]]
+    speed: float
+    guarantee: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.guarantee < len(GUARANTEES):
+            raise ValueError(f"guarantee must index GUARANTEES, got {self.guarantee}")
+
+    def failing(self, buckets: Sequence[str], floor: float) -> list[str]:
+        """The buckets whose interval's lower bound is below ``floor`` (or unmeasured)."""
+        return [b for b in buckets if not self.strata[b]["delta_lo"] >= floor]
+
+
+def underpowered(baseline: dict[str, dict[str, Any]], buckets: Sequence[str],
+                 rule: Rule = Rule()) -> list[str]:
+    """The buckets on which the rule cannot pass any decoder: the baseline's interval against
+    itself (``baseline``: its {bucket: bucket_stats} against itself) already reaches below the
+    floor there, so even a decoder with the baseline's very answers fails; more problems are
+    needed (about 200 a bucket at -2 points)."""
+    return [b for b in buckets if not baseline[b]["delta_lo"] >= rule.floor]
+
+
+def choose_default(candidates: Sequence[Candidate], buckets: Sequence[str],
+                   rule: Rule = Rule()) -> tuple[Candidate | None, dict[str, str]]:
+    """The candidate ``rule`` picks over ``buckets`` (None when none passes), and a one-line
+    verdict per candidate."""
+    verdicts: dict[str, str] = {}
+    passing = []
+    for c in candidates:
+        if failing := c.failing(buckets, rule.floor):
+            verdicts[c.name] = f"out: lower bound below {100 * rule.floor:+.0f} on {', '.join(failing)}"
+        else:
+            passing.append(c)
+    if not passing:
+        return None, verdicts
+    fastest = max(passing, key=lambda c: c.speed)
+    close = [c for c in passing if c.speed * rule.within >= fastest.speed]
+    chosen = max(close, key=lambda c: (c.guarantee, c.speed))
+    for c in passing:
+        verdicts[c.name] = (
+            "chosen" if c is chosen
+            else f"passes; within {rule.within}x of the fastest that passes, but not the "
+                 "strongest guarantee there (or slower at the same)"
+            if c in close else f"passes; more than {rule.within}x slower than the fastest that passes")
+    return chosen, verdicts
 
 
 # --------------------------------------------------------------------------- tables

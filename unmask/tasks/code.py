@@ -154,6 +154,21 @@ def make_split(split: Split, n: int | None = None, seed: int = 0) -> list[CodeEx
     return xs if n is None else xs[:n]
 
 
+# The confirmation split (unmask.tasks.strata has the math one): held-out functions that no
+# tuning or reported run drew. Every committed code run took the first <= 96 of the seed-0 or
+# seed-1 shuffle; the first CONFIRM_RESERVE of each are left out.
+CONFIRM_RESERVE = 128
+_RESERVED_SEEDS = (0, 1)
+
+
+def make_confirm(n: int | None = None, seed: int = 0) -> list[CodeExample]:
+    """Up to ``n`` held-out functions outside every tuning draw, shuffled by their own seed."""
+    reserved = {c.prompt for s in _RESERVED_SEEDS for c in make_split("heldout", CONFIRM_RESERVE, s)}
+    xs = [c for c in all_examples("heldout") if c.prompt not in reserved]
+    random.Random(f"unmask-confirm/{seed}").shuffle(xs)
+    return xs if n is None else xs[:n]
+
+
 def _parses(prompt: str, body: str) -> bool:
     try:
         ast.parse(prompt + body)

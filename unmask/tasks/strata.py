@@ -23,13 +23,26 @@ the tables in BENCHMARKS.md were measured on the first problems of that interlea
 bucket to it would change which problems a given ``n`` draws. Ask for it by name
 (:func:`parse_buckets`, ``--task math-strata:digits-4,off-template``). Each bucket's stream is
 seeded by its own name, so a bucket's problems do not depend on which others are asked for.
+
+Two splits (:data:`SPLITS`) share these generators. ``tuning`` (task ``math-strata``) is what
+decoders were compared and chosen on. ``confirm`` (task ``math-confirm``) confirms a choice
+once, on problems nobody tuned on: a stream of its own, minus :func:`reserved_prompts` (every
+problem the tuning streams and math's held-out split drew, or may have drawn, before it
+existed), so its problems are disjoint from training, tuning and every committed run
+(tests/test_confirm.py checks the problems themselves). A fresh seed alone would not do: the
+held-out space is small for short lists and 1-2 digit operands, and a fresh stream repeats
+tuning problems there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import json
 import random
 import re
+from typing import Literal
 
 import unmask.tasks.math as _math
 from unmask.errors import InputError
@@ -129,39 +142,80 @@ def _draw(bucket: str, rng: random.Random) -> _math.Problem | None:
     return p if bucket_of(p) == bucket else None
 
 
-def _bucket_stream(bucket: str, seed: int):
-    """Endless, de-duplicated stream of held-out problems of one bucket."""
+Split = Literal["tuning", "confirm"]
+SPLITS: tuple[str, ...] = ("tuning", "confirm")
+# Every problem drawn for tuning or reporting before the confirmation split existed came from
+# the seed-0 or seed-1 streams (the committed runs: at most 40 problems a bucket of math-strata,
+# 96 of math; sweeps.sh's `fast` run used seed 1). The confirmation split leaves out the first
+# RESERVE_PER_BUCKET of each bucket's tuning stream and the first RESERVE_MATH of math's held-out
+# split under these seeds (ten times what any committed run drew), and the lm-eval set.
+RESERVED_SEEDS: tuple[int, ...] = (0, 1)
+RESERVE_PER_BUCKET = 400
+RESERVE_MATH = 1000
+
+
+def _bucket_stream(bucket: str, name: str, exclude: frozenset[str] = frozenset()):
+    """Endless, de-duplicated stream of held-out problems of one bucket, drawn by the RNG named
+    ``name``/``bucket`` and skipping the prompts in ``exclude``."""
     if bucket not in ALL_BUCKETS:
         raise ValueError(f"unknown bucket {bucket!r}; valid: {', '.join(ALL_BUCKETS)}")
     # A per-bucket stream (string seeds hash stably), disjoint in spirit from the training
     # seeds; the held-out hash filter below is the real guarantee.
-    rng = random.Random(f"unmask-strata/{seed}/{bucket}")
+    rng = random.Random(f"{name}/{bucket}")
     seen: set[str] = set()
     for _ in range(_MAX_DRAWS):
         p = _draw(bucket, rng)
-        if p is None or p.prompt in seen or not _math.is_heldout(p.prompt):
+        if p is None or p.prompt in seen or p.prompt in exclude or not _math.is_heldout(p.prompt):
             continue
         seen.add(p.prompt)
         yield p
     raise RuntimeError(f"bucket {bucket!r}: no more distinct held-out problems")
 
 
-def make_strata(per_bucket: int, seed: int = 0,
-                buckets: tuple[str, ...] = BUCKETS) -> dict[str, list[_math.Problem]]:
-    """``per_bucket`` held-out problems of each of ``buckets``; a larger ``per_bucket`` extends
-    the smaller one's list (same seed), so results at two sizes are comparable."""
+@functools.cache
+def reserved_prompts() -> frozenset[str]:
+    """Every held-out math prompt the confirmation split must not hold: the problems tuning
+    drew or may draw (see :data:`RESERVED_SEEDS`) and the lm-eval math set."""
+    from unmask.evaluation import TASKS_DIR
+
+    lm_eval = (TASKS_DIR / "unmask_math_heldout.jsonl").read_text().splitlines()
+    out = {json.loads(line)["prompt"] for line in lm_eval if line}
+    for seed in RESERVED_SEEDS:
+        out.update(p.prompt for p in _math.make_split("heldout", RESERVE_MATH, seed))
+        for b in ALL_BUCKETS:
+            out.update(p.prompt for p in itertools.islice(
+                _bucket_stream(b, f"unmask-strata/{seed}"), RESERVE_PER_BUCKET))
+    return frozenset(out)
+
+
+def _split_stream(bucket: str, seed: int, split: Split):
+    """The tuning split: the streams every committed math-strata table drew from. The
+    confirmation split: a stream of its own, minus :func:`reserved_prompts`, so none of its
+    problems was trained on (held-out hash), tuned on or reported before."""
+    if split == "tuning":
+        return _bucket_stream(bucket, f"unmask-strata/{seed}")
+    if split == "confirm":
+        return _bucket_stream(bucket, f"unmask-confirm/{seed}", reserved_prompts())
+    raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+
+
+def make_strata(per_bucket: int, seed: int = 0, buckets: tuple[str, ...] = BUCKETS,
+                split: Split = "tuning") -> dict[str, list[_math.Problem]]:
+    """``per_bucket`` held-out problems of each of ``buckets`` from ``split``; a larger
+    ``per_bucket`` extends the smaller one's list (same seed), so results at two sizes are
+    comparable."""
     out = {}
     for b in buckets:
-        stream = _bucket_stream(b, seed)
+        stream = _split_stream(b, seed, split)
         out[b] = [next(stream) for _ in range(per_bucket)]
     return out
 
 
-def make_heldout(n: int, seed: int = 0,
-                 buckets: tuple[str, ...] = BUCKETS) -> list[tuple[str, _math.Problem]]:
+def make_heldout(n: int, seed: int = 0, buckets: tuple[str, ...] = BUCKETS,
+                 split: Split = "tuning") -> list[tuple[str, _math.Problem]]:
     """``n`` (bucket, problem) pairs, ``buckets`` interleaved round-robin, so that every prefix
     is balanced: with the five default buckets the first 5k problems hold k of each."""
     per = -(-n // len(buckets))
-    strata = make_strata(per, seed, buckets)
+    strata = make_strata(per, seed, buckets, split)
     rows = [(b, strata[b][i]) for i in range(per) for b in buckets]
     return rows[:n]
