@@ -33,13 +33,13 @@ def server():
 
 def chat(client, **kw):
     return client.chat.completions.create(
-        model="default_model", messages=[{"role": "user", "content": "What is 47 + 38?"}],
+        model="unmask-llada", messages=[{"role": "user", "content": "What is 47 + 38?"}],
         max_tokens=32, **kw)
 
 
 def test_parse_with_a_pydantic_model(server: LiveServer) -> None:
     out = server.client().chat.completions.parse(
-        model="default_model", messages=[{"role": "user", "content": "What is 47 + 38?"}],
+        model="unmask-llada", messages=[{"role": "user", "content": "What is 47 + 38?"}],
         response_format=Answer, max_tokens=64)
     choice = out.choices[0]
     assert choice.finish_reason == "stop"
@@ -55,7 +55,7 @@ def test_response_format_on_both_routes(server: LiveServer, fmt: dict) -> None:
     text = chat(client, response_format=fmt, extra_body={"decoder": "balanced"}
                 ).choices[0].message.content
     assert isinstance(json.loads(text), dict)
-    done = client.completions.create(model="default_model", prompt="What is 3 + 4?", max_tokens=32,
+    done = client.completions.create(model="unmask-llada", prompt="What is 3 + 4?", max_tokens=32,
                                      extra_body={"response_format": fmt})
     assert isinstance(json.loads(done.choices[0].text), dict)
 
@@ -77,7 +77,7 @@ def test_regex_extension_fields(server: LiveServer, name: str) -> None:
 def test_length_when_the_schema_cannot_close(server: LiveServer) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
     out = server.client().chat.completions.create(
-        model="default_model", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        model="unmask-llada", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
         response_format=fmt)
     assert out.choices[0].finish_reason == "length"
     assert '{"answer":'.startswith(out.choices[0].message.content)

@@ -17,8 +17,10 @@ be completed to a word of the language, so every finished output is one.
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import re
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -293,10 +295,8 @@ class TokenAutomaton:
 def literal_prefix(pattern: str) -> str:
     """The text every word of `pattern` starts with: its leading literal characters (read with
     Python's own regex parser)."""
-    try:
-        from re import _parser as parser  # Python >= 3.11
-    except ImportError:  # pragma: no cover
-        import sre_parse as parser
+    # the parser behind `re`: re._parser from 3.11, sre_parse (deprecated since) before
+    parser = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
     try:
         items = parser.parse(pattern)
     except re.error:
