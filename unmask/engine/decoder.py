@@ -94,13 +94,16 @@ class Decoder:
     # --- the step ----------------------------------------------------------------------------
     def step(self, b: DecodeBatch, trace: bool = False) -> StepResult:
         before = b.x.copy()
-        self._scaffold(b)  # what a constraint fixes is the first step's commit
+        # each row's structured-output constraint, read once a step (None: no row has one)
+        cons = self._constraints(b, np.arange(len(b)))
+        if cons is not None:
+            self._scaffold(b, cons)  # what a constraint fixes is the first step's commit
         # Each canvas (before, drafts) is scanned for masks once; everything below reads these.
         gen_masked = self._gen_masked(b, b.x)  # (R, G)
         masked_before = gen_masked.sum(-1)
         had_preds = b.rows.has_preds.copy()
         start = self._block_start(b, gen_masked, b.rows.pad)
-        drafts = self._draft(b, start)
+        drafts = self._draft(b, start, cons)
         draft_masked = self._gen_masked(b, drafts.x)  # (D, G)
         draft_pad = b.rows.pad[drafts.parent]
         draft_start = self._block_start(b, draft_masked, draft_pad)
@@ -112,9 +115,9 @@ class Decoder:
         if early.any():
             exit_ready = self._exit_ready(b, drafts.x, draft_masked, draft_pad) & early[drafts.parent]
             need &= ~exit_ready
-        fw = self._forward(b, drafts, need, draft_start)
+        fw = self._forward(b, drafts, need, draft_start, cons)
         self._count(b, drafts, fw, need)
-        chosen = self._verify(b, drafts, fw, need, draft_start, exit_ready)
+        chosen = self._verify(b, drafts, fw, need, draft_start, exit_ready, cons)
         first = np.arange(len(b))  # each row's first draft: the rule's step
         fwd_index = need.cumsum() - 1  # (D,) each forwarded draft's row in `fw`
         forwarded = need[chosen]
@@ -163,7 +166,9 @@ class Decoder:
         """(R, S) bool: slots in [lo, hi) (lo, hi: (R,))."""
         return (slots >= lo[:, None]) & (slots < hi[:, None])
 
-    def _draft(self, b: DecodeBatch, start: np.ndarray) -> Drafts:
+    def _draft(self, b: DecodeBatch, start: np.ndarray,
+               cons: list[Constraint | None] | None) -> Drafts:
+        """Each row's rule step and FreeDave's drafts (cons: each row's constraint, or None)."""
         x, pr, hp = b.x, b.preds, b.rows.has_preds
         conf = pr.conf
         cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
@@ -177,7 +182,6 @@ class Decoder:
         n_max = (((conf >= dc) | (dc <= 0)) & cand).sum(-1)
         ranks = candidate_ranks(conf, cand)  # draft k commits the n0 + k best candidates
         sel0 = (ranks < n0[:, None]) & cand
-        cons = self._constraints(b, rows)
         if cons is not None:  # the rule's step, cut to what keeps the canvas completable
             sel0 = self._restrict(b, x, cons, sel0, pr.token, ranks)
             n0 = sel0.sum(-1)
@@ -206,10 +210,16 @@ class Decoder:
         cons = [b.requests[p].constraint for p in parent.tolist()]
         return None if all(c is None for c in cons) else cons
 
-    def _scaffold(self, b: DecodeBatch) -> None:
+    @staticmethod
+    def _of(row_cons: list[Constraint | None] | None,
+            parent: np.ndarray) -> list[Constraint | None] | None:
+        """The constraints of canvases whose rows are `parent` (D,), from the rows' own."""
+        return None if row_cons is None else [row_cons[p] for p in parent.tolist()]
+
+    def _scaffold(self, b: DecodeBatch, row_cons: list[Constraint | None]) -> None:
         """Constrained rows that have not stepped yet start from their scaffold."""
         for i in np.flatnonzero(b.rows.step == 0).tolist():
-            c = b.requests[i].constraint
+            c = row_cons[i]
             if c is not None:
                 g = c.initial
                 gen = b.x[i, b.P : b.P + g.size]
@@ -250,8 +260,8 @@ class Decoder:
         b.rows.block_step = b.rows.block_step + hp
         return schedule
 
-    def _forward(self, b: DecodeBatch, d: Drafts, need: np.ndarray,
-                 start: np.ndarray) -> Forwarded | None:
+    def _forward(self, b: DecodeBatch, d: Drafts, need: np.ndarray, start: np.ndarray,
+                 row_cons: list[Constraint | None] | None) -> Forwarded | None:
         """Forward the drafts with masks left (`need`); returns their rows in order."""
         if not need.all():
             sub = np.nonzero(need)[0]
@@ -289,7 +299,7 @@ class Decoder:
         if self.params.inject > 0:
             predict |= masked & visible & active & (slots >= end[:, None])
         noise = self._noise(b, x, parent, knobs)
-        cons = self._constraints(b, parent)
+        cons = self._of(row_cons, parent)
         masks = None if cons is None else masks_for(x, b.P, cons)
         # The runner's "block" starts at the window: the slot it recomputes before it is the
         # one that predicts the window's first slot (in the block, or the previous block's last)
@@ -326,7 +336,8 @@ class Decoder:
         b.rows.tok_fw += np.bincount(parents, weights=fw.n_tokens, minlength=len(b)).astype(np.int64)
 
     def _verify(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, need: np.ndarray,
-                start: np.ndarray, exit_ready: np.ndarray | None) -> np.ndarray:
+                start: np.ndarray, exit_ready: np.ndarray | None,
+                row_cons: list[Constraint | None] | None) -> np.ndarray:
         """Index (into d) of the accepted draft of each row, by the chain rule. Drafts 0..R-1
         are the rows' own rule steps, in row order; further drafts follow."""
         r = len(b)
@@ -342,7 +353,7 @@ class Decoder:
             count = self.method.count(fw.conf, cand, None, b.rows.knobs[d.parent[need]],
                                       fw.entropy)
             sel = select_top(fw.conf, cand, count)
-            cons = self._constraints(b, d.parent[need])
+            cons = self._of(row_cons, d.parent[need])
             if cons is not None:
                 sel = self._restrict(b, fx, cons, sel, fw.token, candidate_ranks(fw.conf, cand))
             target[need] = np.where(sel, fw.token, fx)
