@@ -127,6 +127,10 @@ The Results tables were rerun with the new one, and § Balanced on hard problems
 every other table with a \`balanced\` row (the sections after Results) was measured with the
 previous preset.
 
+**The default changed on 2026-12-06** (§ The default on unseen problems): it is now
+\`static-1,early_exit=true\` (static-1's tokens), no longer \`balanced\`. Every table names its
+decoders; a serving table's \`(server default)\` measured before that date is \`balanced\`.
+
 ## Machine
 
 EOF

@@ -159,3 +159,24 @@ def test_rule_and_candidate_validate() -> None:
 ])
 def test_guarantee_of(spec: str, level: str) -> None:
     assert GUARANTEES[guarantee_of(spec)] == level
+
+
+def test_the_default_is_what_the_committed_confirmation_run_chose(tmp_path) -> None:
+    """The confirmation script, rerun on the committed rows, applies the rule with the baseline
+    (lossless, static-1's tokens) among the candidates, and its choice is the package's
+    default: changing DEFAULT_DECODER needs a confirmation run that picks the new one."""
+    import shutil
+    import subprocess
+    import sys
+
+    from unmask.decoding.params import DEFAULT_DECODER
+
+    root = Path(__file__).resolve().parent.parent
+    for f in (root / "benchmarks/strata").glob("confirm-256-lane*.jsonl"):
+        shutil.copy(f, tmp_path)
+    script = root / "scripts/bench/confirm_default.py"
+    subprocess.run([sys.executable, str(script), "--report-only", "--out", str(tmp_path)],
+                   check=True, capture_output=True, cwd=root)
+    doc = json.loads((tmp_path / "confirm-256.json").read_text())
+    assert doc["chosen"] == DEFAULT_DECODER == "static-1,early_exit=true"
+    assert all(v.startswith("out:") for d, v in doc["verdicts"].items() if d != DEFAULT_DECODER)

@@ -435,5 +435,6 @@ def test_serve_refuses_at_start_what_no_request_could_use(capsys) -> None:
     assert main(["serve", "--port", "0", "--threads", "1", "--max-slots", "10"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--max-slots 10 holds no request: the smallest one " \
-        "(a one-token prompt and a block of 32 generated positions with --decoder balanced) " \
+        "(a one-token prompt and a block of 32 generated positions with " \
+        "--decoder static-1,early_exit=true) " \
         "takes 33 slots; give at least 33" in err, err
