@@ -1,8 +1,9 @@
 """Structured output on the shipped models: held-out math answered as `{"answer": <integer>}`,
 as `{"steps": [string], "answer": <integer>}`, and in the models' own trained format held to a
 regular expression (a worked solution, then `#### <integer>`), unconstrained (then parsed) against the
-constraint (complete: out-of-order commits kept completable; prefix: the longest-valid-prefix
-baseline), side by side on the same prompts. Reports schema-valid %, answer accuracy, TPF, NFE,
+constraint (complete: out-of-order commits kept completable, with the JSON formats' length prior
+and without it; prefix: the longest-valid-prefix baseline, no prior), side by side on the same
+prompts. Reports schema-valid %, answer accuracy, TPF, NFE,
 and the constraint's CPU time as a share of the decode's at batch 1 and 16. One thread, CPU
 clock. Writes the Structured output section of BENCHMARKS.md (benchmarks/extra/, assembled by
 `ASSEMBLE_ONLY=1 bash scripts/benchmarks.sh`).
@@ -35,7 +36,9 @@ SCHEMAS = {
 }
 OWN_FORMAT = r"[^#]*#### -?[0-9]+"  # the trained format: no '#' before the answer mark
 MODELS = {"unmask-llada": "threshold,threshold=0.9", "unmask-sdar": "threshold,threshold=0.9"}
-MODES = ("unconstrained", "complete", "prefix")
+# mode label -> (grammar mode, length prior: None = the format's default)
+MODES = {"unconstrained": None, "complete": ("complete", None),
+         "complete, no prior": ("complete", 0.0), "prefix": ("prefix", 0.0)}
 
 
 class GrammarClock:
@@ -43,7 +46,7 @@ class GrammarClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        for name in ("allowed", "restrict", "feasible"):
+        for name in ("weights", "allowed", "restrict", "feasible"):
             self._wrap(name)
 
     def _wrap(self, name: str) -> None:
@@ -95,31 +98,46 @@ def main() -> int:
     rows = []
     for model, spec in MODELS.items():
         llm = LLM(model)
+        free = {}  # the unconstrained decode, one per model: it reads no format
         for sname in (*SCHEMAS, "own format (regex)"):
-            for mode in MODES:
-                check_fmt = (ResponseFormat.json_schema(SCHEMAS[sname]) if sname in SCHEMAS
-                             else ResponseFormat.regex(OWN_FORMAT))
-                fmt = None if mode == "unconstrained" else replace(check_fmt, mode=mode)
+            check_fmt = (ResponseFormat.json_schema(SCHEMAS[sname]) if sname in SCHEMAS
+                         else ResponseFormat.regex(OWN_FORMAT))
+            for mode, how in MODES.items():
+                if sname not in SCHEMAS and mode == "complete, no prior":
+                    continue  # a regex has no prior by default: "complete" is this run
+                fmt = None if how is None else replace(
+                    check_fmt, mode=how[0],
+                    length_penalty=check_fmt.length_penalty if how[1] is None else how[1])
                 row = {"model": model, "schema": sname, "mode": mode}
-                for batch in (1, 16):
-                    outs, total, spent = run(llm, spec, prompts, fmt, batch, clock,
-                                             args.gen_length)
+                runs = free.get(mode) if how is None else None
+                if runs is None:
+                    runs = {b: run(llm, spec, prompts, fmt, b, clock, args.gen_length)
+                            for b in (1, 16)}
+                    if how is None:
+                        free[mode] = runs
+                for batch, (_, total, spent) in runs.items():
                     row[f"share_b{batch}"] = spent / total if total else 0.0
                     row[f"cpu_b{batch}"] = total
-                texts = [o.text for o in outs]
-                row["valid"] = sum(check_fmt.accepts(t) for t in texts) / len(texts)
-                row["acc_json"] = sum(answer_of(t) == p.answer
-                                      for t, p in zip(texts, problems, strict=True)) / len(texts)
-                row["acc_free"] = sum(check(t, p.answer)
-                                      for t, p in zip(texts, problems, strict=True)) / len(texts)
-                row["tpf"] = statistics.mean(o.tpf for o in outs)
-                row["nfe"] = statistics.mean(o.nfe for o in outs)
-                row["length"] = sum(o.finish_reason == "length" for o in outs)
-                row["example"] = texts[0][:70]
-                rows.append(row)
+                outs = runs[16][0]
+                rows.append(measure(row, outs, problems, check_fmt))
                 print(json.dumps(row), file=sys.stderr)
     write(rows, args)
     return 0
+
+
+def measure(row: dict, outs: list, problems: list, check_fmt: ResponseFormat) -> dict:
+    texts = [o.text for o in outs]
+    row["valid"] = sum(check_fmt.accepts(t) for t in texts) / len(texts)
+    row["acc_json"] = sum(answer_of(t) == p.answer
+                          for t, p in zip(texts, problems, strict=True)) / len(texts)
+    row["acc_free"] = sum(check(t, p.answer)
+                          for t, p in zip(texts, problems, strict=True)) / len(texts)
+    row["tpf"] = statistics.mean(o.tpf for o in outs)
+    row["nfe"] = statistics.mean(o.nfe for o in outs)
+    row["useful"] = statistics.mean(o.useful for o in outs)
+    row["length"] = sum(o.finish_reason == "length" for o in outs)
+    row["example"] = texts[0][:70]
+    return row
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
@@ -131,18 +149,26 @@ def write(rows: list[dict], args: argparse.Namespace) -> None:
              "unconstrained model is good at; the regex rows hold it to `[^#]*#### -?[0-9]+`);",
              "grammar share: the constraint's CPU time (masks,",
              "commit checks) over the whole decode's, all prompts at batch 1 and at batch 16;",
-             "length: outputs that ended without EOS. The grammar libraries compared:",
+             "length: outputs that ended without EOS; useful tokens: the output's, up to its EOS;",
+             "complete: the JSON formats' length prior on (weight 2, docs/decoders.md §",
+             "Structured output); complete, no prior: weight 0; prefix: the longest-valid-prefix",
+             "baseline, no prior; x ratios against the model's unconstrained decode of the same",
+             "prompts (accuracy, TPF, NFE: the batch-16 run). The grammar libraries compared:",
              "[benchmarks/bench/grammar-libraries.md](benchmarks/bench/grammar-libraries.md)",
              "(`python scripts/bench/grammar_libraries.py`).",
              "",
-             "| model | schema | mode | valid | accuracy (JSON) | accuracy (own format) | TPF | NFE "
-             "| grammar share b1 | grammar share b16 | length | first output |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | schema | mode | valid | accuracy (JSON) | accuracy (own format) | TPF "
+             "| TPF vs unconstrained | NFE | NFE vs unconstrained | grammar share b1 "
+             "| grammar share b16 | useful tokens | length | first output |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {r["model"]: r for r in rows if r["mode"] == "unconstrained"}
     for r in rows:
         example = r["example"].replace("|", "\\|").replace("\n", "\\n")
+        b = base[r["model"]]
         lines.append(f"| {r['model']} | {r['schema']} | {r['mode']} | {r['valid']:.0%} | "
                      f"{r['acc_json']:.0%} | {r['acc_free']:.0%} | {r['tpf']:.2f} | "
-                     f"{r['nfe']:.1f} | {r['share_b1']:.1%} | {r['share_b16']:.1%} | "
+                     f"{r['tpf'] / b['tpf']:.2f}x | {r['nfe']:.1f} | {r['nfe'] / b['nfe']:.2f}x | "
+                     f"{r['share_b1']:.1%} | {r['share_b16']:.1%} | {r['useful']:.1f} | "
                      f"{r['length']} | `{example}` |")
     Path(args.out).write_text("\n".join(lines) + "\n")
 

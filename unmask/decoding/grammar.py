@@ -30,6 +30,10 @@ import numpy as np
 from unmask.errors import InputError
 
 MODES = ("complete", "prefix")  # the bidirectional constraint; the longest-valid-prefix baseline
+# The length prior's weight (docs/decoders.md § Structured output, "The length prior"): on for
+# JSON, whose values the schema leaves unbounded but a model writing prose would run on; off
+# for a regular expression, often free text the model writes out of order as it would anyway.
+JSON_LENGTH_PENALTY = 2.0
 
 
 class GrammarError(InputError):
@@ -47,13 +51,19 @@ class ResponseFormat:
     pattern: str
     schema: dict | None = None  # the JSON schema (json_schema, json_object) the output validates against
     mode: str = "complete"
+    # The length prior: a hole's allowed token loses this much log-weight per token it adds
+    # to the shortest way to finish the word (0: the model's constrained distribution as it is)
+    length_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise GrammarError(f"grammar mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not (isinstance(self.length_penalty, (int, float)) and 0 <= self.length_penalty < 1e6):
+            raise GrammarError(f"length_penalty must be a number >= 0, got {self.length_penalty!r}")
 
     @classmethod
-    def json_schema(cls, schema: dict | str, mode: str = "complete") -> ResponseFormat:
+    def json_schema(cls, schema: dict | str, mode: str = "complete",
+                    length_penalty: float = JSON_LENGTH_PENALTY) -> ResponseFormat:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -61,22 +71,25 @@ class ResponseFormat:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
-        return cls("json_schema", schema_regex(json.dumps(schema, sort_keys=False)), schema, mode)
+        return cls("json_schema", schema_regex(json.dumps(schema, sort_keys=False)), schema, mode,
+                   length_penalty)
 
     @classmethod
-    def json_object(cls, mode: str = "complete") -> ResponseFormat:
+    def json_object(cls, mode: str = "complete",
+                    length_penalty: float = JSON_LENGTH_PENALTY) -> ResponseFormat:
         schema = {"type": "object"}
-        return cls("json_object", schema_regex(json.dumps(schema)), schema, mode)
+        return cls("json_object", schema_regex(json.dumps(schema)), schema, mode, length_penalty)
 
     @classmethod
-    def regex(cls, pattern: str, mode: str = "complete") -> ResponseFormat:
+    def regex(cls, pattern: str, mode: str = "complete",
+              length_penalty: float = 0.0) -> ResponseFormat:
         if not isinstance(pattern, str) or not pattern:
             raise GrammarError("the regular expression must be a non-empty string")
         try:
             re.compile(pattern)
         except re.error as e:
             raise GrammarError(f"invalid regular expression {pattern!r:.80}: {e}") from None
-        return cls("regex", pattern, None, mode)
+        return cls("regex", pattern, None, mode, length_penalty)
 
     def accepts(self, text: str) -> bool:
         """Whether `text` (the output, up to its EOS) is a word of the format's language."""
@@ -202,19 +215,40 @@ class TokenAutomaton:
     edge_src: np.ndarray | None = None
     edge_tok: np.ndarray | None = None
     edge_dst: np.ndarray | None = None
+    dist: np.ndarray | None = None  # (Q,) fewest tokens to an accepting state (set on construction)
+    eos: int = -1  # the EOS token (the one move into END)
 
     def __post_init__(self) -> None:
         src, tok = np.nonzero(self.trans != self.n_states - 1)
         self.edge_src, self.edge_tok = src.astype(np.int32), tok.astype(np.int32)
         self.edge_dst = self.trans[src, tok]
+        self.dist = self._distances()
 
-    def moves_into(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """(V,) bool: the tokens that move some state of f (Q,) into one of b (Q,)."""
+    def _distances(self) -> np.ndarray:
+        """(Q,) float32: the fewest tokens from each state to an accepting one (inf: none; the
+        EOS into END is not counted, as an accepting state already ends the word)."""
+        dist = np.where(self.final, 0.0, np.inf).astype(np.float32)
+        within = self.final.copy()  # states at most k tokens from an accepting one
+        for k in range(1, self.n_states):
+            grown = within | (self.succ @ within.astype(np.float32) > 0)
+            grown[-1] = False  # DEAD
+            if (grown == within).all():
+                break
+            dist[grown & ~within] = k
+            within = grown
+        return dist
+
+    def finish_after(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """(V,) float32: for each token that moves some state of f (Q,) into one of b (Q,), the
+        fewest tokens that can finish the word after it (the least `dist` of the states it
+        moves into b); inf for the other tokens."""
         states = np.flatnonzero(f)
         if states.size * self.trans.shape[1] <= self.edge_src.size:
-            return b[self.trans[states]].any(0)  # (|F|, V) -> (V,)
-        out = np.zeros(self.trans.shape[1], dtype=bool)
-        out[self.edge_tok[f[self.edge_src] & b[self.edge_dst]]] = True
+            nxt = self.trans[states]  # (|F|, V)
+            return np.where(b[nxt], self.dist[nxt], np.inf).min(0).astype(np.float32)
+        out = np.full(self.trans.shape[1], np.inf, dtype=np.float32)
+        at = f[self.edge_src] & b[self.edge_dst]
+        np.minimum.at(out, self.edge_tok[at], self.dist[self.edge_dst[at]])
         return out
 
     @property
@@ -262,7 +296,7 @@ class TokenAutomaton:
                 break
             live = grown
         a = cls(trans, succ, np.ascontiguousarray(succ.T), int(number[index.get_initial_state()]),
-                final, live, ())
+                final, live, (), eos=eos_id)
         if encode is not None:
             a.prefix = a._scaffold(literal_prefix(pattern), encode)
         return a
@@ -321,7 +355,7 @@ class Constraint:
                  mask_id: int) -> None:
         self.format, self.a, self.budget, self.mask_id = fmt, automaton, budget, mask_id
         self.end = automaton.final.copy()
-        self._masks: dict[bytes, np.ndarray] = {}  # (F_i, B_i+1) -> a hole's allowed tokens
+        self._masks: dict[bytes, np.ndarray] = {}  # (F_i, B_i+1) -> a hole's finish_after
         # The last canvas each pass ran on, its sets and where their computed rows end: a
         # step's canvases differ from the last in a few slots, so a pass redoes only the slots
         # from the first (forward) or last (backward) difference on.
@@ -428,28 +462,64 @@ class Constraint:
     def allowed(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
         """(N, vocab) bool: the tokens each hole `slots` (N,) of the generated canvas gen (G,)
         may take and leave the canvas completable (slots past the budget: every token)."""
-        out = np.ones((slots.shape[0], vocab), dtype=bool)
+        return np.isfinite(self._finish(gen, slots, vocab))
+
+    def weights(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
+        """(N, vocab) float32 log-weights the scored holes' logits get: -inf where a token is
+        not allowed; with the length prior, -length_penalty per slot by which an allowed token
+        pushes the end of the canvas's shortest word further right, against the hole's least
+        such push (EOS never pushes it)."""
+        finish = self._finish(gen, slots, vocab)
+        ok = np.isfinite(finish)
+        out = np.zeros_like(finish)
+        if self.format.length_penalty:
+            shortest = self._shortest(gen[: self.budget])
+            # the word, with token t at hole i, runs through slot i and finish[t] tokens more
+            push = np.maximum(slots[:, None] + 1 + np.where(ok, finish, 0) - shortest, 0)
+            if 0 <= self.a.eos < vocab:
+                push[:, self.a.eos] = 0
+            push = np.where(ok, push, np.inf)
+            least = push.min(-1, keepdims=True)
+            out = np.float32(-self.format.length_penalty) * (push - np.where(
+                np.isfinite(least), least, 0))
+            out[slots >= self.budget] = 0
+        return np.where(ok, out, np.float32(-np.inf)).astype(np.float32)
+
+    def _shortest(self, gen: np.ndarray) -> int:
+        """The length of the shortest word the canvas gen (budget,) can complete to: the first
+        slot k past every committed token other than EOS where a forward state accepts."""
+        filled = np.flatnonzero((gen != self.mask_id) & (gen != self.a.eos))
+        f = self._forward(gen)
+        start = int(filled[-1]) + 1 if filled.size else 0
+        hits = np.flatnonzero((f[start:] & self.a.final).any(-1))
+        return start + int(hits[0]) if hits.size else gen.shape[0]
+
+    def _finish(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
+        """(N, vocab) float32: each hole's `TokenAutomaton.finish_after` (slots past the
+        budget: 0 for every token; ids past the automaton's columns: inf)."""
+        out = np.zeros((slots.shape[0], vocab), dtype=np.float32)
         inside = slots < self.budget
         if not inside.any():
             return out
         g = gen[: self.budget]
         f = self._forward(g, int(slots[inside].max()) + 1)
         b = self._backward(g, int(slots[inside].min()) + 1)
+        cols = self.a.trans.shape[1]
         for k in np.flatnonzero(inside).tolist():
             i = int(slots[k])
-            out[k, : self.a.trans.shape[1]] = self._hole(f[i], b[i + 1])
-            out[k, self.a.trans.shape[1]:] = False
+            out[k, :cols] = self._hole(f[i], b[i + 1])
+            out[k, cols:] = np.inf
         return out
 
     def _hole(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """(V,) bool: the tokens that move a state of f (Q,) into one of b (Q,). Kept by the
-        pair: along a run of holes the sets settle, and so do a canvas's from step to step."""
+        """(V,) float32 `TokenAutomaton.finish_after`. Kept by the pair: along a run of holes
+        the sets settle, and so do a canvas's from step to step."""
         key = np.packbits(f).tobytes() + np.packbits(b).tobytes()
         hit = self._masks.get(key)
         if hit is None:
             if len(self._masks) > 4096:
                 self._masks.clear()
-            hit = self._masks[key] = self.a.moves_into(f, b)
+            hit = self._masks[key] = self.a.finish_after(f, b)
         return hit
 
     # --- the commit-time check --------------------------------------------------------------
@@ -522,14 +592,15 @@ class TokenMasks:
         self.x, self.P, self.constraints = x, P, constraints
 
     def at(self, rows: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
-        """(N, vocab) bool for the scored positions (rows, canvas slots: (N,) each)."""
-        out = np.ones((rows.shape[0], vocab), dtype=bool)
+        """(N, vocab) float32 log-weights added to the scored positions' logits (rows, canvas
+        slots: (N,) each): `Constraint.weights`, 0 for unconstrained rows."""
+        out = np.zeros((rows.shape[0], vocab), dtype=np.float32)
         for r in np.unique(rows).tolist():
             c = self.constraints[r]
             if c is None:
                 continue
             at = np.flatnonzero(rows == r)
-            out[at] = c.allowed(self.x[r, self.P :], slots[at] - self.P, vocab)
+            out[at] = c.weights(self.x[r, self.P :], slots[at] - self.P, vocab)
         return out
 
 
