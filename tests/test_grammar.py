@@ -348,3 +348,9 @@ def test_trace_shows_the_scaffold(tmp_path) -> None:
     first = next(e for e in events if e["event"] == "step")
     assert set(layout["scaffold"]) <= set(first["positions"])
     assert re.fullmatch("ok: [0-9]+", next(e for e in events if e["event"] == "done")["text"])
+    # the PNG marks the constrained slots (a bar under each) as the live page does
+    from PIL import Image
+
+    from unmask.trace import CONSTRAINED
+    pixels = np.asarray(Image.open(tmp_path / "t.png").convert("RGB")).reshape(-1, 3)
+    assert (pixels == CONSTRAINED).all(-1).sum() > 32 * 10
