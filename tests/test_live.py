@@ -137,6 +137,18 @@ def _browser_or_skip():
     return sync_playwright()
 
 
+def _open_page(p, base_url: str) -> tuple:
+    """The browser, the live page once its decoder pickers are filled, and its JS errors."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                args=["--no-sandbox", "--disable-dev-shm-usage"])
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(base_url + "/")
+    page.wait_for_selector("#pick-a option[value='fast']", state="attached")
+    return browser, page, errors
+
+
 def _run(page, expect_done: bool = True) -> None:
     page.click("#run")
     if expect_done:
@@ -151,13 +163,7 @@ def _shown_error(page) -> str:
 def test_page_side_by_side_in_a_browser(base_url: str, tmp_path: Path) -> None:
     specs, max_tokens, seed = ["static-1", "fast"], 64, 3
     with _browser_or_skip() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(base_url + "/")
-        page.wait_for_selector("#pick-a option[value='fast']", state="attached")
+        browser, page, errors = _open_page(p, base_url)
         page.fill("#prompt", PROMPT)
         page.fill("#spec-a", specs[0])
         page.check("#side")
@@ -216,13 +222,7 @@ def test_page_marks_the_scaffold_and_the_constrained_slots(base_url: str, tmp_pa
     and scaffold cells are marked (and said in the legend); a JSON schema that is not JSON is
     refused on the page in one line."""
     with _browser_or_skip() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(base_url + "/")
-        page.wait_for_selector("#pick-a option[value='fast']", state="attached")
+        browser, page, errors = _open_page(p, base_url)
         page.uncheck("#side")
         page.fill("#spec-a", "threshold")
         page.fill("#max-tokens", "32")
