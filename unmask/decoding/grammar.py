@@ -194,6 +194,11 @@ def _byte_table() -> dict[str, int]:
     return chars
 
 
+def _pair(f: np.ndarray, b: np.ndarray) -> bytes:
+    """A hole's (F_i, B_i+1) state sets (Q,) bool each as a dictionary key."""
+    return np.packbits(f).tobytes() + np.packbits(b).tobytes()
+
+
 @dataclass
 class TokenAutomaton:
     """A regular language over token ids, as dense arrays. States 0..n-1 are outlines-core's;
@@ -223,6 +228,12 @@ class TokenAutomaton:
         self.edge_src, self.edge_tok = src.astype(np.int32), tok.astype(np.int32)
         self.edge_dst = self.trans[src, tok]
         self.dist = self._distances()
+        # A hole's vectors by its (F_i, B_i+1) pair (and the weights by the prior's offset and
+        # weight), shared by every row of the format: along a run of holes the sets settle,
+        # a canvas's from step to step, and a batch's rows pass through the same ones. Bounded
+        # to about 32 MiB of vectors whatever the vocabulary.
+        self._holes: dict[tuple, np.ndarray] = {}
+        self._holes_max = max(64, (32 << 20) // (4 * self.trans.shape[1]))
 
     def _distances(self) -> np.ndarray:
         """(Q,) float32: the fewest tokens from each state to an accepting one (inf: none; the
@@ -242,6 +253,31 @@ class TokenAutomaton:
         """(V,) float32: for each token that moves some state of f (Q,) into one of b (Q,), the
         fewest tokens that can finish the word after it (the least `dist` of the states it
         moves into b); inf for the other tokens."""
+        return self._kept((_pair(f, b),), lambda: self._finish_after(f, b))
+
+    def hole_weights(self, f: np.ndarray, b: np.ndarray, offset: int,
+                     penalty: float) -> np.ndarray:
+        """(V,) float32 log-weights of a hole between f and b (Q,): -inf for the tokens
+        `finish_after` leaves out; with a penalty, -penalty per slot a token pushes the end of
+        the shortest word past where it stands, against the hole's least push. offset: the
+        hole's slot + 1 - that end (a token then ends the word at offset + finish_after past
+        it); EOS pushes nothing."""
+        if not penalty:
+            offset = 0
+        return self._kept((_pair(f, b), offset, penalty),
+                          lambda: self._weights(self.finish_after(f, b), offset, penalty))
+
+    def _weights(self, finish: np.ndarray, offset: int, penalty: float) -> np.ndarray:
+        ok = np.isfinite(finish)
+        if not penalty:
+            return np.where(ok, np.float32(0), np.float32(-np.inf))
+        push = np.maximum(offset + finish, 0)  # inf where not allowed
+        if 0 <= self.eos < push.shape[0] and ok[self.eos]:
+            push[self.eos] = 0
+        least = push.min() if ok.any() else 0.0
+        return np.where(ok, np.float32(-penalty) * (push - least), np.float32(-np.inf))
+
+    def _finish_after(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
         states = np.flatnonzero(f)
         if states.size * self.trans.shape[1] <= self.edge_src.size:
             nxt = self.trans[states]  # (|F|, V)
@@ -250,6 +286,14 @@ class TokenAutomaton:
         at = f[self.edge_src] & b[self.edge_dst]
         np.minimum.at(out, self.edge_tok[at], self.dist[self.edge_dst[at]])
         return out
+
+    def _kept(self, key: tuple, make: Any) -> np.ndarray:
+        hit = self._holes.get(key)
+        if hit is None:
+            if len(self._holes) >= self._holes_max:
+                self._holes.clear()
+            hit = self._holes[key] = make()
+        return hit
 
     @property
     def n_states(self) -> int:
@@ -355,7 +399,6 @@ class Constraint:
                  mask_id: int) -> None:
         self.format, self.a, self.budget, self.mask_id = fmt, automaton, budget, mask_id
         self.end = automaton.final.copy()
-        self._masks: dict[bytes, np.ndarray] = {}  # (F_i, B_i+1) -> a hole's finish_after
         # The last canvas each pass ran on, its sets and where their computed rows end: a
         # step's canvases differ from the last in a few slots, so a pass redoes only the slots
         # from the first (forward) or last (backward) difference on.
@@ -371,7 +414,7 @@ class Constraint:
         """A copy with its own memory of the passes, for one row (rows sharing one would keep
         overwriting it)."""
         c = copy.copy(self)
-        c._masks, c._last = {}, {}
+        c._last = {}
         return c
 
     @property
@@ -462,41 +505,16 @@ class Constraint:
     def allowed(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
         """(N, vocab) bool: the tokens each hole `slots` (N,) of the generated canvas gen (G,)
         may take and leave the canvas completable (slots past the budget: every token)."""
-        return np.isfinite(self._finish(gen, slots, vocab))
+        return self.weights(gen, slots, vocab, prior=False) > -np.inf
 
-    def weights(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
-        """(N, vocab) float32 log-weights the scored holes' logits get: -inf where a token is
-        not allowed; with the length prior, -length_penalty per slot by which an allowed token
-        pushes the end of the canvas's shortest word further right, against the hole's least
-        such push (EOS never pushes it)."""
-        finish = self._finish(gen, slots, vocab)
-        ok = np.isfinite(finish)
-        out = np.zeros_like(finish)
-        if self.format.length_penalty:
-            shortest = self._shortest(gen[: self.budget])
-            # the word, with token t at hole i, runs through slot i and finish[t] tokens more
-            push = np.maximum(slots[:, None] + 1 + np.where(ok, finish, 0) - shortest, 0)
-            if 0 <= self.a.eos < vocab:
-                push[:, self.a.eos] = 0
-            push = np.where(ok, push, np.inf)
-            least = push.min(-1, keepdims=True)
-            out = np.float32(-self.format.length_penalty) * (push - np.where(
-                np.isfinite(least), least, 0))
-            out[slots >= self.budget] = 0
-        return np.where(ok, out, np.float32(-np.inf)).astype(np.float32)
-
-    def _shortest(self, gen: np.ndarray) -> int:
-        """The length of the shortest word the canvas gen (budget,) can complete to: the first
-        slot k past every committed token other than EOS where a forward state accepts."""
-        filled = np.flatnonzero((gen != self.mask_id) & (gen != self.a.eos))
-        f = self._forward(gen)
-        start = int(filled[-1]) + 1 if filled.size else 0
-        hits = np.flatnonzero((f[start:] & self.a.final).any(-1))
-        return start + int(hits[0]) if hits.size else gen.shape[0]
-
-    def _finish(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
-        """(N, vocab) float32: each hole's `TokenAutomaton.finish_after` (slots past the
-        budget: 0 for every token; ids past the automaton's columns: inf)."""
+    def weights(self, gen: np.ndarray, slots: np.ndarray, vocab: int,
+                prior: bool = True) -> np.ndarray:
+        """(N, vocab) float32 log-weights the scored holes `slots` (N,) of the generated
+        canvas gen (G,) give their logits (`TokenAutomaton.hole_weights`): -inf where a token
+        would leave the canvas incompletable; with the length prior (prior and the format's
+        length_penalty), -length_penalty per slot by which an allowed token pushes the end of
+        the canvas's shortest word further right, against the hole's least such push; slots
+        past the budget: 0."""
         out = np.zeros((slots.shape[0], vocab), dtype=np.float32)
         inside = slots < self.budget
         if not inside.any():
@@ -504,23 +522,29 @@ class Constraint:
         g = gen[: self.budget]
         f = self._forward(g, int(slots[inside].max()) + 1)
         b = self._backward(g, int(slots[inside].min()) + 1)
+        penalty = self.format.length_penalty if prior else 0.0
+        shortest = self._shortest(g) if penalty else 0
         cols = self.a.trans.shape[1]
-        for k in np.flatnonzero(inside).tolist():
-            i = int(slots[k])
-            out[k, :cols] = self._hole(f[i], b[i + 1])
-            out[k, cols:] = np.inf
+        at = np.flatnonzero(inside)
+        out[at, :cols] = [self.a.hole_weights(f[i], b[i + 1], i + 1 - shortest, penalty)
+                          for i in slots[at].tolist()]
+        out[at, cols:] = -np.inf
         return out
 
-    def _hole(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """(V,) float32 `TokenAutomaton.finish_after`. Kept by the pair: along a run of holes
-        the sets settle, and so do a canvas's from step to step."""
-        key = np.packbits(f).tobytes() + np.packbits(b).tobytes()
-        hit = self._masks.get(key)
-        if hit is None:
-            if len(self._masks) > 4096:
-                self._masks.clear()
-            hit = self._masks[key] = self.a.finish_after(f, b)
-        return hit
+    def _shortest(self, gen: np.ndarray) -> int:
+        """The length of the shortest word the canvas gen (budget,) can complete to: the first
+        slot k past every committed token other than EOS where a forward state accepts."""
+        filled = np.flatnonzero((gen != self.mask_id) & (gen != self.a.eos))
+        start = int(filled[-1]) + 1 if filled.size else 0
+        # Past `start` the canvas holds holes and EOS only, and the word ends at the first
+        # accepting slot: walk on from there (an EOS before it would leave nothing to complete)
+        cur = self._forward(gen, start)[start]
+        for k in range(start, gen.shape[0]):
+            if (cur & self.a.final).any():
+                return k
+            cur = self.a.succ_t @ cur.astype(np.float32) > 0
+            cur[-1] = False
+        return gen.shape[0]
 
     # --- the commit-time check --------------------------------------------------------------
     def restrict(self, gen: np.ndarray, sel: np.ndarray, token: np.ndarray,
