@@ -520,10 +520,11 @@ class Constraint:
         if not inside.any():
             return out
         g = gen[: self.budget]
-        f = self._forward(g, int(slots[inside].max()) + 1)
-        b = self._backward(g, int(slots[inside].min()) + 1)
         penalty = self.format.length_penalty if prior else 0.0
-        shortest = self._shortest(g) if penalty else 0
+        start = self._word_start(g) if penalty else 0
+        f = self._forward(g, max(int(slots[inside].max()) + 1, start))
+        b = self._backward(g, int(slots[inside].min()) + 1)
+        shortest = self._shortest(g, f[start], start) if penalty else 0
         cols = self.a.trans.shape[1]
         at = np.flatnonzero(inside)
         out[at, :cols] = [self.a.hole_weights(f[i], b[i + 1], i + 1 - shortest, penalty)
@@ -531,14 +532,17 @@ class Constraint:
         out[at, cols:] = -np.inf
         return out
 
-    def _shortest(self, gen: np.ndarray) -> int:
-        """The length of the shortest word the canvas gen (budget,) can complete to: the first
-        slot k past every committed token other than EOS where a forward state accepts."""
+    def _word_start(self, gen: np.ndarray) -> int:
+        """One past the last slot of gen (budget,) committed to a token other than EOS."""
         filled = np.flatnonzero((gen != self.mask_id) & (gen != self.a.eos))
-        start = int(filled[-1]) + 1 if filled.size else 0
-        # Past `start` the canvas holds holes and EOS only, and the word ends at the first
-        # accepting slot: walk on from there (an EOS before it would leave nothing to complete)
-        cur = self._forward(gen, start)[start]
+        return int(filled[-1]) + 1 if filled.size else 0
+
+    def _shortest(self, gen: np.ndarray, cur: np.ndarray, start: int) -> int:
+        """The length of the shortest word the canvas gen (budget,) can complete to: the first
+        slot k from `start` (`_word_start`) where a forward state accepts (cur: (Q,) the
+        forward set there). Past `start` the canvas holds holes and EOS only, and the word
+        ends at the first accepting slot: the walk goes on through holes (an EOS before it
+        would leave nothing to complete)."""
         for k in range(start, gen.shape[0]):
             if (cur & self.a.final).any():
                 return k
@@ -619,7 +623,7 @@ class TokenMasks:
         """(N, vocab) float32 log-weights added to the scored positions' logits (rows, canvas
         slots: (N,) each): `Constraint.weights`, 0 for unconstrained rows."""
         out = np.zeros((rows.shape[0], vocab), dtype=np.float32)
-        for r in np.unique(rows).tolist():
+        for r in dict.fromkeys(rows.tolist()):  # each row once, in order
             c = self.constraints[r]
             if c is None:
                 continue
