@@ -18,15 +18,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from structured_output import SCHEMAS  # noqa: E402  (the benchmark's schemas)
 from worktree import checkout, python_in  # noqa: E402
 
-SCHEMAS = {
-    "answer": {"type": "object", "properties": {"answer": {"type": "integer"}},
-               "required": ["answer"]},
-    "steps+answer": {"type": "object", "properties": {
-        "steps": {"type": "array", "items": {"type": "string"}}, "answer": {"type": "integer"}},
-        "required": ["steps", "answer"]},
-}
 MODELS = ("unmask-llada", "unmask-sdar")
 SPEC = "threshold,threshold=0.9"
 # The constraint's entry points on either side (the older one has no `weights`): the time
