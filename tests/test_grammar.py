@@ -63,8 +63,9 @@ def encode(text: str) -> list[int]:
     return out
 
 
-def constraint(budget: int, pattern: str = PATTERN, mode: str = "complete") -> Constraint:
-    return Constraint(ResponseFormat.regex(pattern, mode), automaton(pattern), budget, MASK)
+def constraint(budget: int, pattern: str = PATTERN, mode: str = "complete",
+               prior: float = 0.0) -> Constraint:
+    return Constraint(ResponseFormat.regex(pattern, mode, prior), automaton(pattern), budget, MASK)
 
 
 def text(token_ids: list[int]) -> str:
@@ -87,14 +88,15 @@ prompt_lists = st.lists(st.lists(st.integers(2, 62), min_size=1, max_size=6), mi
 @PROPERTY
 @given(kind=st.sampled_from(["llada", "Dream", "sdar"]), spec=st.sampled_from(DECODERS),
        prompts=prompt_lists, seed=st.integers(0, 3), pattern=st.sampled_from([PATTERN, LISTS]),
-       mode=st.sampled_from(["complete", "prefix"]))
+       mode=st.sampled_from(["complete", "prefix"]), prior=st.sampled_from([0.0, 2.0]))
 def test_every_output_is_a_word_of_the_language(kind: str, spec: str, prompts: list[list[int]],
-                                                 seed: int, pattern: str, mode: str) -> None:
+                                                 seed: int, pattern: str, mode: str,
+                                                 prior: float) -> None:
     if mode == "prefix" and "freedave" in spec or spec in ("fast", "exact"):
         mode = "complete"  # the baseline runs with the plain rules (check_decoder)
     if kind == "sdar" and ("cache" in spec or "suffix" in spec or spec in ("balanced", "fast")):
         spec = "threshold,threshold=0.5,cache=block"  # a block-causal model's own cache
-    cons = [constraint(20, pattern, mode) for _ in prompts]
+    cons = [constraint(20, pattern, mode, prior) for _ in prompts]
     for r in run(kind, spec, prompts, cons, seed=seed):
         # "length" only where the word fills the budget exactly (no room for its EOS)
         assert r.finish_reason == "eos" or EOS not in r.token_ids[:20]
@@ -136,6 +138,58 @@ def test_allowed_is_exactly_what_keeps_the_canvas_completable() -> None:
                 assert allowed[k, t] == (t != MASK and c.feasible(trial)), (gen, i, t)
 
 
+def test_weights_are_the_mask_without_the_length_prior() -> None:
+    """Weight 0 on every allowed token, -inf on the others, when the prior is off."""
+    c = constraint(12)
+    gen = c.initial.copy()
+    holes = np.flatnonzero(gen == MASK)
+    w = c.weights(gen, holes, VOCAB)
+    allowed = c.allowed(gen, holes, VOCAB)
+    assert (w[allowed] == 0).all() and (w[~allowed] == -np.inf).all()
+
+
+def test_the_length_prior_weighs_how_far_a_token_pushes_the_shortest_word() -> None:
+    """With the prior, a digit far past the shortest word's end loses the prior's weight for
+    every slot it pushes that end right; EOS pushes nothing; the allowed set is unchanged."""
+    prior = 2.0
+    c = constraint(24, prior=prior)
+    gen = c.initial.copy()  # '{"a":' then holes: the shortest word is '{"a":0,"b":true}'
+    shortest = len(encode('{"a":0,"b":true}'))
+    assert c._word_start(gen) == len(encode('{"a":'))
+    holes = np.flatnonzero(gen == MASK)
+    w = c.weights(gen, holes, VOCAB)
+    assert ((w > -np.inf) == c.allowed(gen, holes, VOCAB)).all()
+    digit = 2 + CHARS.index("7")
+    far = int(np.flatnonzero(holes == 14)[0])
+    # '7' at slot 14 leaves the word ',"b":true}' to finish after it
+    push = 14 + 1 + len(encode(',"b":true}')) - shortest
+    assert push > 1
+    assert w[far, digit] == pytest.approx(-prior * push)
+    assert w[far, EOS] == 0 and w[far].max() == 0
+    first = int(np.flatnonzero(holes == len(encode('{"a":')))[0])
+    assert w[first, digit] == 0  # where a value must start, a digit pushes nothing
+
+
+def test_the_length_prior_closes_a_value_the_model_would_run_on() -> None:
+    """The trained LLaDA never saw JSON: asked for {"answer": <integer>}, its constrained
+    distribution puts digits where its prose has them, and without the prior the integer runs
+    on for dozens of digits; with it, the word closes short and in fewer model calls."""
+    from dataclasses import replace
+
+    from unmask import LLM
+
+    llm = LLM("unmask-llada")
+    fmt = ResponseFormat.json_schema({"type": "object", "properties": {
+        "answer": {"type": "integer"}}, "required": ["answer"]})
+    prompt = ["A shop has 60 apples and gets 9 more. How many apples does it have?"]
+    [on] = llm.generate(prompt, "threshold,threshold=0.9", gen_length=64, response_format=fmt)
+    [off] = llm.generate(prompt, "threshold,threshold=0.9", gen_length=64,
+                         response_format=replace(fmt, length_penalty=0.0))
+    assert fmt.accepts(on.text) and fmt.accepts(off.text)
+    assert on.useful <= 16 < off.useful, (on.text, off.text)
+    assert on.nfe < off.nfe
+
+
 def test_scaffold_is_the_fixed_opening() -> None:
     c = constraint(20)
     assert text(c.initial[c.initial != MASK].tolist()) == '{"a":'
@@ -161,12 +215,13 @@ def test_restrict_keeps_the_commit_order_prefix_that_stays_completable() -> None
 @given(kind=st.sampled_from(["llada", "Dream", "sdar"]), prompts=prompt_lists,
        seed=st.integers(0, 3), k=st.integers(2, 8), pair=st.sampled_from(
            [("freedave", "static-1"), ("freedave++", "threshold")]),
-       pattern=st.sampled_from([PATTERN, LISTS]))
+       pattern=st.sampled_from([PATTERN, LISTS]), prior=st.sampled_from([0.0, 2.0]))
 def test_freedave_is_exact_under_a_constraint(kind: str, prompts: list[list[int]], seed: int,
-                                              k: int, pair: tuple[str, str], pattern: str) -> None:
+                                              k: int, pair: tuple[str, str], pattern: str,
+                                              prior: float) -> None:
     drafts, rule = pair
     extra = ",threshold=0.5" if rule == "threshold" else ""
-    cons = [constraint(20, pattern) for _ in prompts]
+    cons = [constraint(20, pattern, prior=prior) for _ in prompts]
     got = run(kind, f"{drafts},draft_steps={k}{extra}", prompts, cons, seed=seed)
     want = run(kind, rule + extra, prompts, cons, seed=seed)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
@@ -179,7 +234,7 @@ def test_constrained_row_is_batch_invariant(kind: str, spec: str) -> None:
     """A constrained request alone == beside unconstrained and differently constrained rows,
     joining late, one of them aborted."""
     model = peaky_model(kind, 1, 4.0, VOCAB, MASK, EOS)
-    mine, theirs = constraint(16), constraint(16, LISTS)
+    mine, theirs = constraint(16, prior=2.0), constraint(16, LISTS)
 
     def make(gen: int, seed: int) -> DecodeParams:
         return DecodeParams.parse(spec, gen_length=gen, block_length=4, seed=seed)
@@ -224,6 +279,8 @@ def test_bad_response_formats_are_one_line(value: dict, says: str) -> None:
 def test_bad_regex_and_decoders_are_refused() -> None:
     with pytest.raises(GrammarError, match="invalid regular expression"):
         ResponseFormat.regex("a(b")
+    with pytest.raises(GrammarError, match="length_penalty must be a number >= 0"):
+        ResponseFormat.regex("ab", length_penalty=-1)
     with pytest.raises(GrammarError, match="drop suppress_eos"):
         check_decoder(constraint(8), DecodeParams.parse("static-1,suppress_eos=true", gen_length=8,
                                                          block_length=8))
@@ -291,3 +348,9 @@ def test_trace_shows_the_scaffold(tmp_path) -> None:
     first = next(e for e in events if e["event"] == "step")
     assert set(layout["scaffold"]) <= set(first["positions"])
     assert re.fullmatch("ok: [0-9]+", next(e for e in events if e["event"] == "done")["text"])
+    # the PNG marks the constrained slots (a bar under each) as the live page does
+    from PIL import Image
+
+    from unmask.trace import CONSTRAINED
+    pixels = np.asarray(Image.open(tmp_path / "t.png").convert("RGB")).reshape(-1, 3)
+    assert (pixels == CONSTRAINED).all(-1).sum() > 32 * 10

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -72,7 +73,24 @@ def test_stream_side_by_side_matches_the_api(base_url: str) -> None:
     assert any(e["refreshed"] for e in fast)
 
 
+def test_stream_carries_the_response_format(base_url: str) -> None:
+    """A trace with a regular expression: every lane is held to it, and each lane's layout
+    names the slots it constrains and those its scaffold fixes (the first step commits them)."""
+    events = trace_events(base_url, {"prompt": PROMPT, "decoders": ["threshold", "static-1"],
+                                     "max_tokens": 32, "regex": "ok: [0-9]+"})
+    for lane in (0, 1):
+        mine = [e for e in events if e["lane"] == lane]
+        layout, first, done = mine[0], mine[1], mine[-1]
+        assert layout["constrained"] == 32 and layout["scaffold"] == [0, 1, 2]  # "ok", ":", " "
+        assert set(layout["scaffold"]) <= set(first["positions"])
+        assert re.fullmatch("ok: [0-9]+", done["text"]), done["text"]
+    plain = trace_events(base_url, {"prompt": PROMPT, "decoders": ["static-1"], "max_tokens": 8})
+    assert plain[0]["constrained"] == 0 and plain[0]["scaffold"] == []
+
+
 @pytest.mark.parametrize(("body", "needle"), [
+    ({"prompt": PROMPT, "decoders": ["static-1"], "regex": "a(b"},
+     "regex: invalid regular expression"),
     ({"prompt": PROMPT, "decoders": ["static-1", "static,steps=7x"]}, "decoder 2 ('static,steps=7x')"),
     ({"prompt": PROMPT, "decoders": ["nope"]}, "unknown decoder 'nope'"),
     ({"prompt": "   ", "decoders": ["static-1"]}, "empty prompt"),
@@ -119,6 +137,18 @@ def _browser_or_skip():
     return sync_playwright()
 
 
+def _open_page(p, base_url: str) -> tuple:
+    """The browser, the live page once its decoder pickers are filled, and its JS errors."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                args=["--no-sandbox", "--disable-dev-shm-usage"])
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(base_url + "/")
+    page.wait_for_selector("#pick-a option[value='fast']", state="attached")
+    return browser, page, errors
+
+
 def _run(page, expect_done: bool = True) -> None:
     page.click("#run")
     if expect_done:
@@ -133,13 +163,7 @@ def _shown_error(page) -> str:
 def test_page_side_by_side_in_a_browser(base_url: str, tmp_path: Path) -> None:
     specs, max_tokens, seed = ["static-1", "fast"], 64, 3
     with _browser_or_skip() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        page.goto(base_url + "/")
-        page.wait_for_selector("#pick-a option[value='fast']", state="attached")
+        browser, page, errors = _open_page(p, base_url)
         page.fill("#prompt", PROMPT)
         page.fill("#spec-a", specs[0])
         page.check("#side")
@@ -191,6 +215,34 @@ def test_page_side_by_side_in_a_browser(base_url: str, tmp_path: Path) -> None:
         assert errors == []
         browser.close()
     assert shot.stat().st_size > 10_000
+
+
+def test_page_marks_the_scaffold_and_the_constrained_slots(base_url: str, tmp_path: Path) -> None:
+    """The page's format field: a regular expression holds the lane, whose constrained slots
+    and scaffold cells are marked (and said in the legend); a JSON schema that is not JSON is
+    refused on the page in one line."""
+    with _browser_or_skip() as p:
+        browser, page, errors = _open_page(p, base_url)
+        page.uncheck("#side")
+        page.fill("#spec-a", "threshold")
+        page.fill("#max-tokens", "32")
+        page.fill("#format", "ok: [0-9]+")
+        _run(page)
+        shot = Path(os.environ.get("UNMASK_SCREENSHOT_DIR", tmp_path)) / "live-constrained.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert len(page.query_selector_all(".lane .cell.scaffold")) == 3
+        assert len(page.query_selector_all(".lane .cell.constrained")) == 32
+        assert re.fullmatch("ok: [0-9]+", page.text_content(".lane-text"))
+        assert "fixed by the format's scaffold" in page.text_content(".legend")
+        assert "3 fixed by its scaffold" in page.text_content(".lane-meta")
+        page.fill("#format", "{not json")
+        _run(page, expect_done=False)
+        assert _shown_error(page).startswith("the JSON schema is not valid JSON")
+        page.fill("#format", "")
+        _run(page)
+        assert page.query_selector_all(".lane .cell.constrained") == []
+        assert errors == []
+        browser.close()
 
 
 def test_html_replay_plays_in_a_browser(tmp_path: Path) -> None:

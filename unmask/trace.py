@@ -219,6 +219,7 @@ CELL_W, CELL_H, PAD, HEADER, FOOTER = 30, 18, 10, 24, 26
 MASK, DROPPED, BG = (228, 230, 235), (246, 247, 249), (255, 255, 255)
 INK, MUTED, ACCENT, DRAFT = (30, 32, 48), (107, 112, 128), (230, 90, 40), (255, 80, 60)
 SCAFFOLD = (40, 120, 220)  # a cell a constraint fixed before the first step
+CONSTRAINED = (155, 89, 182)  # the bar under a slot a response format constrains (as live.css)
 
 
 def _step_colour(step: int, scale: int) -> tuple[int, int, int]:
@@ -269,6 +270,7 @@ def _draw_lane(d: Any, fonts: tuple[Any, Any], lane: dict[str, Any], k: int, col
     lay, steps = lane["layout"], lane["steps"][:k]
     cell: dict[int, tuple[str, int, bool, bool]] = {}  # offset -> (text, step, drafted, eos)
     scaffold = set(lay.get("scaffold", ()))  # fixed by a constraint before the first step
+    constrained = lay.get("constrained", 0)  # the first slots, which a response format holds
     for s in steps:
         drafted, eos = set(s["drafted"]), set(s["eos"])
         for pos, tok in zip(s["positions"], s["tokens"], strict=True):
@@ -294,6 +296,7 @@ def _draw_lane(d: Any, fonts: tuple[Any, Any], lane: dict[str, Any], k: int, col
         if pos not in cell:
             dropped = kept is not None and block is not None and pos >= block[1] and pos not in kept
             d.rectangle(box, fill=DROPPED if dropped else MASK)
+            _mark_constrained(d, box, pos < constrained)
             continue
         text, step, drafted, eos = cell[pos]
         colour = colours[min(step, max(colours))]
@@ -306,12 +309,19 @@ def _draw_lane(d: Any, fonts: tuple[Any, Any], lane: dict[str, Any], k: int, col
         if drafted:
             d.polygon([(x + CELL_W - 8, yy + 1), (x + CELL_W - 1, yy + 1), (x + CELL_W - 1, yy + 8)],
                       fill=DRAFT)
+        _mark_constrained(d, box, pos < constrained)
     if block is not None:
         b0, b1 = block
         for r in range(b0 // cols, math.ceil(b1 / cols)):
             c0, c1 = max(b0 - r * cols, 0), min(b1 - r * cols, cols)
             yy = y0 + r * CELL_H
             d.rectangle((PAD + c0 * CELL_W, yy, PAD + c1 * CELL_W - 1, yy + CELL_H - 1), outline=ACCENT)
+
+
+def _mark_constrained(d: Any, box: tuple[int, int, int, int], constrained: bool) -> None:
+    """The bar along the bottom of a cell a response format constrains."""
+    if constrained:
+        d.rectangle((box[0], box[3] - 2, box[2], box[3]), fill=CONSTRAINED)
 
 
 def _draw_legend(d: Any, font: Any, y: int, scale: int, colours: dict[int, tuple[int, int, int]]) -> None:

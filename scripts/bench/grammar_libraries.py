@@ -137,7 +137,7 @@ def unmask_constraint(vocab: list[bytes], schema: dict) -> tuple[float, float]:
     slots = np.arange(len(OPENING), len(OPENING) + 32)
 
     def step() -> None:
-        c._masks.clear()  # a fresh step: no mask nor pass kept from the last
+        a._holes.clear()  # a fresh step: no hole vector nor pass kept from the last
         c._last.clear()
         c.allowed(gen, slots, len(vocab))
 

@@ -30,6 +30,10 @@ import numpy as np
 from unmask.errors import InputError
 
 MODES = ("complete", "prefix")  # the bidirectional constraint; the longest-valid-prefix baseline
+# The length prior's weight (docs/decoders.md § Structured output, "The length prior"): on for
+# JSON, whose values the schema leaves unbounded but a model writing prose would run on; off
+# for a regular expression, often free text the model writes out of order as it would anyway.
+JSON_LENGTH_PENALTY = 2.0
 
 
 class GrammarError(InputError):
@@ -47,13 +51,19 @@ class ResponseFormat:
     pattern: str
     schema: dict | None = None  # the JSON schema (json_schema, json_object) the output validates against
     mode: str = "complete"
+    # The length prior: a hole's allowed token loses this much log-weight per token it adds
+    # to the shortest way to finish the word (0: the model's constrained distribution as it is)
+    length_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise GrammarError(f"grammar mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not (isinstance(self.length_penalty, (int, float)) and 0 <= self.length_penalty < 1e6):
+            raise GrammarError(f"length_penalty must be a number >= 0, got {self.length_penalty!r}")
 
     @classmethod
-    def json_schema(cls, schema: dict | str, mode: str = "complete") -> ResponseFormat:
+    def json_schema(cls, schema: dict | str, mode: str = "complete",
+                    length_penalty: float = JSON_LENGTH_PENALTY) -> ResponseFormat:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -61,22 +71,25 @@ class ResponseFormat:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is an object, got {type(schema).__name__}")
-        return cls("json_schema", schema_regex(json.dumps(schema, sort_keys=False)), schema, mode)
+        return cls("json_schema", schema_regex(json.dumps(schema, sort_keys=False)), schema, mode,
+                   length_penalty)
 
     @classmethod
-    def json_object(cls, mode: str = "complete") -> ResponseFormat:
+    def json_object(cls, mode: str = "complete",
+                    length_penalty: float = JSON_LENGTH_PENALTY) -> ResponseFormat:
         schema = {"type": "object"}
-        return cls("json_object", schema_regex(json.dumps(schema)), schema, mode)
+        return cls("json_object", schema_regex(json.dumps(schema)), schema, mode, length_penalty)
 
     @classmethod
-    def regex(cls, pattern: str, mode: str = "complete") -> ResponseFormat:
+    def regex(cls, pattern: str, mode: str = "complete",
+              length_penalty: float = 0.0) -> ResponseFormat:
         if not isinstance(pattern, str) or not pattern:
             raise GrammarError("the regular expression must be a non-empty string")
         try:
             re.compile(pattern)
         except re.error as e:
             raise GrammarError(f"invalid regular expression {pattern!r:.80}: {e}") from None
-        return cls("regex", pattern, None, mode)
+        return cls("regex", pattern, None, mode, length_penalty)
 
     def accepts(self, text: str) -> bool:
         """Whether `text` (the output, up to its EOS) is a word of the format's language."""
@@ -181,6 +194,11 @@ def _byte_table() -> dict[str, int]:
     return chars
 
 
+def _pair(f: np.ndarray, b: np.ndarray) -> bytes:
+    """A hole's (F_i, B_i+1) state sets (Q,) bool each as a dictionary key."""
+    return np.packbits(f).tobytes() + np.packbits(b).tobytes()
+
+
 @dataclass
 class TokenAutomaton:
     """A regular language over token ids, as dense arrays. States 0..n-1 are outlines-core's;
@@ -202,20 +220,80 @@ class TokenAutomaton:
     edge_src: np.ndarray | None = None
     edge_tok: np.ndarray | None = None
     edge_dst: np.ndarray | None = None
+    dist: np.ndarray | None = None  # (Q,) fewest tokens to an accepting state (set on construction)
+    eos: int = -1  # the EOS token (the one move into END)
 
     def __post_init__(self) -> None:
         src, tok = np.nonzero(self.trans != self.n_states - 1)
         self.edge_src, self.edge_tok = src.astype(np.int32), tok.astype(np.int32)
         self.edge_dst = self.trans[src, tok]
+        self.dist = self._distances()
+        # A hole's vectors by its (F_i, B_i+1) pair (and the weights by the prior's offset and
+        # weight), shared by every row of the format: along a run of holes the sets settle,
+        # a canvas's from step to step, and a batch's rows pass through the same ones. Bounded
+        # to about 32 MiB of vectors whatever the vocabulary.
+        self._holes: dict[tuple, np.ndarray] = {}
+        self._holes_max = max(64, (32 << 20) // (4 * self.trans.shape[1]))
 
-    def moves_into(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """(V,) bool: the tokens that move some state of f (Q,) into one of b (Q,)."""
+    def _distances(self) -> np.ndarray:
+        """(Q,) float32: the fewest tokens from each state to an accepting one (inf: none; the
+        EOS into END is not counted, as an accepting state already ends the word)."""
+        dist = np.where(self.final, 0.0, np.inf).astype(np.float32)
+        within = self.final.copy()  # states at most k tokens from an accepting one
+        for k in range(1, self.n_states):
+            grown = within | (self.succ @ within.astype(np.float32) > 0)
+            grown[-1] = False  # DEAD
+            if (grown == within).all():
+                break
+            dist[grown & ~within] = k
+            within = grown
+        return dist
+
+    def finish_after(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """(V,) float32: for each token that moves some state of f (Q,) into one of b (Q,), the
+        fewest tokens that can finish the word after it (the least `dist` of the states it
+        moves into b); inf for the other tokens."""
+        return self._kept((_pair(f, b),), lambda: self._finish_after(f, b))
+
+    def hole_weights(self, f: np.ndarray, b: np.ndarray, offset: int,
+                     penalty: float) -> np.ndarray:
+        """(V,) float32 log-weights of a hole between f and b (Q,): -inf for the tokens
+        `finish_after` leaves out; with a penalty, -penalty per slot a token pushes the end of
+        the shortest word past where it stands, against the hole's least push. offset: the
+        hole's slot + 1 - that end (a token then ends the word at offset + finish_after past
+        it); EOS pushes nothing."""
+        if not penalty:
+            offset = 0
+        return self._kept((_pair(f, b), offset, penalty),
+                          lambda: self._weights(self.finish_after(f, b), offset, penalty))
+
+    def _weights(self, finish: np.ndarray, offset: int, penalty: float) -> np.ndarray:
+        ok = np.isfinite(finish)
+        if not penalty:
+            return np.where(ok, np.float32(0), np.float32(-np.inf))
+        push = np.maximum(offset + finish, 0)  # inf where not allowed
+        if 0 <= self.eos < push.shape[0] and ok[self.eos]:
+            push[self.eos] = 0
+        least = push.min() if ok.any() else 0.0
+        return np.where(ok, np.float32(-penalty) * (push - least), np.float32(-np.inf))
+
+    def _finish_after(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
         states = np.flatnonzero(f)
         if states.size * self.trans.shape[1] <= self.edge_src.size:
-            return b[self.trans[states]].any(0)  # (|F|, V) -> (V,)
-        out = np.zeros(self.trans.shape[1], dtype=bool)
-        out[self.edge_tok[f[self.edge_src] & b[self.edge_dst]]] = True
+            nxt = self.trans[states]  # (|F|, V)
+            return np.where(b[nxt], self.dist[nxt], np.inf).min(0).astype(np.float32)
+        out = np.full(self.trans.shape[1], np.inf, dtype=np.float32)
+        at = f[self.edge_src] & b[self.edge_dst]
+        np.minimum.at(out, self.edge_tok[at], self.dist[self.edge_dst[at]])
         return out
+
+    def _kept(self, key: tuple, make: Any) -> np.ndarray:
+        hit = self._holes.get(key)
+        if hit is None:
+            if len(self._holes) >= self._holes_max:
+                self._holes.clear()
+            hit = self._holes[key] = make()
+        return hit
 
     @property
     def n_states(self) -> int:
@@ -262,7 +340,7 @@ class TokenAutomaton:
                 break
             live = grown
         a = cls(trans, succ, np.ascontiguousarray(succ.T), int(number[index.get_initial_state()]),
-                final, live, ())
+                final, live, (), eos=eos_id)
         if encode is not None:
             a.prefix = a._scaffold(literal_prefix(pattern), encode)
         return a
@@ -321,7 +399,6 @@ class Constraint:
                  mask_id: int) -> None:
         self.format, self.a, self.budget, self.mask_id = fmt, automaton, budget, mask_id
         self.end = automaton.final.copy()
-        self._masks: dict[bytes, np.ndarray] = {}  # (F_i, B_i+1) -> a hole's allowed tokens
         # The last canvas each pass ran on, its sets and where their computed rows end: a
         # step's canvases differ from the last in a few slots, so a pass redoes only the slots
         # from the first (forward) or last (backward) difference on.
@@ -337,7 +414,7 @@ class Constraint:
         """A copy with its own memory of the passes, for one row (rows sharing one would keep
         overwriting it)."""
         c = copy.copy(self)
-        c._masks, c._last = {}, {}
+        c._last = {}
         return c
 
     @property
@@ -428,29 +505,50 @@ class Constraint:
     def allowed(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
         """(N, vocab) bool: the tokens each hole `slots` (N,) of the generated canvas gen (G,)
         may take and leave the canvas completable (slots past the budget: every token)."""
-        out = np.ones((slots.shape[0], vocab), dtype=bool)
+        return self.weights(gen, slots, vocab, prior=False) > -np.inf
+
+    def weights(self, gen: np.ndarray, slots: np.ndarray, vocab: int,
+                prior: bool = True) -> np.ndarray:
+        """(N, vocab) float32 log-weights the scored holes `slots` (N,) of the generated
+        canvas gen (G,) give their logits (`TokenAutomaton.hole_weights`): -inf where a token
+        would leave the canvas incompletable; with the length prior (prior and the format's
+        length_penalty), -length_penalty per slot by which an allowed token pushes the end of
+        the canvas's shortest word further right, against the hole's least such push; slots
+        past the budget: 0."""
+        out = np.zeros((slots.shape[0], vocab), dtype=np.float32)
         inside = slots < self.budget
         if not inside.any():
             return out
         g = gen[: self.budget]
-        f = self._forward(g, int(slots[inside].max()) + 1)
+        penalty = self.format.length_penalty if prior else 0.0
+        start = self._word_start(g) if penalty else 0
+        f = self._forward(g, max(int(slots[inside].max()) + 1, start))
         b = self._backward(g, int(slots[inside].min()) + 1)
-        for k in np.flatnonzero(inside).tolist():
-            i = int(slots[k])
-            out[k, : self.a.trans.shape[1]] = self._hole(f[i], b[i + 1])
-            out[k, self.a.trans.shape[1]:] = False
+        shortest = self._shortest(g, f[start], start) if penalty else 0
+        cols = self.a.trans.shape[1]
+        at = np.flatnonzero(inside)
+        out[at, :cols] = [self.a.hole_weights(f[i], b[i + 1], i + 1 - shortest, penalty)
+                          for i in slots[at].tolist()]
+        out[at, cols:] = -np.inf
         return out
 
-    def _hole(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """(V,) bool: the tokens that move a state of f (Q,) into one of b (Q,). Kept by the
-        pair: along a run of holes the sets settle, and so do a canvas's from step to step."""
-        key = np.packbits(f).tobytes() + np.packbits(b).tobytes()
-        hit = self._masks.get(key)
-        if hit is None:
-            if len(self._masks) > 4096:
-                self._masks.clear()
-            hit = self._masks[key] = self.a.moves_into(f, b)
-        return hit
+    def _word_start(self, gen: np.ndarray) -> int:
+        """One past the last slot of gen (budget,) committed to a token other than EOS."""
+        filled = np.flatnonzero((gen != self.mask_id) & (gen != self.a.eos))
+        return int(filled[-1]) + 1 if filled.size else 0
+
+    def _shortest(self, gen: np.ndarray, cur: np.ndarray, start: int) -> int:
+        """The length of the shortest word the canvas gen (budget,) can complete to: the first
+        slot k from `start` (`_word_start`) where a forward state accepts (cur: (Q,) the
+        forward set there). Past `start` the canvas holds holes and EOS only, and the word
+        ends at the first accepting slot: the walk goes on through holes (an EOS before it
+        would leave nothing to complete)."""
+        for k in range(start, gen.shape[0]):
+            if (cur & self.a.final).any():
+                return k
+            cur = self.a.succ_t @ cur.astype(np.float32) > 0
+            cur[-1] = False
+        return gen.shape[0]
 
     # --- the commit-time check --------------------------------------------------------------
     def restrict(self, gen: np.ndarray, sel: np.ndarray, token: np.ndarray,
@@ -482,7 +580,9 @@ class Constraint:
             trial[order[:n]] = token[order[:n]]
             return self.feasible(trial)
 
-        if order.size == 0 or ok(order.size):
+        # one commit alone needs no check: the mask it was scored under allowed its token on
+        # this canvas (a block-of-4 model commits one a step more often than not)
+        if order.size <= 1 or ok(order.size):
             return int(order.size)
         lo, hi = 1, int(order.size) - 1  # ok(lo) holds: its token was allowed; find the last ok
         while lo < hi:
@@ -522,14 +622,15 @@ class TokenMasks:
         self.x, self.P, self.constraints = x, P, constraints
 
     def at(self, rows: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
-        """(N, vocab) bool for the scored positions (rows, canvas slots: (N,) each)."""
-        out = np.ones((rows.shape[0], vocab), dtype=bool)
-        for r in np.unique(rows).tolist():
+        """(N, vocab) float32 log-weights added to the scored positions' logits (rows, canvas
+        slots: (N,) each): `Constraint.weights`, 0 for unconstrained rows."""
+        out = np.zeros((rows.shape[0], vocab), dtype=np.float32)
+        for r in dict.fromkeys(rows.tolist()):  # each row once, in order
             c = self.constraints[r]
             if c is None:
                 continue
             at = np.flatnonzero(rows == r)
-            out[at] = c.allowed(self.x[r, self.P :], slots[at] - self.P, vocab)
+            out[at] = c.weights(self.x[r, self.P :], slots[at] - self.P, vocab)
         return out
 
 

@@ -51,7 +51,8 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
     Gumbel), so ranking draws positions in proportion to conf ** (1 / alg_temp) (Dream's
     alg_temp). with_entropy=False skips the entropy (zeros) when nothing reads it: an O(V) pass
     per position saved. allowed: (N, V) bool, a structured output's tokens each position may
-    take (unmask.decoding.grammar): the others leave the distribution before anything is
+    take (unmask.decoding.grammar), or float log-weights added to the logits (-inf: not
+    allowed; `grammar.TokenMasks`): the others leave the distribution before anything is
     scored, so the token, its confidence and the entropy are those of the constrained
     distribution.
     """
@@ -63,7 +64,7 @@ def score(logits: Tensor, remasking: str, temperature: Values, noise_u: Tensor |
     if dropped.numel():
         full = full.index_fill(-1, dropped, NEG_INF)
     if allowed is not None:
-        full = full.masked_fill(~allowed, NEG_INF)
+        full = full.masked_fill(~allowed, NEG_INF) if allowed.dtype == torch.bool else full + allowed
     # Scores from softmax over the full vocabulary, as LLaDA's reference computes them: without
     # the mask token's share a confidence came out 1-2 ulps higher, and exp(log_softmax) an ulp
     # off near p = 1, either of which breaks near-ties in the commit order the other way.

@@ -239,7 +239,7 @@ class Runner:
             u = noise[self._to_device(rows), self._to_device(offset)]
         at = plan.knobs[rows]  # (N,) each scored position's row's knobs
         allowed = None
-        if plan.masks is not None:  # (N, V) bool
+        if plan.masks is not None:  # (N, V) float32 log-weights (-inf: not allowed)
             allowed = self._to_device(plan.masks.at(rows, tslots, logits.shape[-1]))
         sc = score(logits, self.params.remasking, at["temperature"], u, self.suppress, at["top_p"],
                    at["top_k"], at["alg_temp"], with_entropy=self.with_entropy, drop=self.drop,

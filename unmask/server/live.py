@@ -5,7 +5,8 @@ event stream it reads.
 - GET /static/...           its scripts and styles
 - GET /v1/unmask/decoders   the presets and methods the page offers, and the server's default
 - POST /v1/unmask/trace     run a prompt through one or more decoders side by side and stream
-                            one server-sent event per step and lane (unmask.trace.Lane's events)
+                            one server-sent event per step and lane (unmask.trace.Lane's events);
+                            a response format (response_format, regex) holds every lane
 
 Bad input (an invalid spec, an empty prompt, a canvas too long) is refused before the stream
 starts with the server's 400 error body, as on the OpenAI routes.
@@ -31,6 +32,7 @@ from unmask.server.intake import (
     check_prompt_chars,
     check_request,
     encode_prompt,
+    request_constraint,
     request_params,
     submissions,
 )
@@ -87,7 +89,12 @@ async def trace(body: TraceRequest, request: Request, state: State) -> Streaming
     specs = body.decoders if body.decoders else [body.decoder]
     params = [_lane_params(state, body, i, spec, len(specs)) for i, spec in enumerate(specs)]
     ids = await run_in_threadpool(encode_prompt, state.llm, body.prompt, body.chat)
-    items = submissions(body, [ids] * len(params), params, ["prompt"] * len(params))
+    # a response format (response_format, regex, guided_regex) holds every lane, each over its
+    # own decoder; a lane's layout event names its constrained slots and its scaffold
+    items = []
+    for p in params:
+        constraint = await run_in_threadpool(request_constraint, state, body, p)
+        items += submissions(body, [ids], [p], ["prompt"], constraint)
     handles = await state.engine.submit(items, "decoder lanes", trace=True)
     lanes = [Lane(state.llm, i, body.prompt, h.request) for i, h in enumerate(handles)]
     return StreamingResponse(_stream(state, handles, lanes, request),

@@ -66,10 +66,9 @@ class Lane {
     this.grid = el("div", "grid");
     this.grid.style.setProperty("--cols", cols);
     this.cells = [];
+    this.scaffold = new Set(layout.scaffold || []);
     for (let i = 0; i < layout.gen_length; i++) {
-      const c = el("div", "cell masked");
-      if (Math.floor(i / layout.block_length) % 2 === 1) c.classList.add("odd-block");
-      c.title = `position ${i}: masked`;
+      const c = el("div");
       this.cells.push(c);
       this.grid.append(c);
     }
@@ -81,25 +80,39 @@ class Lane {
     this.reset();
   }
 
-  // The lane's sizes; cached: prompt tokens whose blocks came from the prefix store.
+  // The lane's sizes; cached: prompt tokens whose blocks came from the prefix store. A
+  // structured-output request also says how many slots its format constrains and fixes.
   metaText(cached) {
     const l = this.layout;
     const reused = cached ? ` (${cached} reused: their blocks read from the prefix store)` : "";
+    const format = l.constrained ? `; the first ${l.constrained} constrained by the response ` +
+      `format, ${this.scaffold.size} fixed by its scaffold` : "";
     return `${l.prompt_tokens} prompt tokens${reused} + ${l.gen_length} positions in blocks of ` +
-      `${l.block_length}`;
+      `${l.block_length}${format}`;
+  }
+
+  // A cell as it is before the first step: masked, its block's shade, and whether the
+  // response format constrains it or its scaffold fixes it (the first step commits those).
+  blankCell(i) {
+    const c = this.cells[i];
+    c.className = "cell masked" + (Math.floor(i / this.layout.block_length) % 2 ? " odd-block" : "");
+    if (i < (this.layout.constrained || 0)) c.classList.add("constrained");
+    if (this.scaffold.has(i)) c.classList.add("scaffold");
+    c.textContent = "";
+    c.style.background = "";
+    c.title = `position ${i}: masked` + this.slotNote(i);
+  }
+
+  slotNote(i) {
+    if (this.scaffold.has(i)) return ", fixed by the response format's scaffold";
+    return i < (this.layout.constrained || 0) ? ", constrained by the response format" : "";
   }
 
   reset() {
     this.steps = 0;
     this.refreshes = 0;
     this.marked = [];
-    for (let i = 0; i < this.cells.length; i++) {
-      const c = this.cells[i];
-      c.className = "cell masked" + (Math.floor(i / this.layout.block_length) % 2 ? " odd-block" : "");
-      c.textContent = "";
-      c.style.background = "";
-      c.title = `position ${i}: masked`;
-    }
+    for (let i = 0; i < this.cells.length; i++) this.blankCell(i);
     for (const key in this.counters) this.counters[key].textContent = "0";
     this.text.textContent = "";
     this.root.dataset.state = "running";
@@ -123,7 +136,7 @@ class Lane {
       if (eos.has(pos)) c.classList.add("eos");
       if (drafted.has(pos)) c.classList.add("drafted");
       c.title = `position ${pos}: ${JSON.stringify(ev.tokens[j])}, step ${ev.step}` +
-        (drafted.has(pos) ? ", accepted from a FreeDave draft" : "");
+        (drafted.has(pos) ? ", accepted from a FreeDave draft" : "") + this.slotNote(pos);
       this.marked.push(pos);
     });
     const [b0, b1] = ev.block;
@@ -181,8 +194,9 @@ class Lane {
   }
 }
 
-// The colour legend: what colour, mark, dimming and flash mean.
-function legend(parent, scale) {
+// The colour legend: what colour, mark, dimming and flash mean (constrained: some lane has a
+// response format, whose slots and scaffold are marked then).
+function legend(parent, scale, constrained) {
   const box = el("div", "legend");
   const bar = el("span", "legend-bar");
   const stops = VIRIDIS.map((c, i) => `${c} ${(100 * i) / (VIRIDIS.length - 1)}%`).join(",");
@@ -205,6 +219,13 @@ function legend(parent, scale) {
   const flash = el("span", "legend-item");
   flash.append(el("span", "lane-refresh on swatch-badge", "cache refresh"), "K/V recomputed");
   box.append(scaleBox, drafted, block, dropped, flash);
+  if (constrained) {
+    const fixed = el("span", "legend-item");
+    fixed.append(el("span", "cell masked scaffold swatch"), "fixed by the format's scaffold");
+    const slot = el("span", "legend-item");
+    slot.append(el("span", "cell masked constrained swatch"), "constrained by the format");
+    box.append(fixed, slot);
+  }
   parent.append(box);
   return box;
 }
@@ -234,7 +255,7 @@ class Player {
     this.root.append(bar);
     this.grids = el("div", "lanes" + (lanes.length > 1 ? " side-by-side" : ""));
     const scale = Math.max(...lanes.map((l) => l.layout.gen_length));
-    legend(this.root, scale);
+    legend(this.root, scale, lanes.some((l) => l.layout.constrained));
     this.root.append(this.grids);
     parent.append(this.root);
     this.views = lanes.map((l) => new Lane(this.grids, l.layout, scale));

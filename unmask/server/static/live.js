@@ -69,6 +69,16 @@ async function run(event) {
   if ($("side").checked) decoders.push($("spec-b").value.trim());
   const body = { prompt: $("prompt").value, decoders, seed: +$("seed").value || 0 };
   if ($("max-tokens").value) body.max_tokens = +$("max-tokens").value;
+  const format = $("format").value.trim();
+  if (format.startsWith("{")) { // a JSON schema; anything else is a regular expression
+    try {
+      body.response_format = { type: "json_schema",
+        json_schema: { name: "page", schema: JSON.parse(format) } };
+    } catch (e) {
+      showError(`the JSON schema is not valid JSON: ${e.message}`);
+      return;
+    }
+  } else if (format) body.regex = format;
   const controller = new AbortController();
   running = controller;
   $("run").disabled = true;
@@ -109,7 +119,7 @@ async function consume(response, out) {
     if (ev.event === "layout") {
       if (!grids) {
         scale = ev.gen_length;
-        legend(out, scale);
+        legend(out, scale, ev.constrained > 0);
         grids = el("div", "lanes");
         out.append(grids);
       }
