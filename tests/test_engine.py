@@ -496,7 +496,7 @@ def test_noise_is_per_request() -> None:
 # the weight formats a model call runs on the CPU (the fewest rows its products get follows them:
 # unmask/engine/product_rows.py)
 WEIGHTS = ["float32", "bfloat16", "bfloat16 packed", "int8 float32", "int8 bfloat16",
-           "int4 bfloat16"]
+           "int4 bfloat16", "w8a8 bfloat16"]
 
 
 @functools.cache
@@ -511,7 +511,7 @@ def wide_model(kind: str, weights: str):
                    std=0.1).to(dtype)
     if weights == "bfloat16 packed":
         pack_linears(m)
-    elif weights.startswith("int"):
+    elif weights.startswith(("int", "w8a8")):
         quantize_model(m, weights.split()[0])
     return m
 

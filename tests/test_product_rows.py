@@ -32,7 +32,7 @@ def layer_of(kind: str, n_in: int, n_out: int) -> nn.Module:
         if not bf16_kernel():
             pytest.skip("oneDNN has no bfloat16 kernel here")
         return PackedLinear(linear)
-    if kind.startswith("int"):
+    if kind.startswith(("int", "w8a8")):
         holder = nn.Sequential(nn.ModuleList([linear]))  # quantize_model takes the block stack's
         quantize_model(holder, kind.split()[0])
         return holder[0][0]
@@ -49,7 +49,7 @@ def varying_rows(f, xs: torch.Tensor) -> list[int]:
 
 
 KINDS = ["float32", "bfloat16", "bfloat16 packed", "int8 float32", "int8 bfloat16",
-         "int4 bfloat16"]
+         "int4 bfloat16", "w8a8"]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

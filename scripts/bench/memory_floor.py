@@ -10,7 +10,7 @@ config in a temporary folder) and call shapes (rows x positions, K/V length), th
   only its tokens' rows) plus the stored K/V it attends to;
 - the read bandwidth of one thread and of all threads (a float32 sum over a buffer far larger
   than the last-level cache);
-- per format (bfloat16, int8, int4) and thread count: ms per call (median, formats interleaved
+- per format (bfloat16, int8, int4, w8a8) and thread count: ms per call (median, formats interleaved
   round-robin in one process), x its floor, x bfloat16's time;
 - decode tokens/s of `static-1` and `threshold` (random weights: speed, not accuracy);
 - the weights' bytes, and the resident memory after loading and at its peak while loading, each
@@ -59,7 +59,8 @@ SHAPES = {
 }
 # name -> --quantize; "bfloat16 F.linear" is bfloat16 as loaded before unmask.packing (the plain
 # weights through F.linear), for the side-by-side comparison
-FORMATS = {"bfloat16": None, "bfloat16 F.linear": "plain", "int8": "int8", "int4": "int4"}
+FORMATS = {"bfloat16": None, "bfloat16 F.linear": "plain", "int8": "int8", "int4": "int4",
+           "w8a8": "w8a8"}
 
 
 def load(folder: Path, scheme: str | None) -> torch.nn.Module:

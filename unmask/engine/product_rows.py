@@ -14,7 +14,8 @@ row's bits are invariant, and fails where a minimum here is below them.
 
 Kinds: a plain product in a dtype ("float32", "bfloat16"); "bfloat16 packed"
 (unmask.packing.PackedLinear); "int8 float32" / "int8 bfloat16" (torchao's weight-only int8,
-whose product runs in the activations' dtype); "int4 bfloat16" (torch's int4 CPU kernel).
+whose product runs in the activations' dtype); "int4 bfloat16" (torch's int4 CPU kernel);
+"w8a8" (unmask.rowint8: an int32 sum of int8 values, exact, with one scale per row).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from torch import nn
 
 from unmask.packing import PackedLinear
 from unmask.quantize import TENSOR_SCHEMES
+from unmask.rowint8 import SCHEME as ROW_SCHEME
+from unmask.rowint8 import RowInt8Linear
 
 DEFAULT_MIN_ROWS = 16
 
@@ -34,9 +37,11 @@ DEFAULT_MIN_ROWS = 16
 # same bits from 2 rows up. One row is a matrix-vector product, which the bfloat16 kernels
 # round differently (a 3072 -> 1024 product; int8 on two threads too; int4 never seen to), and a
 # block of 2 or more positions pays nothing for a minimum of 2. float32 products of 1-3 rows
-# differ there, and of < 8 on a Xeon, so float32 keeps the default everywhere.
+# differ there, and of < 8 on a Xeon, so float32 keeps the default everywhere. w8a8 sums
+# integers, exactly: from 1 row up.
 MEASURED: dict[str, dict[str, int]] = {
-    "avx512_bf16": {"bfloat16": 2, "bfloat16 packed": 2, "int8 bfloat16": 2, "int4 bfloat16": 2},
+    "avx512_bf16": {"bfloat16": 2, "bfloat16 packed": 2, "int8 bfloat16": 2, "int4 bfloat16": 2,
+                    "w8a8": 1},
 }
 
 
@@ -72,6 +77,8 @@ def product_kind(linear: nn.Module) -> str:
     """The kind of product a block linear layer runs (module docstring)."""
     if isinstance(linear, PackedLinear):
         return "bfloat16 packed"
+    if isinstance(linear, RowInt8Linear):
+        return ROW_SCHEME
     weight = linear.weight
     scheme = TENSOR_SCHEMES.get(type(weight).__name__)
     dtype = str(weight.dtype).removeprefix("torch.")
@@ -83,7 +90,7 @@ def block_kinds(model: nn.Module) -> set[str]:
     layers', and "float32" for any other matrix they hold (LLaDA2's router scores in float32)."""
     inside = [m for stack in model.modules() if isinstance(stack, nn.ModuleList)
               for m in stack.modules()]
-    linears = [m for m in inside if isinstance(m, nn.Linear | PackedLinear)]
+    linears = [m for m in inside if isinstance(m, nn.Linear | PackedLinear | RowInt8Linear)]
     theirs = {id(p) for m in linears for p in m.parameters()}
     others = [p for m in inside for p in m.parameters(recurse=False)
               if p.ndim == 2 and id(p) not in theirs]
