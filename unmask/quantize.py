@@ -185,6 +185,8 @@ class LoadQuantizer:
         """The tensor load_model assigns for `key`: quantized for a block linear's weight; for
         another tensor, `t` copied out of the memory-mapped file (so the file's mapping, and its
         pages, go once the file is read)."""
+        if self.config is None:  # w8a8: the weights stay the file's until `finish` converts them
+            return t
         if key not in self.targets:
             return t.clone() if t.device.type == "cpu" else t
         from torchao.quantization import quantize_
