@@ -98,3 +98,12 @@ def test_saving_is_refused_before_anything_is_written(llm: LLM, folder: Path,
     with pytest.raises(CheckpointError, match="w8a8 model is not saved.*load it with quantize w8a8"):
         save_checkpoint(llm.model, out)
     assert not out.exists()
+
+
+def test_compile_is_refused_before_loading(folder: Path, monkeypatch) -> None:
+    """torch.compile fails on the packed int8 product mid-decode: refused at once instead."""
+    from unmask import api
+
+    monkeypatch.setattr(api, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(InputError, match=r"w8a8 does not compile .*drop compile, or quantize int8"):
+        LLM(folder, device="cpu", dtype="bfloat16", quantize="w8a8", compile=True)

@@ -264,6 +264,9 @@ class LLM:
             check_quantize(quantize, self.device)
         if compile:  # before the load: a missing compiler is said at once
             check_compile(self.device)
+            if quantize == ROW_SCHEME:
+                raise InputError(f"quantize {ROW_SCHEME} does not compile (torch.compile fails on "
+                                 f"oneDNN's packed int8 product): drop compile, or quantize int8")
         self.model = load_model(self.path, self.device, dtype, quantize=quantize)
         self.load_note = self._quantize_note(quantize)
         if not compile:  # torch.compile packs the weights it freezes its own way
