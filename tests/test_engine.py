@@ -493,12 +493,27 @@ def test_noise_is_per_request() -> None:
 
 
 # --- batch invariance at the bit level: each row's call shape is its own ------------------------
+# the weight formats a model call runs on the CPU (the fewest rows its products get follows them:
+# unmask/engine/product_rows.py)
+WEIGHTS = ["float32", "bfloat16", "bfloat16 packed", "int8 float32", "int8 bfloat16",
+           "int4 bfloat16", "w8a8 bfloat16"]
+
+
 @functools.cache
-def wide_model(kind: str, dtype: torch.dtype):
+def wide_model(kind: str, weights: str):
     """A random model with the embedded model's head size (32) and GQA, so the kernels are the
-    ones real calls use."""
-    return tiny_model(kind, seed=1, d_model=128, n_heads=4, n_kv_heads=2, mlp_hidden_size=256,
-                      std=0.1).to(dtype)
+    ones real calls use, its block weights in `weights` (packed where oneDNN can)."""
+    from unmask.packing import pack_linears
+    from unmask.quantize import quantize_model
+
+    dtype = torch.bfloat16 if weights.endswith(("bfloat16", "packed")) else torch.float32
+    m = tiny_model(kind, seed=1, d_model=128, n_heads=4, n_kv_heads=2, mlp_hidden_size=256,
+                   std=0.1).to(dtype)
+    if weights == "bfloat16 packed":
+        pack_linears(m)
+    elif weights.startswith(("int", "w8a8")):
+        quantize_model(m, weights.split()[0])
+    return m
 
 
 def fresh_kv(fw, i: int) -> torch.Tensor:
@@ -511,23 +526,25 @@ def fresh_kv(fw, i: int) -> torch.Tensor:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["llada", "Dream", "sdar"]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       weights=st.sampled_from(WEIGHTS),
        rows=st.lists(st.tuples(st.integers(1, 40), st.integers(0, 150), st.integers(0, 2**31)),
                      min_size=2, max_size=6),
        inject=st.booleans(), pack_all=st.sampled_from([0.0, 0.1, 2.0]),
        pack_one=st.sampled_from([0.0, 0.1, 2.0]))
-def test_a_rows_scores_and_kv_do_not_depend_on_the_call(kind, dtype, rows, inject, pack_all,
+def test_a_rows_scores_and_kv_do_not_depend_on_the_call(kind, weights, rows, inject, pack_all,
                                                        pack_one) -> None:
     """One model call of several rows vs each row alone: every row's token, confidence, entropy
     and fresh K/V are the same bits, packed or not, for any mix of forwarded tokens and stored
-    keys (the kernels round with the call's shapes; a row's shape is its own, `shape_groups`)."""
+    keys, in every weight format (the kernels round with the call's shapes; a row's shape is its
+    own, `shape_groups`, and its products get the rows their kind needs)."""
     from unmask.decoding.params import row_knobs
     from unmask.engine import runner as runner_mod
     from unmask.kv import KVStore
     from unmask.suffix import make_suffix_policy
 
-    m = wide_model(kind, dtype)
+    m = wide_model(kind, weights)
     c = m.config
+    dtype = next(m.parameters()).dtype
     spec = "threshold,cache=entropy" + (",suffix=structured,suffix_local=2,suffix_tail=2,inject=0.5"
                                         if inject else "")
     p = params(spec, 32)
@@ -570,24 +587,6 @@ def test_a_rows_scores_and_kv_do_not_depend_on_the_call(kind, dtype, rows, injec
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matrix_products_of_min_rows_round_each_row_alike(dtype) -> None:
-    """The machine's matrix products give a row the same bits in any call of at least MIN_ROWS
-    rows, wherever the row sits; the runner pads calls to that (if this fails on a machine,
-    MIN_ROWS must grow there)."""
-    from unmask.engine.runner import MIN_ROWS
-
-    g = torch.Generator().manual_seed(0)
-    for k, n in ((128, 128), (128, 384), (384, 128), (128, 2048)):
-        w = torch.randn(n, k, generator=g).to(dtype)
-        xs = torch.randn(700, k, generator=g).to(dtype)
-        ref = torch.nn.functional.linear(xs, w)
-        for size in (MIN_ROWS, MIN_ROWS + 1, 23, 64, 100, 255, 300, 513):
-            for at in (0, 5, 130):
-                assert torch.equal(torch.nn.functional.linear(xs[at : at + size], w),
-                                   ref[at : at + size]), (k, n, size, at)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_attention_of_one_shape_rounds_each_row_alike(dtype) -> None:
     """The machine's attention gives a row the same bits in any batch of rows of its exact
     shape, and with an all-True mask the bits of no mask (the plain forward's): the runner's
@@ -623,12 +622,15 @@ def test_canonical_shapes() -> None:
 
 def test_packing_is_for_the_padding_it_saves() -> None:
     """A call goes packed when packing saves >= 10% of its padded places: a row of at most
-    MIN_ROWS tokens saves none (its products run on MIN_ROWS rows either way), so it runs
-    padded, without the gathers."""
-    from unmask.engine.runner import MIN_ROWS, Runner
+    the minimum of rows (here 16) saves none (its products run on that many rows either way),
+    so it runs padded, without the gathers."""
+    from unmask.engine.product_rows import ProductRows
+    from unmask.engine.runner import Runner
 
-    unpacked = Runner.__new__(Runner).unpacked  # (n_groups, rows, places a row, real tokens)
-    assert unpacked(1, 1, 16, 1) and unpacked(1, 1, 16, MIN_ROWS)
+    runner = Runner.__new__(Runner)
+    runner.rows = ProductRows(16, 16)
+    unpacked = runner.unpacked  # (n_groups, rows, places a row, real tokens)
+    assert unpacked(1, 1, 16, 1) and unpacked(1, 1, 16, 16)
     assert not unpacked(1, 1, 32, 20) and unpacked(1, 1, 32, 29)
     assert not unpacked(1, 2, 16, 20) and unpacked(1, 2, 16, 30)
     assert not unpacked(2, 1, 16, 16)  # several shape groups: always packed
@@ -792,13 +794,13 @@ def plain_forward_spy(m, monkeypatch) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("kind", ["llada", "Dream"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("spec", ["static-1", "threshold,threshold=0.5"])
-def test_a_request_alone_gets_the_plain_forwards_bits(kind, dtype, spec, monkeypatch) -> None:
+def test_a_request_alone_gets_the_plain_forwards_bits(kind, weights, spec, monkeypatch) -> None:
     """Decoded alone without a cache, every model call's scores are bit for bit the plain
     forward's of the same canvas (the reference's: its attention has no padding key), in
     float32 and bfloat16. Canonical shapes (padded keys) fail this."""
-    m = wide_model(kind, dtype)
+    m = wide_model(kind, weights)
     seen = plain_forward_spy(m, monkeypatch)
     decode(m, params(spec, 16), [list(range(3, 24))], mask_id=m.config.mask_token_id,
            eos_id=m.config.eos_token_id)
@@ -807,14 +809,15 @@ def test_a_request_alone_gets_the_plain_forwards_bits(kind, dtype, spec, monkeyp
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(["llada", "Dream"]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       weights=st.sampled_from(WEIGHTS),
        lengths=st.lists(st.integers(1, 40), min_size=2, max_size=8),
        spec=st.sampled_from(["static-1", "threshold,threshold=0.5"]))
-def test_rows_in_a_batch_get_the_plain_forwards_bits(kind, dtype, lengths, spec) -> None:
+def test_rows_in_a_batch_get_the_plain_forwards_bits(kind, weights, lengths, spec) -> None:
     """Prompts of different lengths decoded together without a cache: every call's scores for
-    every row are the plain forward's of that row's canvas alone, bit for bit."""
+    every row are the plain forward's of that row's canvas alone, bit for bit, in every weight
+    format."""
     with pytest.MonkeyPatch.context() as mp:
-        m = wide_model(kind, dtype)
+        m = wide_model(kind, weights)
         seen = plain_forward_spy(m, mp)
         prompts = [[3 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
         decode(m, params(spec, 8), prompts, mask_id=m.config.mask_token_id,

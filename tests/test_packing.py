@@ -89,15 +89,15 @@ def test_a_float32_model_gets_no_bfloat16_note(folder: Path, monkeypatch, recwar
 @needs_kernel
 @pytest.mark.parametrize("rows", [16, 17, 33, 64])
 def test_a_packed_row_does_not_depend_on_the_rows_beside_it(rows: int) -> None:
-    """The runner gives every product at least MIN_ROWS rows so that a row's bits do not
+    """The runner gives every product the rows its kind needs so that a row's bits do not
     depend on its batch (docs/engine.md, "Batch invariance"): the packed product keeps that,
     and gives the plain product's bits."""
-    from unmask.engine.runner import MIN_ROWS
+    from unmask.engine.product_rows import min_rows
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(256, 768).to(torch.bfloat16)
     packed = PackedLinear(layer)
     x = torch.randn(96, 256, dtype=torch.bfloat16)  # (rows, in)
     whole = packed(x)
-    assert rows >= MIN_ROWS and torch.equal(packed(x[:rows]), whole[:rows])
+    assert rows >= min_rows("bfloat16 packed", x.device) and torch.equal(packed(x[:rows]), whole[:rows])
     assert torch.equal(whole, torch.nn.functional.linear(x, layer.weight, layer.bias))

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import edit_config, tiny_model_dir
 
 from unmask.api import DEFAULT_MODEL
@@ -29,7 +30,9 @@ except Exception:  # noqa: BLE001  (torchao missing or too old: the quantized ca
 
 CASES = [("float32", None), ("bfloat16", None), ("float16", None),
          pytest.param("float32", "int8", marks=pytest.mark.skipif(not HAS_TORCHAO, reason="torchao")),
-         pytest.param("bfloat16", "int4", marks=pytest.mark.skipif(not HAS_TORCHAO, reason="torchao"))]
+         pytest.param("bfloat16", "int4", marks=pytest.mark.skipif(not HAS_TORCHAO, reason="torchao")),
+         pytest.param("bfloat16", "w8a8", marks=pytest.mark.skipif(
+             not torch.cpu._is_vnni_supported(), reason="no VNNI"))]
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from unmask.quantize import (
     torchao_version,
     weight_bytes,
 )
+from unmask.rowint8 import SCHEME as ROW_SCHEME
 
 DEFAULT_MODEL = SHIPPED[DEFAULT_NAME]
 log = logging.getLogger("unmask")
@@ -229,7 +230,8 @@ class LLM:
                  compile: bool = False, prefix_cache: bool = True,
                  prefix_cache_gib: float | None = None) -> None:
         """quantize: None, or "int8" / "int4": the transformer blocks' linear weights quantized
-        at load (unmask.quantize). A folder saved quantized loads quantized as saved. compile:
+        at load (unmask.quantize); "w8a8": int8 weights and activations (unmask.rowint8).
+        A folder saved quantized loads quantized as saved. compile:
         the model's layers compiled with torch.compile after quantization (unmask.compiling;
         the first calls of new shapes then take seconds each). prefix_cache: a block-causal
         model's finished blocks are kept and reused by every engine of this LLM
@@ -262,6 +264,9 @@ class LLM:
             check_quantize(quantize, self.device)
         if compile:  # before the load: a missing compiler is said at once
             check_compile(self.device)
+            if quantize == ROW_SCHEME:
+                raise InputError(f"quantize {ROW_SCHEME} does not compile (torch.compile fails on "
+                                 f"oneDNN's packed int8 product): drop compile, or quantize int8")
         self.model = load_model(self.path, self.device, dtype, quantize=quantize)
         self.load_note = self._quantize_note(quantize)
         if not compile:  # torch.compile packs the weights it freezes its own way
@@ -289,8 +294,9 @@ class LLM:
             return f"weights {mib(held)} (saved quantized as {found})"
         if scheme is None:
             return f"weights {mib(held)}"
-        return (f"weights {mib(held)} quantized {scheme} with torchao {torchao_version()} while "
-                f"loading ({mib(float_bytes(self.model))} before)")
+        kernel = "oneDNN" if scheme == ROW_SCHEME else f"torchao {torchao_version()}"
+        return (f"weights {mib(held)} quantized {scheme} with {kernel} while loading "
+                f"({mib(float_bytes(self.model))} before)")
 
     def _pack(self) -> str:
         """bfloat16 block weights prepacked for oneDNN on the CPU (unmask.packing); a note
@@ -298,7 +304,8 @@ class LLM:
         slow = slow_bf16_note(self.model)
         if slow is not None:
             warnings.warn(slow, stacklevel=3)
-        n = pack_linears(self.model)
+        # a quantized model's block weights are not plain bfloat16 (w8a8's not nn.Linear at all)
+        n = 0 if quantized_scheme(self.model) else pack_linears(self.model)
         return f", {n} linear layers prepacked for oneDNN" if n else ""
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:

@@ -26,9 +26,9 @@ from unmask.models import build_model
 from unmask.quantize import (
     QUANTIZED_FILE,
     LoadQuantizer,
+    check_saveable,
     load_quantized,
     quantized_scheme,
-    release_host_memory,
     save_quantized,
 )
 
@@ -50,6 +50,7 @@ def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | 
     if max_shard_size is not None and (isinstance(max_shard_size, bool)
                                        or not isinstance(max_shard_size, int) or max_shard_size <= 0):
         raise CheckpointError(f"max_shard_size must be a positive number of bytes, got {max_shard_size!r}")
+    check_saveable(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in [*out.glob("model*.safetensors"), out / INDEX, out / QUANTIZED_FILE]:
@@ -192,7 +193,7 @@ def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
                               + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     model.load_state_dict(state, assign=True)
     if quantizer is not None:
-        release_host_memory(model)  # what quantizing left in glibc's heap
+        quantizer.finish(model)
     return model.eval()
 
 

@@ -51,9 +51,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive, default=None,
                    help="torch CPU threads (default: one per physical core, one for a model under "
                         "10M parameters; docs/cli.md, \"Threads\")")
-    p.add_argument("--quantize", default=None, metavar="int8|int4",
-                   help="weight-only quantization of the transformer blocks' linear layers at "
-                        "load, with torchao (needs unmask[quant]; default: none)")
+    p.add_argument("--quantize", default=None, metavar="int8|int4|w8a8",
+                   help="quantization of the transformer blocks' linear layers at load: int8, "
+                        "int4 weight-only with torchao (needs unmask[quant]); w8a8 int8 weights "
+                        "and activations on the CPU (oneDNN; default: none)")
     p.add_argument("--compile", action="store_true",
                    help="compile the model's layers with torch.compile, after --quantize "
                         "(docs/checkpoints.md, \"Compiled layers\")")

@@ -52,9 +52,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from unmask.errors import CheckpointError, InputError
 from unmask.packing import PackedLinear
+from unmask.rowint8 import SCHEME as ROW_SCHEME
+from unmask.rowint8 import RowInt8Linear, check_device, quantize_rows
 from unmask.weights import block_linears, release_host_memory, trim_heap
 
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4", ROW_SCHEME)  # w8a8: unmask.rowint8 (int8 activations too), opt-in
 INSTALL = "pip install 'unmask[quant]'"
 MIN_TORCHAO = (0, 18)  # PrototypeInt4WeightOnlyConfig (0.17 names it otherwise)
 INT4_GROUP_SIZES = (128, 64, 32)  # what both int4 packings accept, largest first
@@ -67,10 +69,14 @@ TENSOR_SCHEMES = {"Int8Tensor": "int8", "Int4OpaqueTensor": "int4",
 
 def check_quantize(scheme: str, device: torch.device) -> None:
     """Refuse, in one line saying what works instead, a scheme this install cannot run on
-    `device`: an unknown name, torchao missing or too old, int4 where no int4 kernel runs."""
+    `device`: an unknown name, torchao missing or too old, int4 where no int4 kernel runs,
+    w8a8 where no int8 product is fast (unmask.rowint8.check_device)."""
     if scheme not in SCHEMES:
         raise InputError(f"quantize {scheme!r} is not a quantization scheme; valid: "
                          f"{', '.join(SCHEMES)} (or none, for the checkpoint's dtype)")
+    if scheme == ROW_SCHEME:
+        check_device(torch.device(device))
+        return
     torchao_version()
     if scheme == "int4":
         _check_int4_device(torch.device(device))
@@ -143,6 +149,9 @@ def quantize_model(model: nn.Module, scheme: str) -> None:
     if found is not None:
         raise InputError(f"the model is already quantized ({found}); load its float "
                          f"checkpoint to quantize it as {scheme}")
+    if scheme == ROW_SCHEME:
+        quantize_rows(model)
+        return
     from torchao.quantization import quantize_
 
     targets = {id(m) for m in linears.values()}
@@ -167,13 +176,17 @@ class LoadQuantizer:
         check_quantize(scheme, device)
         linears = block_linears(model)
         self.scheme = scheme
-        self.targets = {f"{name}.weight": m for name, m in linears.items()}
-        self.config = _torchao_config(scheme, linears, dtype, device)
+        self.targets, self.config = {}, None  # w8a8 converts the loaded layers (`finish`)
+        if scheme != ROW_SCHEME:
+            self.targets = {f"{name}.weight": m for name, m in linears.items()}
+            self.config = _torchao_config(scheme, linears, dtype, device)
 
     def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """The tensor load_model assigns for `key`: quantized for a block linear's weight; for
         another tensor, `t` copied out of the memory-mapped file (so the file's mapping, and its
         pages, go once the file is read)."""
+        if self.config is None:  # w8a8: the weights stay the file's until `finish` converts them
+            return t
         if key not in self.targets:
             return t.clone() if t.device.type == "cpu" else t
         from torchao.quantization import quantize_
@@ -189,6 +202,13 @@ class LoadQuantizer:
         if t.device.type == "cpu":  # torchao's float temporaries, freed into glibc's heap
             trim_heap()
         return layer.weight
+
+    def finish(self, model: nn.Module) -> None:
+        """After the load: w8a8's layers converted (they hold a packed module, not a tensor);
+        the host memory the quantizing left behind released."""
+        if self.scheme == ROW_SCHEME:
+            quantize_rows(model)
+        release_host_memory(model)
 
 
 
@@ -237,6 +257,8 @@ def _is_torchao(t: torch.Tensor) -> bool:
 
 def quantized_scheme(model: nn.Module) -> str | None:
     """The scheme `model`'s weights are quantized with, None for plain tensors."""
+    if any(isinstance(m, RowInt8Linear) for m in model.modules()):
+        return ROW_SCHEME
     for p in model.parameters():
         if _is_torchao(p):
             return TENSOR_SCHEMES[type(p).__name__]
@@ -247,7 +269,8 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes the model's parameters and buffers hold: a torchao tensor counts the tensors it
     is made of (packed values, scales, zero points), not its logical shape times its dtype;
     a PackedLinear (unmask.packing) its packed weight."""
-    packed = sum(m.nbytes() for m in model.modules() if isinstance(m, PackedLinear))
+    packed = sum(m.nbytes() for m in model.modules()
+                 if isinstance(m, PackedLinear | RowInt8Linear))
     return packed + sum(_tensor_bytes(t) for t in (*model.parameters(), *model.buffers()))
 
 
@@ -269,6 +292,14 @@ def mib(n: int) -> str:
 
 
 # --- saved quantized folders ----------------------------------------------------------------------
+def check_saveable(model: nn.Module) -> None:
+    """CheckpointError for a model whose weights are not saved: w8a8's packed layers."""
+    if quantized_scheme(model) == ROW_SCHEME:
+        raise CheckpointError(f"a {ROW_SCHEME} model is not saved (its weights are packed for "
+                              f"oneDNN): save the float checkpoint and load it with quantize "
+                              f"{ROW_SCHEME}")
+
+
 def save_quantized(state: dict[str, torch.Tensor], scheme: str, out: Path) -> None:
     """Write a quantized model's state dict to out/QUANTIZED_FILE, with what loading checks."""
     device = next(iter(state.values())).device.type

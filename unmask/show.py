@@ -7,6 +7,8 @@ against loaded models in tests/test_show.py):
 - float: every parameter at the dtype's width;
 - int8 (``Int8Tensor``): one byte per block-linear weight, plus a float32 scale and an int8
   zero point per output row;
+- w8a8 (unmask.rowint8.RowInt8Linear): one byte per block-linear weight as oneDNN packs it,
+  plus a float32 scale and an int32 zero point per output row, the bias in float32;
 - int4 (``Int4OpaqueTensor`` on the CPU): half a byte per block-linear weight, plus a bfloat16
   scale and zero point per group of input features (the largest of unmask.quantize's group
   sizes that divides every width); the CUDA packing differs by a few bytes per row.
@@ -43,7 +45,7 @@ from unmask.errors import InputError
 from unmask.memory import GIB, PREFIX_SHARE, available_ram
 
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2}
-SCHEMES = ("int8", "int4")
+SCHEMES = ("int8", "int4", "w8a8")
 GEN_LENGTH = DecodeParams().gen_length
 
 
@@ -95,6 +97,10 @@ def weight_bytes(config, work: Workload) -> int:
     rest = (total - linear) * width
     if work.quantize == "int8":
         return rest + linear + sum(m.out_features for m in linears) * (4 + 1)
+    if work.quantize == "w8a8":
+        bias = sum(m.bias.numel() for m in linears if m.bias is not None)
+        return (rest + bias * (4 - width) + linear
+                + sum(m.out_features for m in linears) * (4 + 4))
     group = next((g for g in INT4_GROUP_SIZES if all(m.in_features % g == 0 for m in linears)),
                  None)
     if group is None:

@@ -14,7 +14,7 @@ over the cell's model calls:
   rows need (each row's tokens x (its tokens + its stored keys));
 - groups a call: the attention batches (`shape_groups`) of a model call, on average;
 - tokens forwarded / needed: the tokens the projections and MLPs see (padded rows, or packed
-  real tokens plus those added up to `MIN_ROWS`) over the rows' real tokens.
+  real tokens plus those added up to the runner's `ProductRows.blocks`) over the rows' real tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from unmask import LLM
 from unmask.api import useful_length
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
-from unmask.engine.runner import MIN_ROWS, Runner, shape_groups
+from unmask.engine.runner import Runner, shape_groups
 from unmask.tasks import TASKS
 
 SPECS = ("fast", "threshold,cache=entropy")
@@ -50,7 +50,7 @@ def counted_call(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows
     COUNTS["needed"] += int((n_tokens * (n_tokens + n_past)).sum())
     COUNTS["groups"] += len(groups)
     COUNTS["calls"] += 1
-    COUNTS["forwarded"] += r * t if unpacked else max(n, MIN_ROWS)
+    COUNTS["forwarded"] += r * t if unpacked else max(n, self.rows.blocks)
     COUNTS["tokens"] += n
     return CALL(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols)
 

@@ -74,9 +74,10 @@ def int4pack(group: int = 128) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
     return make
 
 
-def torchao(scheme: str) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
+def quantized(scheme: str) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
+    """A layer quantized by unmask.quantize.quantize_model (torchao's int8 / int4, or w8a8)."""
     def make(w: torch.Tensor) -> tuple[Kernel, int]:
-        from unmask.quantize import _tensor_bytes, quantize_model  # noqa: PLC0415
+        from unmask.quantize import quantize_model, weight_bytes  # noqa: PLC0415
 
         class M(torch.nn.Module):
             def __init__(self) -> None:
@@ -88,7 +89,7 @@ def torchao(scheme: str) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
             m.layers[0].weight.copy_(w)
         quantize_model(m, scheme)
         lin = m.layers[0]
-        return (lambda x: lin(x.to(torch.bfloat16))), _tensor_bytes(lin.weight)
+        return (lambda x: lin(x.to(torch.bfloat16))), weight_bytes(m)
     return make
 
 
@@ -113,11 +114,12 @@ CANDIDATES = {
     "f32 F.linear": f32_linear,
     "f32 F.linear K-major": f32_colmajor,
     "bf16 mkldnn packed": mkldnn_bf16,
-    "int8 torchao": torchao("int8"),
+    "int8 torchao": quantized("int8"),
     "int8pack bf16": int8pack(torch.bfloat16),
     "int8pack f32": int8pack(torch.float32),
     "int8 dynamic (fbgemm)": dynamic_int8,
-    "int4 torchao": torchao("int4"),
+    "int4 torchao": quantized("int4"),
+    "w8a8 per row (oneDNN)": quantized("w8a8"),
     "int4pack bf16": int4pack(),
 }
 

@@ -10,7 +10,7 @@ config in a temporary folder) and call shapes (rows x positions, K/V length), th
   only its tokens' rows) plus the stored K/V it attends to;
 - the read bandwidth of one thread and of all threads (a float32 sum over a buffer far larger
   than the last-level cache);
-- per format (bfloat16, int8, int4) and thread count: ms per call (median, formats interleaved
+- per format (bfloat16, int8, int4, w8a8) and thread count: ms per call (median, formats interleaved
   round-robin in one process), x its floor, x bfloat16's time;
 - decode tokens/s of `static-1` and `threshold` (random weights: speed, not accuracy);
 - the weights' bytes, and the resident memory after loading and at its peak while loading, each
@@ -43,7 +43,7 @@ from unmask.checkpoint import load_model, save_checkpoint
 from unmask.config import ModelConfig
 from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
-from unmask.engine.runner import MIN_ROWS
+from unmask.engine.product_rows import DEFAULT_MIN_ROWS, product_rows
 from unmask.hub import SHIPPED
 from unmask.kv import Frame, PastKV
 from unmask.models import build_model
@@ -59,7 +59,8 @@ SHAPES = {
 }
 # name -> --quantize; "bfloat16 F.linear" is bfloat16 as loaded before unmask.packing (the plain
 # weights through F.linear), for the side-by-side comparison
-FORMATS = {"bfloat16": None, "bfloat16 F.linear": "plain", "int8": "int8", "int4": "int4"}
+FORMATS = {"bfloat16": None, "bfloat16 F.linear": "plain", "int8": "int8", "int4": "int4",
+           "w8a8": "w8a8"}
 
 
 def load(folder: Path, scheme: str | None) -> torch.nn.Module:
@@ -128,19 +129,24 @@ def call(model: torch.nn.Module, rows: int, positions: int, kv: int) -> Callable
     return run
 
 
-def call_shapes(args: argparse.Namespace) -> list[tuple[int, int, str]]:
-    """(rows, positions per row, label) of each call to time: rows x positions as asked and,
-    where that is fewer than the runner's MIN_ROWS tokens, the call as the engine makes it:
-    its matrix products get MIN_ROWS rows (the runner pads the call with tokens no row attends
-    with, for batch invariance; here each row's positions are padded instead)."""
+def call_shapes(args: argparse.Namespace) -> list[tuple[int, int, str, bool]]:
+    """(rows, positions per row, label, as the engine) of each call to time: rows x positions
+    as asked and, where that is fewer than DEFAULT_MIN_ROWS tokens, the call as the engine makes
+    it: its matrix products get the rows their kind needs (`engine_positions`)."""
     out = []
     for rows in (int(r) for r in args.rows.split(",")):
-        out.append((rows, args.positions, f"{rows} x {args.positions}"))
-        if rows * args.positions < MIN_ROWS:
-            padded = -(-MIN_ROWS // rows)
-            out.append((rows, padded, f"{rows} x {args.positions} as the engine calls it "
-                                      f"({rows * padded} rows)"))
+        out.append((rows, args.positions, f"{rows} x {args.positions}", False))
+        if rows * args.positions < DEFAULT_MIN_ROWS:
+            out.append((rows, args.positions, f"{rows} x {args.positions} as the engine calls it",
+                        True))
     return out
+
+
+def engine_positions(model: torch.nn.Module, rows: int, positions: int) -> int:
+    """Positions per row of `model`'s call of rows x positions as the engine makes it: the
+    runner pads a call's products to the rows their kind needs (`product_rows`) with tokens no
+    row attends with; here each row's positions are padded instead."""
+    return max(positions, -(-product_rows(model).blocks // rows))
 
 
 def timed(fns: dict[str, Callable[[], object]], threads: int, repeat: int) -> dict[str, float]:
@@ -242,9 +248,13 @@ def report(folder: Path, args: argparse.Namespace) -> str:
               + ", ".join(f"{t} thread{'s' * (t > 1)} {bw[t] / 1e9:.1f} GB/s" for t in threads),
               "", "| rows x positions, K/V | threads | weights | bytes read | floor, ms | ms per "
               "call | x floor | x bfloat16 |", "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for rows, positions, label in call_shapes(args):
+    for rows, positions, label, engine in call_shapes(args):
+        width = {n: engine_positions(m, rows, positions) if engine else positions
+                 for n, m in models.items()}
+        if engine:
+            label += " (" + ", ".join(f"{n} {rows * w}" for n, w in width.items()) + " rows)"
         for t in threads:
-            secs = timed({n: call(m, rows, positions, args.kv) for n, m in models.items()},
+            secs = timed({n: call(m, rows, width[n], args.kv) for n, m in models.items()},
                          t, args.repeat)
             for name, m in models.items():
                 nbytes = bytes_read(m, rows, args.kv)

@@ -1,4 +1,5 @@
-"""int8 / int4 weights against float32 on this CPU, one thread, side by side in one run.
+"""int8 / int4 weights (and w8a8: int8 activations too) against float32 on this CPU, one thread,
+side by side in one run.
 
 1. The embedded model on held-out math (the same prompts for every variant): accuracy, token
    agreement with float32 (whole outputs identical, and positions equal), median TPS and the
@@ -45,7 +46,8 @@ from unmask.tasks import TASKS
 DECODERS = ("threshold", "exact,early_exit=true", "balanced", "fast")
 # (name, dtype, scheme): the variants, float32 first (the reference of agreement and speed)
 VARIANTS = (("float32", "float32", None), ("int8", "float32", "int8"),
-            ("bfloat16", "bfloat16", None), ("int4", "bfloat16", "int4"))
+            ("bfloat16", "bfloat16", None), ("int4", "bfloat16", "int4"),
+            ("w8a8", "bfloat16", "w8a8"))
 # LLaDA-8B (d_model 4096, 32 heads of 128, 32 layers, MLP 3x, vocabulary 126,464) at 1/4 width,
 # 12 layers, 1/8 vocabulary: 163M parameters in the blocks, 34M in embedding and head (17%,
 # against 13% at 8B).

@@ -97,7 +97,7 @@ class Buckets:
     """The bucketed forward of one runner: its rule and the buffers of the buckets it met.
 
     min_rows: a bucket's calls give every matrix product at least this many rows (the runner's
-    MIN_ROWS: fewer round differently on the CPU)."""
+    `ProductRows.blocks`: fewer can round differently)."""
 
     def __init__(self, rule: str, device: torch.device, min_rows: int) -> None:
         if rule not in BUCKET_RULES:

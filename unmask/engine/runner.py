@@ -21,6 +21,7 @@ from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
 from unmask.engine.buckets import Buckets, CallRows
+from unmask.engine.product_rows import product_rows
 from unmask.kv import Frame, KVStore, Past, RowGroup
 from unmask.suffix import SuffixPolicy
 from unmask.syncs import to_host
@@ -29,13 +30,13 @@ from unmask.syncs import to_host
 # CPU kernels round a row's results differently with the shapes around it (BENCHMARKS.md,
 # "Engine batching"): flash attention with the padding of its keys and queries, matrix products
 # with how many rows they get. So each row's attention runs at a shape of its own among rows of
-# that shape only (`shape_groups`), and every matrix product gets at least MIN_ROWS rows. The
+# that shape only (`shape_groups`), and every matrix product gets at least the rows its kind
+# needs (unmask/engine/product_rows.py: 16 in float32; fewer where a kernel was measured). The
 # shape (`ATTENTION_SHAPES`) is the row's exact one where a decode has a forward to match: no
 # padding key, so a row's attention is the plain forward's (or an exact cache's), bit for bit.
 # A cache that reads stale K/V (`Facts.stale_keys`) has no such forward, and there "canonical"
 # pads rows to `canonical_tokens` and `canonical_keys`: fewer shapes a call, faster at high
 # concurrency (docs/engine.md, "Batch invariance").
-MIN_ROWS = 16  # fp32 products of 1-3 rows rounded differently on an AVX2 EPYC, of < 8 on a Xeon
 TOKEN_STEP = 16  # canonical: forwarded tokens are padded to a multiple of this
 KEY_STEP = 16  # canonical: stored keys up to KEY_STEP * 4 to a multiple of this, then to 2^j
 # or 1.5 * 2^j
@@ -170,6 +171,7 @@ class Runner:
                  suffix: SuffixPolicy) -> None:
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
+        self.rows = product_rows(model)  # the fewest rows a call's products get
         # Entropies are computed only for the policies that read them.
         self.with_entropy = any(entry(kind, getattr(params, kind)).facts.reads_entropy
                                 for kind in ("cache", "remasking", "method"))
@@ -190,7 +192,7 @@ class Runner:
         # (the frame decides what a call attends to: unmask.kv.Frame.blocks).
         self.buckets = None
         if self.bucket_rule is not None and self.block_size is not None:
-            self.buckets = Buckets(self.bucket_rule, self.device, MIN_ROWS)
+            self.buckets = Buckets(self.bucket_rule, self.device, self.rows.blocks)
 
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device)
@@ -299,7 +301,7 @@ class Runner:
                                 logits_at=self._at_least(rows, cols))
             return logits[: rows.size], frame.fresh, None
         at = (np.cumsum(ok.reshape(-1)) - 1).reshape(r, t)  # (R, T) packed index of each token
-        extra = max(MIN_ROWS - n, 0)  # tokens that no row attends with, for the products' sake
+        extra = max(self.rows.blocks - n, 0)  # tokens that no row attends with, for the products' sake
         whole = len(groups) == 1 and not extra
         frame = Frame(key_mask=ok_t, packed=True, extra=extra,
                       groups=[self._group(g, whole, at, ok, t_hat, ok_t, past, blocks, blocks_t)
@@ -313,17 +315,18 @@ class Runner:
     def unpacked(self, n_groups: int, r: int, t: int, n: int) -> bool:
         """Whether a call of r rows x t places holding n real tokens, whose rows attend in
         n_groups shape groups, runs as padded rows (else packed). Packing saves the places
-        beyond the max(n, MIN_ROWS) tokens its products would run on: none for a row of
-        MIN_ROWS places, which then skips the gathers. A call of fewer places goes packed, so
-        that its products get MIN_ROWS rows."""
-        return (n_groups == 1 and r * t >= MIN_ROWS
-                and r * t - max(n, MIN_ROWS) < self.pack_min_padding * r * t)
+        beyond the max(n, m) tokens its products would run on (m: `self.rows.blocks`): none
+        for a row of m places, which then skips the gathers. A call of fewer places goes
+        packed, so that its products get m rows."""
+        m = self.rows.blocks
+        return n_groups == 1 and r * t >= m and r * t - max(n, m) < self.pack_min_padding * r * t
 
     def _at_least(self, rows: np.ndarray, cols: np.ndarray) -> tuple[Tensor, Tensor]:
-        """The LM head's (rows, cols) on the device, repeating the first position up to MIN_ROWS
-        (a few positions would round differently; the repeats are dropped)."""
-        if 0 < rows.size < MIN_ROWS:
-            rows, cols = (np.concatenate([a, np.repeat(a[:1], MIN_ROWS - a.size)])
+        """The LM head's (rows, cols) on the device, repeating the first position up to
+        `self.rows.head` (fewer positions could round differently; the repeats are dropped)."""
+        m = self.rows.head
+        if 0 < rows.size < m:
+            rows, cols = (np.concatenate([a, np.repeat(a[:1], m - a.size)])
                           for a in (rows, cols))
         return self._to_device(rows), self._to_device(cols)
 
