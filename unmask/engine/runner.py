@@ -21,6 +21,7 @@ from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
 from unmask.engine.buckets import Buckets, CallRows
+from unmask.engine.graphs import CudaGraphs, capture
 from unmask.kv import Frame, KVStore, Past, RowGroup
 from unmask.suffix import SuffixPolicy
 from unmask.syncs import to_host
@@ -167,7 +168,8 @@ class Runner:
     block_by_block: bool = True
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
-                 suffix: SuffixPolicy) -> None:
+                 suffix: SuffixPolicy, graphs: CudaGraphs | None = None) -> None:
+        """graphs: whether calls replay CUDA graphs (unmask.engine.graphs; None: never)."""
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
         # Entropies are computed only for the policies that read them.
@@ -176,7 +178,8 @@ class Runner:
         stale = entry("cache", params.cache).facts.stale_keys
         self.shapes = self.attention_shapes or ("canonical" if stale else "exact")
         self.block_size: int | None = getattr(model.config, "block_size", None)
-        self.by_block = (self.block_by_block and self.bucket_rule is None
+        self.buckets = self._buckets(graphs)
+        self.by_block = (self.block_by_block and self.buckets is None
                          and self.block_size is not None and self.shapes == "exact" and not stale)
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
@@ -186,11 +189,18 @@ class Runner:
         self.suppress = torch.cat([torch.tensor([mask_id] if mask_id < vocab else [],
                                                 dtype=torch.long, device=self.device), self.drop])
         self.shift = int(getattr(model, "logit_shift", 0))
-        # A block-causal model's forwarded tokens see their own block and earlier ones only
-        # (the frame decides what a call attends to: unmask.kv.Frame.blocks).
-        self.buckets = None
-        if self.bucket_rule is not None and self.block_size is not None:
-            self.buckets = Buckets(self.bucket_rule, self.device, MIN_ROWS)
+
+    def _buckets(self, graphs: CudaGraphs | None) -> Buckets | None:
+        """A block-causal model's bucketed forward: captured in CUDA graphs where `graphs` is
+        active (power-of-two buckets: few shapes, so few graphs), else by `bucket_rule`."""
+        self.captures = self.block_size is not None and graphs is not None and graphs.active(self.model)
+        if self.block_size is None:
+            return None
+        if self.captures:
+            return Buckets("pow2", self.device, MIN_ROWS, wrap=capture, max_keys=graphs.max_keys)
+        if self.bucket_rule is not None:
+            return Buckets(self.bucket_rule, self.device, MIN_ROWS)
+        return None
 
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device)

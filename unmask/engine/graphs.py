@@ -1,0 +1,125 @@
+"""`--cuda-graphs`: one CUDA graph per shape bucket, captured once and replayed every step.
+
+A graph replays the kernels it recorded on the addresses it recorded, so everything it reads
+must stay where it was: the bucket's input buffers (unmask/engine/buckets.py, `BucketCall`) and
+the K/V store, which is then allocated once at its full size (`CudaGraphs.store_capacity`) and
+never grown or compacted (unmask/engine/batch.py). The graph-holdable forward does all the work
+and is what the CPU tests run; this module only records it (`capture`) and decides whether to
+(`CudaGraphs.active`). The capture call itself runs only on a GPU (scripts/gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from unmask.errors import InputError
+
+log = logging.getLogger("unmask.engine")
+
+MODES = ("auto", "on", "off")
+WARMUP_CALLS = 3  # eager calls on a side stream before a capture, as torch.cuda.graphs asks
+
+
+@dataclass(frozen=True)
+class CudaGraphs:
+    """Whether an engine's calls replay CUDA graphs, and the K/V store they then need.
+
+    mode: "on" (refused where graphs cannot run), "auto" (on where they can: a CUDA device and a
+    block-causal model whose forward reads nothing from the host), "off".
+    rows: the store rows preallocated per decoder batch (the engine's max_running).
+    max_keys: the most stored keys a captured bucket reads; a call past it runs eagerly (the
+    log says so once): a bucket's buffers and graph grow with its keys."""
+
+    mode: str = "auto"
+    rows: int = 16
+    max_keys: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"cuda_graphs must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.rows < 1 or self.max_keys < 1:
+            raise InputError(f"cuda_graphs needs rows and max_keys >= 1: {self}")
+
+    def active(self, model: nn.Module) -> bool:
+        """Whether calls of `model` are captured: "on" where they cannot be is an InputError
+        saying what works instead; "auto" there logs why once and runs eagerly."""
+        why = unsupported(model)
+        if why is None:
+            return self.mode != "off"
+        if self.mode == "on":
+            raise InputError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off (eager "
+                             "calls, the same tokens)")
+        if self.mode == "auto":
+            _once(f"CUDA graphs off: {why}")
+        return False
+
+    def store_capacity(self, model: nn.Module) -> tuple[int, int]:
+        """(rows, positions) of a preallocated K/V store: every row as long as the longest
+        canvas the engine admits (max_sequence_length, up to its last block's end)."""
+        c = model.config
+        block = c.block_size or 1
+        return self.rows, -(-int(c.max_sequence_length) // block) * block
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why calls of `model` cannot be captured here, or None."""
+    device = _device(model)
+    if device.type != "cuda":
+        return f"they need a CUDA device, and the model is on {device.type}"
+    if not torch.cuda.is_available():
+        return "this torch build has no CUDA"
+    if getattr(model.config, "block_size", None) is None:
+        return ("only block-causal models (SDAR, LLaDA2, Fast-dLLM v2) have shape buckets "
+                "yet; a bidirectional canvas changes with padding")
+    if getattr(model, "forward_reads_host", False):
+        return f"{type(model).__name__}'s forward reads the host (a graph cannot hold it)"
+    return None
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+_logged: set[str] = set()
+
+
+def _once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)
+
+
+def eager(call: Callable[[], Any]) -> Callable[[], Any]:
+    """A bucket's call as it is (no capture)."""
+    return call
+
+
+def capture(call: Callable[[], Any]) -> Callable[[], Any]:
+    """`call` recorded as a CUDA graph: warm-up calls on a side stream (torch.cuda.graphs'
+    rule), one captured call, then each call replays it and returns the captured call's
+    outputs, overwritten in place by the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_CALLS):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+
+    def replay() -> Any:
+        graph.replay()
+        return out
+    return replay
+
+
+def beyond_buckets(max_keys: int) -> None:
+    """Log once that calls reading more than max_keys stored keys run eagerly."""
+    _once(f"CUDA graphs: calls reading more than {max_keys} stored keys run eagerly")
