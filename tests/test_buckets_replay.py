@@ -172,6 +172,8 @@ def test_the_store_is_allocated_once_at_its_capacity(monkeypatch) -> None:
     batch.filter([False])  # the last row leaves: a growing pool would be compacted to nothing
     assert batch.store.shape == (3, model.config.max_sequence_length)
     assert batch.store.kv.data_ptr() == at
+    # a long context is cut to max_keys, at a block's end
+    assert CudaGraphs("on", rows=2, max_keys=62).store_capacity(model) == (2, 64)
     # eager decoding keeps the growing pool
     assert Decoder(model, params, MASK, EOS).new_batch().store.shape == (0, 0)
 
@@ -188,7 +190,7 @@ def test_cuda_graphs_on_where_they_cannot_run_is_one_line() -> None:
 def test_auto_runs_eagerly_and_says_why_once(caplog) -> None:
     sdar = peaky_model("sdar", 0, 4.0, VOCAB, MASK, EOS)
     graphs_mod._logged.clear()
-    with caplog.at_level(logging.WARNING, logger="unmask.engine"):
+    with caplog.at_level(logging.INFO, logger="unmask.engine"):
         for _ in range(3):
             assert not CudaGraphs("auto").active(sdar)
     assert [r.getMessage() for r in caplog.records] == [

@@ -11,6 +11,7 @@ and is what the CPU tests run; this module only records it (`capture`) and decid
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,15 +57,18 @@ class CudaGraphs:
             raise InputError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off (eager "
                              "calls, the same tokens)")
         if self.mode == "auto":
-            _once(f"CUDA graphs off: {why}")
+            _once(logging.INFO, f"CUDA graphs off: {why}")
         return False
 
     def store_capacity(self, model: nn.Module) -> tuple[int, int]:
-        """(rows, positions) of a preallocated K/V store: every row as long as the longest
-        canvas the engine admits (max_sequence_length, up to its last block's end)."""
+        """(rows, positions) of a preallocated K/V store: each row as long as the model's
+        context (to its last block's end) or max_keys, the fewer: a longer row grows the store,
+        which moves it, and the buckets' calls are made again (those past max_keys run eagerly
+        anyway). A context of 32k positions for every row would not fit most devices."""
         c = model.config
         block = c.block_size or 1
-        return self.rows, -(-int(c.max_sequence_length) // block) * block
+        width = min(int(c.max_sequence_length), self.max_keys)
+        return self.rows, -(-width // block) * block
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -89,10 +93,10 @@ def _device(model: nn.Module) -> torch.device:
 _logged: set[str] = set()
 
 
-def _once(message: str) -> None:
+def _once(level: int, message: str) -> None:
     if message not in _logged:
         _logged.add(message)
-        log.warning(message)
+        log.log(level, message)
 
 
 def eager(call: Callable[[], Any]) -> Callable[[], Any]:
@@ -103,7 +107,8 @@ def eager(call: Callable[[], Any]) -> Callable[[], Any]:
 def capture(call: Callable[[], Any]) -> Callable[[], Any]:
     """`call` recorded as a CUDA graph: warm-up calls on a side stream (torch.cuda.graphs'
     rule), one captured call, then each call replays it and returns the captured call's
-    outputs, overwritten in place by the replay."""
+    outputs, overwritten in place by the replay. The log says what each capture took."""
+    start, held = time.perf_counter(), torch.cuda.memory_reserved()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -113,6 +118,9 @@ def capture(call: Callable[[], Any]) -> Callable[[], Any]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = call()
+    log.info("CUDA graph of bucket %s captured in %.0f ms, %.1f MiB more reserved",
+             getattr(call, "bucket", "?"), 1000 * (time.perf_counter() - start),
+             (torch.cuda.memory_reserved() - held) / 2**20)
 
     def replay() -> Any:
         graph.replay()
@@ -122,4 +130,5 @@ def capture(call: Callable[[], Any]) -> Callable[[], Any]:
 
 def beyond_buckets(max_keys: int) -> None:
     """Log once that calls reading more than max_keys stored keys run eagerly."""
-    _once(f"CUDA graphs: calls reading more than {max_keys} stored keys run eagerly")
+    _once(logging.WARNING, f"CUDA graphs: calls reading more than {max_keys} stored keys run "
+          "eagerly")
