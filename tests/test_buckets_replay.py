@@ -131,7 +131,7 @@ def graphs_decode(kind: str, spec: str, monkeypatch, batch: int, graphs: bool):
 
     with monkeypatch.context() as mp:
         mp.setattr(graphs_mod, "unsupported", lambda model: None)
-        mp.setattr(runner_mod, "capture", replaying)
+        mp.setattr(runner_mod, "capturer", lambda: replaying)
         mp.setattr(runner_mod.Runner, "block_by_block", False)
         mp.setattr(runner_mod, "score", spy)
         mp.setattr(KVStore, "write", write)
@@ -159,6 +159,7 @@ def test_graphs_on_give_todays_tokens_from_a_store_that_never_moves(kind: str, s
 def test_the_store_is_allocated_once_at_its_capacity(monkeypatch) -> None:
     model = peaky_model("sdar", 0, 4.0, VOCAB, MASK, EOS)
     monkeypatch.setattr(graphs_mod, "unsupported", lambda model: None)
+    monkeypatch.setattr(runner_mod, "capturer", lambda: replaying)
     # the exact block cache
     params = for_model(DecodeParams.parse("static-1", gen_length=16, block_length=4), model)
     runner = runner_mod.Runner(model, params, MASK, EOS, make_suffix_policy(params),

@@ -104,10 +104,19 @@ def eager(call: Callable[[], Any]) -> Callable[[], Any]:
     return call
 
 
-def capture(call: Callable[[], Any]) -> Callable[[], Any]:
-    """`call` recorded as a CUDA graph: warm-up calls on a side stream (torch.cuda.graphs'
-    rule), one captured call, then each call replays it and returns the captured call's
-    outputs, overwritten in place by the replay. The log says what each capture took."""
+def capturer() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    """`capture` into one memory pool for all the graphs of one runner: its buckets' calls
+    never overlap, and each call's outputs are read (scored, stored, or copied out) before the
+    next bucket's replay, so they may share their activations' memory."""
+    pool = torch.cuda.graph_pool_handle()
+    return lambda call: capture(call, pool)
+
+
+def capture(call: Callable[[], Any], pool: Any = None) -> Callable[[], Any]:
+    """`call` recorded as a CUDA graph (in memory `pool`, None: its own): warm-up calls on a
+    side stream (torch.cuda.graphs' rule), one captured call, then each call replays it and
+    returns the captured call's outputs, overwritten in place by the replay. The log says what
+    each capture took."""
     start, held = time.perf_counter(), torch.cuda.memory_reserved()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -116,7 +125,7 @@ def capture(call: Callable[[], Any]) -> Callable[[], Any]:
             call()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = call()
     log.info("CUDA graph of bucket %s captured in %.0f ms, %.1f MiB more reserved",
              getattr(call, "bucket", "?"), 1000 * (time.perf_counter() - start),

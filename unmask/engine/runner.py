@@ -21,7 +21,7 @@ from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
 from unmask.engine.buckets import Buckets, CallRows
-from unmask.engine.graphs import CudaGraphs, capture
+from unmask.engine.graphs import CudaGraphs, capturer
 from unmask.kv import Frame, KVStore, Past, RowGroup
 from unmask.suffix import SuffixPolicy
 from unmask.syncs import to_host
@@ -197,7 +197,7 @@ class Runner:
         if self.block_size is None:
             return None
         if self.captures:
-            return Buckets("pow2", self.device, MIN_ROWS, wrap=capture, max_keys=graphs.max_keys)
+            return Buckets("pow2", self.device, MIN_ROWS, wrap=capturer(), max_keys=graphs.max_keys)
         if self.bucket_rule is not None:
             return Buckets(self.bucket_rule, self.device, MIN_ROWS)
         return None
