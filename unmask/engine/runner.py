@@ -166,6 +166,9 @@ class Runner:
     # The exact block cache's rows attend block by block (kv.Frame.spans): a finished block's
     # K/V is then the same bits whichever call computed it (docs/engine.md, "Prefix reuse").
     block_by_block: bool = True
+    # Calls of fewer than MIN_ROWS places that attend block by block run as rows widened to
+    # MIN_ROWS places (`_widened`: the packed call's bits without its gathers); False: packed.
+    widen_small_calls: bool = True
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy, graphs: CudaGraphs | None = None) -> None:
@@ -302,6 +305,8 @@ class Runner:
         n = int(n_tokens.sum())
         ok_t = self._to_device(ok)
         blocks_t = None if blocks is None else self._to_device(blocks)
+        if self.widen_small_calls and self.by_block and len(groups) == 1 and r * t < MIN_ROWS:
+            return self._widened(ids, pos, ok_t, embeds, past, blocks, blocks_t, rows, cols)
         if self.unpacked(len(groups), r, t, n):
             frame = Frame(key_mask=ok_t, blocks=blocks_t) if past is None else past.frame(ok_t, blocks_t)
             frame.spans, frame.span_rows = self._spans(blocks, 0, t, past), self.block_size or 1
@@ -318,6 +323,32 @@ class Runner:
                             frame=frame,
                             embeds=None if embeds is None else self._packed(embeds[ok_t], extra),
                             logits_at=self._at_least(np.zeros_like(rows), at[rows, cols]))
+        return logits[: rows.size], frame.fresh, at
+
+    def _widened(self, ids: Tensor, pos: Tensor, ok_t: Tensor, embeds: Tensor | None,
+                 past: Past | None, blocks: np.ndarray, blocks_t: Tensor, rows: np.ndarray,
+                 cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray]:
+        """A call of fewer than MIN_ROWS places whose rows attend block by block (one shape
+        group, every place real), as rows widened to MIN_ROWS places in all: the products get
+        MIN_ROWS rows as a packed call's do, and attention, which reads only the blocks' own
+        spans, never sees the added places, so the bits are the packed call's without its
+        gathers in every layer (a batch-1 block-4 call: BENCHMARKS.md, "Host overhead").
+        Returns the logits, the fresh K/V (R, H_kv, W, D) and each real token's index among
+        the R*W places."""
+        r, t = ids.shape
+        w = -(-MIN_ROWS // r)
+
+        def widened(x: Tensor, fill: int | bool = 0) -> Tensor:  # (R, T, ...) -> (R, W, ...)
+            return torch.cat([x, x.new_full((r, w - t, *x.shape[2:]), fill)], dim=1)
+
+        key_mask, blocks_w = widened(ok_t, False), widened(blocks_t, np.iinfo(np.int64).max)
+        frame = (Frame(key_mask=key_mask, blocks=blocks_w) if past is None
+                 else past.frame(key_mask, blocks_w))
+        frame.spans, frame.span_rows = self._spans(blocks, 0, t, past), self.block_size
+        logits = self.model(widened(ids), widened(pos), frame=frame,
+                            embeds=None if embeds is None else widened(embeds),
+                            logits_at=self._at_least(rows, cols))
+        at = np.arange(r)[:, None] * w + np.arange(t)[None, :]  # (R, T)
         return logits[: rows.size], frame.fresh, at
 
     def unpacked(self, n_groups: int, r: int, t: int, n: int) -> bool:
