@@ -20,10 +20,10 @@ import torch
 from helpers import peaky_model
 
 from unmask.decoding.params import DecodeParams
-from unmask.engine import decode
+from unmask.engine import Engine, SchedulerConfig, decode
 from unmask.engine import graphs as graphs_mod
 from unmask.engine import runner as runner_mod
-from unmask.engine.buckets import Bucket, Buckets, CallOut
+from unmask.engine.buckets import Bucket, BucketCall, Buckets, CallOut
 from unmask.engine.decoder import Decoder
 from unmask.engine.graphs import CudaGraphs
 from unmask.engine.layout import for_model
@@ -226,3 +226,40 @@ def test_calls_past_the_largest_bucket_run_eagerly_and_say_so_once(caplog) -> No
         buckets.bucket_call(model, Bucket(4, 4, 64), store, True)
     assert len(wrapped) == 1  # the 16-key bucket only
     assert len(caplog.records) == 1 and "more than 16 stored keys run eagerly" in caplog.text
+
+
+def test_a_capture_that_fails_runs_eagerly_and_says_so_once(caplog) -> None:
+    model = peaky_model("sdar", 0, 4.0, VOCAB, MASK, EOS)
+
+    def failing(call):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    buckets = Buckets("pow2", torch.device("cpu"), 16, wrap=failing)
+    graphs_mod._logged.clear()
+    b = Bucket(4, 4, 0)
+    with caplog.at_level(logging.WARNING, logger="unmask.engine"):
+        call = buckets.bucket_call(model, b, None, True)
+        assert buckets.bucket_call(model, b, None, True) is call  # tried once
+    assert isinstance(call, BucketCall)  # the eager call, which still runs
+    assert [r.getMessage() for r in caplog.records] == [
+        "CUDA graph of bucket Bucket(rows=4, tokens=4, keys=0) not captured (RuntimeError: CUDA "
+        "error: operation not permitted when stream is capturing); its calls run eagerly"]
+
+
+def test_a_store_that_would_not_fit_is_refused_before_any_request(monkeypatch, caplog) -> None:
+    model = peaky_model("sdar", 0, 4.0, VOCAB, MASK, EOS)
+    monkeypatch.setattr(graphs_mod, "unsupported", lambda model: None)
+    # 2 x 2 layers x 2 K/V heads x 16 wide x 4 bytes = 512 bytes a position, 128 positions a row
+    monkeypatch.setattr(graphs_mod, "free_device_memory", lambda device: 512 * 128 * 3)
+    assert CudaGraphs("on", rows=3).active(model)
+    with pytest.raises(InputError, match=r"--cuda-graphs on: the K/V store graphs preallocate "
+                                         r"\(4 rows x 128 positions, 0.0 GiB\) does not fit.*"
+                                         r"--max-running.*use --cuda-graphs auto or off"):
+        Engine(model, SchedulerConfig(max_running=4), MASK, EOS, graphs=CudaGraphs("on"))
+    graphs_mod._logged.clear()
+    with caplog.at_level(logging.INFO, logger="unmask.engine"):
+        engine = Engine(model, SchedulerConfig(max_running=4), MASK, EOS,
+                        graphs=CudaGraphs("auto"))
+    assert engine.graphs is None and "does not fit" in caplog.text
+    assert Engine(model, SchedulerConfig(max_running=3), MASK, EOS,
+                  graphs=CudaGraphs("auto")).graphs is not None

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from unmask.engine.graphs import beyond_buckets, eager
+from unmask.engine.graphs import beyond_buckets, capture_failed, eager
 from unmask.kv import Frame, KVStore, Past
 
 NO_BLOCK = np.iinfo(np.int64).max  # a padding token's block: it sees every key
@@ -205,7 +205,11 @@ class Buckets:
             beyond_buckets(self.max_keys)
             wrapped: Callable[[], CallOut] = call
         else:
-            wrapped = self.wrap(call)
+            try:
+                wrapped = self.wrap(call)
+            except RuntimeError as e:  # out of memory, an op a graph cannot hold: serve on
+                capture_failed(b, e)
+                wrapped = call
         self.calls[b] = (store, wrapped)
         return wrapped
 

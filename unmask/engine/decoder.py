@@ -67,8 +67,8 @@ class Decoder:
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  graphs: CudaGraphs | None = None) -> None:
-        """graphs: whether the runner's calls replay CUDA graphs (None: never); where they do,
-        the batches' K/V stores are preallocated (unmask.engine.graphs)."""
+        """graphs: set when the runner's calls replay CUDA graphs (None: never); the batches'
+        K/V stores are then preallocated (unmask.engine.graphs)."""
         # per-row knobs at their defaults, so that nothing here reads one request's values
         params = batch_params(params)
         self.model, self.params = model, params

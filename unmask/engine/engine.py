@@ -74,8 +74,8 @@ class Engine:
         """mask_id / eos_id default to the model config's (tests override them). prefix: the
         store of finished blocks this engine reads and feeds (block-causal models' exact block
         cache only; several engines of one model may share one), or None: no reuse. graphs:
-        whether calls replay CUDA graphs (unmask.engine.graphs; None: never), with a K/V store
-        of max_running rows per batch."""
+        whether calls replay CUDA graphs where they can (unmask.engine.graphs; None: never),
+        with a K/V store of max_running rows per batch."""
         self.model = model
         # set for a block-causal model: its blocks, canvas and cache (unmask.engine.layout)
         self.block_size = block_size_of(model)
@@ -88,8 +88,9 @@ class Engine:
         self.eos_id = c.eos_token_id if eos_id is None else eos_id
         self.max_sequence_length = c.max_sequence_length
         self.scheduler = Scheduler(config or SchedulerConfig(), lambda r: decoder_key(r.params))
-        self.graphs = None if graphs is None else dataclasses.replace(
-            graphs, rows=self.scheduler.config.max_running)
+        # decided once, before any request (never mid-serve): the decoders capture iff set
+        rows = dataclasses.replace(graphs, rows=self.scheduler.config.max_running) if graphs else None
+        self.graphs = rows if rows is not None and rows.active(model) else None
         self.decoders: dict[Hashable, Decoder] = {}
         self.batches: dict[Hashable, DecodeBatch] = {}
         self.requests: dict[str, Request] = {}  # waiting or running

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from unmask.errors import InputError
+from unmask.memory import available_ram
 
 log = logging.getLogger("unmask.engine")
 
@@ -48,17 +49,32 @@ class CudaGraphs:
             raise InputError(f"cuda_graphs needs rows and max_keys >= 1: {self}")
 
     def active(self, model: nn.Module) -> bool:
-        """Whether calls of `model` are captured: "on" where they cannot be is an InputError
-        saying what works instead; "auto" there logs why once and runs eagerly."""
-        why = unsupported(model)
+        """Whether calls of `model` are captured: "on" where they cannot be (no CUDA, a model
+        a graph cannot hold, a store that would not fit) is an InputError saying what works
+        instead; "auto" there logs why once and runs eagerly."""
+        if self.mode == "off":
+            return False
+        why = unsupported(model) or self.too_big(model)
         if why is None:
-            return self.mode != "off"
+            return True
         if self.mode == "on":
             raise InputError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off (eager "
                              "calls, the same tokens)")
         if self.mode == "auto":
             _once(logging.INFO, f"CUDA graphs off: {why}")
         return False
+
+    def too_big(self, model: nn.Module) -> str | None:
+        """Why one batch's preallocated K/V store would not fit the device's free memory, or
+        None."""
+        rows, width = self.store_capacity(model)
+        need = rows * width * store_bytes_per_position(model)
+        free = free_device_memory(_device(model))
+        if need <= free:
+            return None
+        return (f"the K/V store graphs preallocate ({rows} rows x {width} positions, "
+                f"{need / 2**30:.1f} GiB) does not fit the device's free {free / 2**30:.1f} GiB "
+                "(fewer rows: --max-running)")
 
     def store_capacity(self, model: nn.Module) -> tuple[int, int]:
         """(rows, positions) of a preallocated K/V store: each row as long as the model's
@@ -86,6 +102,19 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def store_bytes_per_position(model: nn.Module) -> int:
+    """Bytes of K/V one stored position holds: 2 x layers x K/V heads x head width values."""
+    c = model.config
+    return 2 * c.n_layers * c.n_kv_heads * c.head_dim * next(model.parameters()).element_size()
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes free on the device (the RAM available, for a CPU standing for one in tests)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_ram()
+
+
 def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -97,6 +126,12 @@ def _once(level: int, message: str) -> None:
     if message not in _logged:
         _logged.add(message)
         log.log(level, message)
+
+
+def capture_failed(bucket: object, error: Exception) -> None:
+    """Log once that a bucket's capture failed and its calls run eagerly."""
+    _once(logging.WARNING, f"CUDA graph of bucket {bucket} not captured ({type(error).__name__}: "
+          f"{str(error).splitlines()[0] if str(error) else ''}); its calls run eagerly")
 
 
 def eager(call: Callable[[], Any]) -> Callable[[], Any]:

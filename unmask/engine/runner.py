@@ -172,7 +172,8 @@ class Runner:
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy, graphs: CudaGraphs | None = None) -> None:
-        """graphs: whether calls replay CUDA graphs (unmask.engine.graphs; None: never)."""
+        """graphs: set when calls replay CUDA graphs (the engine gives it only where
+        `CudaGraphs.active`; None: never)."""
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
         # Entropies are computed only for the policies that read them.
@@ -196,7 +197,7 @@ class Runner:
     def _buckets(self, graphs: CudaGraphs | None) -> Buckets | None:
         """A block-causal model's bucketed forward: captured in CUDA graphs where `graphs` is
         active (power-of-two buckets: few shapes, so few graphs), else by `bucket_rule`."""
-        self.captures = self.block_size is not None and graphs is not None and graphs.active(self.model)
+        self.captures = self.block_size is not None and graphs is not None
         if self.block_size is None:
             return None
         if self.captures:
