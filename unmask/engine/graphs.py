@@ -3,7 +3,8 @@
 A graph replays the kernels it recorded on the addresses it recorded, so everything it reads
 must stay where it was: the bucket's input buffers (unmask/engine/buckets.py, `BucketCall`) and
 the K/V store, which is then allocated once at its full size (`CudaGraphs.store_capacity`) and
-never grown or compacted (unmask/engine/batch.py). The graph-holdable forward does all the work
+never compacted (unmask/engine/batch.py; only a row longer than it grows it, and the calls are
+then made again). The graph-holdable forward does all the work
 and is what the CPU tests run; this module only records it (`capture`) and decides whether to
 (`CudaGraphs.active`). The capture call itself runs only on a GPU (scripts/gpu_check.py).
 """
@@ -60,8 +61,7 @@ class CudaGraphs:
         if self.mode == "on":
             raise InputError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off (eager "
                              "calls, the same tokens)")
-        if self.mode == "auto":
-            _once(logging.INFO, f"CUDA graphs off: {why}")
+        _once(logging.INFO, f"CUDA graphs off: {why}")  # auto
         return False
 
     def too_big(self, model: nn.Module) -> str | None:
