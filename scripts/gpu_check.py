@@ -1,6 +1,6 @@
 """The GPU check: what unmask does on an accelerator, in one command (docs/checkpoints.md § GPU).
 
-    python scripts/gpu_check.py --out DIR [--tiny] [--device cuda] [--budget 420]
+    python scripts/gpu_check.py --out DIR [--tiny] [--device cuda] [--budget 330]
         [--reference .ref/fast_dllm_llada] [--models llada,dream]
 
 Random-weight models of the published LLaDA-8B-Instruct, Dream-v0-Instruct-7B and SDAR-8B-Chat
@@ -34,8 +34,18 @@ numbers, not accuracy.
    `peak GiB` = peak device memory allocated during the decode (CUDA only). A `batch
    invariance` row per model and variant: the first prompt's tokens decoded alone against the
    same prompt as the first row of the batch-16 decode (on --tiny: of 2), identical or the
-   first position that differs. A `graphs` variant (CUDA graphs per shape bucket) is reported
-   as not built yet.
+   first position that differs. The `graphs` variant (`--cuda-graphs on`: one CUDA graph per
+   shape bucket, docs/engine.md "CUDA graphs") runs for every block-causal model listed, at
+   every batch of the eager variant: `model ms/call` is then a bucket call that replays a
+   graph (inputs copied into its buffers included, captures taken out), `graphs` and `capture
+   s` the captures a cell made and their time, `tokens vs eager` the first prompt's tokens
+   against the eager cell's. Elsewhere (a bidirectional model, no CUDA device) a skipped row
+   gives the reason; an error in a graphs cell is reported in its row and the rest still runs.
+
+The graphs check in one command, a few minutes on one H100 or H200:
+
+    python scripts/gpu_check.py --out benchmarks/gpu/DATE-graphs --models sdar,llada \
+        --variants eager,graphs --sections decode --budget 300
 4. load: a bfloat16 checkpoint of the LLaDA shape written to disk and loaded onto the device
    by `unmask.checkpoint.load_model` in a fresh process: seconds and the process's peak host
    memory (ru_maxrss), against the weights' size.
@@ -74,6 +84,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from unmask.config import ModelConfig  # noqa: E402
 from unmask.decoding.params import DecodeParams  # noqa: E402
 from unmask.engine import Engine, SchedulerConfig  # noqa: E402
+from unmask.engine import graphs as graphs_mod  # noqa: E402
+from unmask.engine.buckets import Buckets  # noqa: E402
+from unmask.engine.graphs import CudaGraphs  # noqa: E402
 from unmask.models import build_model  # noqa: E402
 from unmask.syncs import SyncCounter  # noqa: E402
 
@@ -398,24 +411,31 @@ def section_forward(report: Report, clock: Clock, family: str, device: torch.dev
 
 
 # --- 3. decode ----------------------------------------------------------------------------------
-class ForwardTimer:
-    """Wraps model.forward: seconds inside it, each call ended by a device synchronisation."""
+class CallTimer:
+    """Wraps owner.name (model.forward; with graphs, `Buckets.call`, which replays them):
+    seconds inside it, each call ended by a device synchronisation. Calls made while a graph
+    is being captured are left alone (a capture cannot synchronise); the captures' own time is
+    `graphs.capture`'s (`capture s`), taken out of the calls that made them."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, owner: Any, name: str, device: torch.device) -> None:
         self.seconds, self.calls = 0.0, 0
-        self.model, self.inner, self.device = model, model.forward, device
-        model.forward = self  # nn.Module.__call__ looks up forward on the instance first
+        self.owner, self.name, self.inner, self.device = owner, name, getattr(owner, name), device
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        out = self.inner(*args, **kwargs)
-        sync(self.device)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        return out
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return self.inner(*args, **kwargs)
+            t = time.perf_counter()
+            out = self.inner(*args, **kwargs)
+            sync(self.device)
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+            return out
+        # an instance's attribute shadows its class's method (nn.Module.__call__ looks up
+        # forward on the instance first); a class's is a plain function, bound as a method
+        setattr(owner, name, timed)
 
     def remove(self) -> None:
-        self.model.forward = self.inner
+        setattr(self.owner, self.name, self.inner)
 
 
 def copy_bandwidth(device: torch.device, mib: int) -> float:
@@ -427,17 +447,20 @@ def copy_bandwidth(device: torch.device, mib: int) -> float:
 
 
 def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch.device,
-               seed: int = 0) -> tuple[dict[str, Any], list[int]]:
+               seed: int = 0, graphs: bool = False) -> tuple[dict[str, Any], list[int]]:
     """One decode of `batch` random prompts through the engine: its metrics and the first
-    prompt's tokens (the same prompt at every batch)."""
+    prompt's tokens (the same prompt at every batch). graphs: with `--cuda-graphs on`, the
+    model's calls timed as the bucket calls that replay them, captures taken out."""
     c = model.config
     params = DecodeParams.parse(spec, gen_length=sz.gen_length,
                                 block_length=c.block_size or sz.block_length)
     g = torch.Generator().manual_seed(seed)
     high = min(c.vocab_size, c.mask_token_id)
     prompts = [torch.randint(0, high, (sz.prompt,), generator=g).tolist() for _ in range(batch)]
-    engine = Engine(model, SchedulerConfig(max_running=batch))
-    timer = ForwardTimer(model, device)
+    engine = Engine(model, SchedulerConfig(max_running=batch),
+                    graphs=CudaGraphs("on") if graphs else None)
+    timer = CallTimer(Buckets, "call", device) if graphs else CallTimer(model, "forward", device)
+    capture_timer = CallTimer(graphs_mod, "capture", device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     # on the CPU, count the reads the same decode would make on a GPU
@@ -452,15 +475,18 @@ def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch
         sync(device)
         wall = time.perf_counter() - t
     finally:
-        timer.remove()
+        for t in (timer, capture_timer):
+            t.remove()
     failed = [r.error for r in reqs if r.finish_reason == "error"]
     if failed:
         raise RuntimeError(f"request failed in the engine: {failed[0]}")
     row = {"canvas tok/s": batch * sz.gen_length / wall, "wall s": wall,
            "nfe": statistics.mean(r.nfe for r in reqs), "steps": steps,
            "host ms/step": (wall - timer.seconds) / steps * 1e3,
-           "model ms/call": timer.seconds / max(timer.calls, 1) * 1e3,
+           "model ms/call": (timer.seconds - capture_timer.seconds) / max(timer.calls, 1) * 1e3,
            "host syncs/step": syncs.total / steps}
+    if graphs:
+        row |= {"graphs": capture_timer.calls, "capture s": capture_timer.seconds}
     if device.type == "cuda":
         row["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
     return row, reqs[0].token_ids
@@ -498,26 +524,40 @@ def invariance(alone: list[int], inside: list[int]) -> str:
     return f"differ from position {first}"
 
 
+def graphs_skip(family: str, device: torch.device, tiny: bool) -> str | None:
+    """Why the graphs variant cannot run here, known before the model is built, or None (once
+    built, graphs.unsupported says the rest: an error row)."""
+    if published_config(family, tiny).block_size is None:
+        return "only block-causal models have shape buckets (docs/engine.md, \"CUDA graphs\")"
+    if device.type != "cuda":
+        return f"CUDA graphs need a CUDA device; this run is on {device.type}"
+    return None
+
+
 def section_decode(report: Report, clock: Clock, family: str, device: torch.device, sz: Sizes,
                    variants: list[str], tiny: bool) -> None:
     block = published_config(family, tiny).block_size is not None
+    eager_tokens: dict[tuple[int, str], list[int]] = {}
     for variant in variants:
         head = {"model": family, "variant": variant}
-        if variant == "graphs":
-            report.add("decode", {**head, "skipped": "CUDA graphs per shape bucket are not built "
-                                  "yet (docs/engine.md, \"Host syncs\"): nothing to capture"})
+        graphs = variant == "graphs"
+        why = graphs_skip(family, device, tiny) if graphs else None
+        if why is not None:
+            report.add("decode", {**head, "skipped": why})
             continue
         row0 = {**head, "decoder": "(warm-up: threshold)", "batch": sz.batches[0]}
         with cell_guard(report, "decode", clock, row0, need=20) as row:
             if row is None:
                 return
-            model, info = variant_model(family, variant, device, sz, tiny)
+            model, info = variant_model(family, "eager" if graphs else variant, device, sz, tiny)
             row.update(info)
+            if graphs and graphs_mod.unsupported(model) is not None:
+                raise RuntimeError(graphs_mod.unsupported(model))
             compiled = variant.startswith("compile")
             counter = importlib.import_module("unmask.compiling").recompile_count if compiled else None
             before, t = counter() if counter else 0, time.perf_counter()
             # warm-up (kernel selection, allocator; compilation): the first cell would pay it
-            run_decode(model, "threshold", sz.batches[0], sz, device)
+            run_decode(model, "threshold", sz.batches[0], sz, device, graphs=graphs)
             row["warm-up s"] = time.perf_counter() - t
             if counter:
                 row["recompiles"] = counter() - before
@@ -527,7 +567,7 @@ def section_decode(report: Report, clock: Clock, family: str, device: torch.devi
         if row is None or "error" in row:
             continue
         cells = [(b, spec) for b in sz.batches for spec in (WIDE[family] if block else DECODERS)]
-        if variant == "eager":  # (compiled, each new batch would compile again)
+        if variant in ("eager", "graphs"):  # (compiled, each new batch would compile again)
             cells += [(b, spec) for b in sz.wide_batches for spec in WIDE[family]]
         tokens: dict[tuple[int, str], list[int]] = {}
         for batch, spec in sorted(cells):
@@ -535,9 +575,14 @@ def section_decode(report: Report, clock: Clock, family: str, device: torch.devi
                             {**head, "decoder": spec, "batch": batch}, need=5) as r:
                 if r is None:
                     break
-                measured, tokens[batch, spec] = run_decode(model, spec, batch, sz, device)
+                measured, tokens[batch, spec] = run_decode(model, spec, batch, sz, device,
+                                                           graphs=graphs)
                 r.update(measured)
                 r.update({"floor ms": floor * 1e3, "x floor": measured["model ms/call"] / 1e3 / floor})
+                if graphs and (batch, spec) in eager_tokens:
+                    r["tokens vs eager"] = invariance(eager_tokens[batch, spec], tokens[batch, spec])
+        if variant == "eager":
+            eager_tokens = tokens
         wide = max(sz.batches)
         for spec in WIDE[family]:
             if (1, spec) in tokens and (wide, spec) in tokens:
@@ -604,17 +649,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json and .md")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run, < 2 minutes)")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
-    p.add_argument("--budget", type=float, default=420.0,
+    p.add_argument("--budget", type=float, default=330.0,
                    help="seconds; cells that would start later are skipped")
     p.add_argument("--reference", type=Path, default=None,
                    help="folder of Fast-dLLM's LLaDA modeling files (configuration_llada.py, "
                         "modeling_llada.py, __init__.py) to compare LLaDA logits against")
     p.add_argument("--models", default="llada,dream,sdar", help="comma-separated: llada, dream, sdar")
-    p.add_argument("--variants", default="eager,int8,int4,compile",
+    p.add_argument("--variants", default="eager,graphs,int8,int4,compile",
                    help="decode variants for the first model (the others run eager only): eager, "
                         "int8, int4, compile[:MODE] (torch.compile mode, e.g. max-autotune-no-cudagraphs; "
-                        "CUDA-graph modes are refused, an error row), graphs (not built yet: a "
-                        "skipped row)")
+                        "CUDA-graph modes are refused, an error row), graphs (--cuda-graphs on: "
+                        "block-causal models, every model listed; a skipped row elsewhere, with "
+                        "the reason)")
     p.add_argument("--sections", default="logits,forward,decode,load",
                    help="comma-separated, run in this order: logits, forward, decode, load")
     args = p.parse_args(argv)
@@ -639,7 +685,9 @@ def run_section(section: str, report: Report, clock: Clock, family: str, device:
         del model
         free(device)
     elif section == "decode":
-        variants = args.variants.split(",") if first else ["eager"]
+        asked = args.variants.split(",")
+        # graphs run for every model (each block-causal one has a row), the rest on the first
+        variants = asked if first else ["eager"] + [v for v in asked if v == "graphs"]
         section_decode(report, clock, family, device, sz, variants, args.tiny)
 
 

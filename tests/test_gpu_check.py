@@ -26,10 +26,12 @@ def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
     assert set(sections) == {"logits", "forward", "decode", "load"}
     rows = [r for rs in sections.values() for r in rs]
     assert not [r for r in rows if "error" in r]
-    # every cell ran but the graphs variant, which says why not
-    skipped = [r for r in rows if "skipped" in r]
-    assert [(r["model"], r["variant"]) for r in skipped] == [("llada", "graphs")]
-    assert "not built yet" in skipped[0]["skipped"]
+    # every cell ran but the graphs variant (every model's), which says why not
+    skipped = {(r["model"], r["variant"]): r["skipped"] for r in rows if "skipped" in r}
+    assert set(skipped) == {("llada", "graphs"), ("dream", "graphs"), ("sdar", "graphs")}
+    assert "only block-causal models" in skipped["llada", "graphs"]
+    assert "only block-causal models" in skipped["dream", "graphs"]
+    assert "need a CUDA device; this run is on cpu" in skipped["sdar", "graphs"]
     # bf16 against fp32 of the same weights: close, not equal
     for r in sections["logits"]:
         assert 0 < r["max |diff|"] < 0.1 and not r["bit-identical"]
@@ -57,3 +59,28 @@ def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
     assert sections["load"][0]["load s"] > 0
     md = (tmp_path / "gpu_check.md").read_text()
     assert "## decode" in md and "| llada | eager | fast | 2 |" in md
+
+
+def test_the_graphs_cells_measure_bucket_calls_and_compare_tokens(monkeypatch) -> None:
+    """The graphs variant's decode, on the CPU with the capture replaced by the stand-in of
+    tests/test_buckets_replay.py (a GPU runs the real one): bucket calls timed, the same tokens
+    as the eager cell."""
+    import torch
+    from test_buckets_replay import replaying
+
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    import gpu_check
+
+    from unmask.engine import graphs as graphs_mod
+    from unmask.engine import runner as runner_mod
+
+    monkeypatch.setattr(graphs_mod, "unsupported", lambda model: None)
+    monkeypatch.setattr(runner_mod, "capturer", lambda: replaying)
+    sz, cpu = gpu_check.Sizes.of(True), torch.device("cpu")
+    model, _ = gpu_check.variant_model("sdar", "eager", cpu, sz, True)
+    eager, eager_tokens = gpu_check.run_decode(model, "threshold", 2, sz, cpu)
+    graphs, graphs_tokens = gpu_check.run_decode(model, "threshold", 2, sz, cpu, graphs=True)
+    assert graphs_tokens == eager_tokens
+    assert graphs["model ms/call"] > 0 and graphs["nfe"] == eager["nfe"]
+    assert graphs["graphs"] == 0 and graphs["capture s"] == 0  # the stand-in captures nothing
+    assert model.forward.__func__ is type(model).forward  # the timers are gone

@@ -22,6 +22,7 @@ from unmask.compiling import check_compile, compile_model
 from unmask.decoding.grammar import Constraint, ResponseFormat, TokenAutomaton, as_format, token_bytes
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
+from unmask.engine.graphs import CudaGraphs
 from unmask.engine.layout import model_defaults
 from unmask.engine.prefix_store import make_prefix_store
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
@@ -228,7 +229,7 @@ class LLM:
     def __init__(self, path: str | Path | None = None, device: str | None = None,
                  dtype: str | None = None, quantize: str | None = None,
                  compile: bool = False, prefix_cache: bool = True,
-                 prefix_cache_gib: float | None = None) -> None:
+                 prefix_cache_gib: float | None = None, cuda_graphs: str = "auto") -> None:
         """quantize: None, or "int8" / "int4": the transformer blocks' linear weights quantized
         at load (unmask.quantize); "w8a8": int8 weights and activations (unmask.rowint8).
         A folder saved quantized loads quantized as saved. compile:
@@ -236,7 +237,9 @@ class LLM:
         the first calls of new shapes then take seconds each). prefix_cache: a block-causal
         model's finished blocks are kept and reused by every engine of this LLM
         (`prefix_store`; docs/engine.md, "Prefix reuse"), under prefix_cache_gib GiB (default
-        a share of the memory free after the load)."""
+        a share of the memory free after the load). cuda_graphs: "auto", "on" or "off", one
+        CUDA graph replayed per shape bucket of a block-causal model's calls (docs/engine.md,
+        "CUDA graphs"); "on" where they cannot run is an InputError saying what works instead."""
         if not isinstance(compile, bool):
             raise InputError(f"compile must be True or False, got {compile!r}")
         if path is not None:
@@ -275,6 +278,8 @@ class LLM:
         if compile:  # after quantization: the compiled layers trace the weights they will run
             compile_model(self.model)
         self.config = self.model.config
+        self.graphs = CudaGraphs(cuda_graphs)
+        self.graphs.active(self.model)  # "on" that cannot run: refused before any request
         self.prefix_store = make_prefix_store(self.model, self.device, prefix_cache,
                                               prefix_cache_gib)
         self.tokenizer = load_tokenizer(self.path)
@@ -412,7 +417,7 @@ class LLM:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         reqs = decode(self.model, params, prompt_ids, max_running=batch_size, on_event=on_event,
-                      constraints=constraints, prefix=self.prefix_store)
+                      constraints=constraints, prefix=self.prefix_store, graphs=self.graphs)
         return [self.generation(r) for r in reqs]
 
     def generation(self, r: Request) -> Generation:

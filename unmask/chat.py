@@ -84,7 +84,8 @@ class Chat:
         self.console = console
         self.typed = dict(typed or {})
         # the LLM's prefix store: a turn reads the history's blocks the last turn left there
-        self.engine = Engine(llm.model, SchedulerConfig(max_running=1), prefix=llm.prefix_store)
+        self.engine = Engine(llm.model, SchedulerConfig(max_running=1), prefix=llm.prefix_store,
+                             graphs=llm.graphs)
         self.history: list[dict[str, str]] = []
         self.keep_history = keep_history
         self.stats: AnswerStats | None = None

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from unmask.cli_args import (
     add_decode_arguments,
     add_format_arguments,
+    add_graph_arguments,
     add_model_arguments,
     add_prefix_arguments,
     chat_for,
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "header line")
     add_model_arguments(g)
     add_prefix_arguments(g)
+    add_graph_arguments(g)
     add_decode_arguments(g)
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")

@@ -84,6 +84,15 @@ def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
                    help="recompute every prompt from scratch (no reuse across requests)")
 
 
+def add_graph_arguments(p: argparse.ArgumentParser) -> None:
+    """CUDA graphs (docs/engine.md, "CUDA graphs"): the commands that run an engine for long
+    (generate, serve)."""
+    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="replay one CUDA graph per shape bucket of a block-causal model's calls "
+                        "(auto: where they can run, a CUDA device; on: refuse to start where "
+                        "they cannot; default: auto)")
+
+
 def load_llm(args: argparse.Namespace) -> LLM:
     """The model the arguments of add_model_arguments name, run on --threads CPU threads, else
     on unmask.api.default_threads' choice; with --quantize, a note on stderr says what its
@@ -94,7 +103,8 @@ def load_llm(args: argparse.Namespace) -> LLM:
         set_threads(args.threads)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize,
               compile=args.compile, prefix_cache=getattr(args, "prefix_cache", False),
-              prefix_cache_gib=getattr(args, "prefix_cache_gib", None))
+              prefix_cache_gib=getattr(args, "prefix_cache_gib", None),
+              cuda_graphs=getattr(args, "cuda_graphs", "auto"))
     if args.threads is None:
         n, why = default_threads(sum(p.numel() for p in llm.model.parameters()))
         set_threads(n)

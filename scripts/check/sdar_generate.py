@@ -3,7 +3,7 @@ decoders, token by token, on the same weights and held-out math prompts.
 
     python scripts/check/sdar_generate.py <JetAstra/SDAR> <cychomatica/FreeDave> \\
         [--model FOLDER] [--n 16] [--gen-length 32] [--dtype float32|bfloat16] \\
-        [--out benchmarks/check/sdar-generate.md]
+        [--out benchmarks/check/sdar-generate.md] [--setting static-1 ...]
 
 Each repository path is a checkout or a bare git directory (the `fetch` tool's mirror). What
 the references compute, and where it is not what their names say: docs/sdar-reference-
@@ -414,10 +414,14 @@ def summary_row(setting: Setting, runs: dict[str, list[Run]], seconds: dict[str,
     return f"| {setting.name} | {first} | {same} | {totals(runs)} | {times(seconds)} |"
 
 
-def check(s: Sides, prompts: list[list[int]]) -> tuple[list[str], list[str]]:
-    """(the summary table's rows, the per-setting sections)."""
+def check(s: Sides, prompts: list[list[int]], only: list[str] | None = None,
+          ) -> tuple[list[str], list[str]]:
+    """(the summary table's rows, the per-setting sections); only: the settings of those names
+    (None: all)."""
     rows, body = [], []
     for setting in settings(s.block, s.gen_length):
+        if only is not None and setting.name not in only:
+            continue
         runs, seconds = {}, {}
         for side in setting.sides:
             # CPU time of this process (one torch thread by default): the machine's other
@@ -519,6 +523,8 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="both models' weights (the published ones are bfloat16)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--setting", action="append", dest="only",
+                    help="run only the setting of this name (repeatable; default: every one)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -534,7 +540,7 @@ def main() -> None:
                   load_sdar_generate(args.sdar, True), load_freedave(args.freedave), llm,
                   c.block_size, c.mask_token_id, c.eos_token_id, args.gen_length)
         prompts = [llm.encode_prompt(e.prompt) for e in load_task("math", args.n).examples]
-        rows, body = check(s, prompts)
+        rows, body = check(s, prompts, args.only)
         text = report(args, s, prompts, rows, body, time.perf_counter() - start)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

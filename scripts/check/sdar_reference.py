@@ -107,7 +107,8 @@ def default_rope(config, device=None) -> tuple[torch.Tensor, float]:
 
 
 def load_reference(repo: Path, model: str) -> types.ModuleType:
-    """The reference's modeling_sdar as package `sdar_reference` in a temporary folder."""
+    """The reference's modeling_sdar as package `sdar_modeling` in a temporary folder (not this
+    module's own name `sdar_reference`, which the scripts import it by)."""
     # transformers checks for flash_attn when these load: import them before the stand-ins exist
     import transformers.activations  # noqa: F401
     import transformers.generation  # noqa: F401
@@ -122,16 +123,16 @@ def load_reference(repo: Path, model: str) -> types.ModuleType:
     rope_utils.ROPE_INIT_FUNCTIONS.setdefault("default", default_rope)
     for name in ("flash_attn", "flash_attn.ops", "flash_attn.ops.triton",
                  "flash_attn.ops.triton.layer_norm", "flash_attn.bert_padding", "einops",
-                 "sdar_reference.fused_linear_diffusion_cross_entropy"):
+                 "sdar_modeling.fused_linear_diffusion_cross_entropy"):
         sys.modules[name] = types.ModuleType(name)
     sys.modules["flash_attn.ops.triton.layer_norm"].rms_norm_fn = flash_rms_norm
     sys.modules["flash_attn"].flash_attn_func = flash_attn_func
     sys.modules["einops"].rearrange = rearrange
-    loss = sys.modules["sdar_reference.fused_linear_diffusion_cross_entropy"]
+    loss = sys.modules["sdar_modeling.fused_linear_diffusion_cross_entropy"]
     loss.FusedLinearDiffusionCrossEntropyLoss = None  # training only
     files = {stem: read_reference(repo, model, f"{stem}.py")
              for stem in ("configuration_sdar", "modeling_sdar")}
-    return importlib.import_module(f"{scratch_package('sdar_reference', files).__name__}.modeling_sdar")
+    return importlib.import_module(f"{scratch_package('sdar_modeling', files).__name__}.modeling_sdar")
 
 
 def scratch_package(name: str, files: dict[str, bytes]) -> types.ModuleType:
@@ -168,7 +169,7 @@ def pair(ref_module: types.ModuleType, raw: dict, seed: int):
 
 def reference_model(ref_module: types.ModuleType, raw: dict, state: dict) -> torch.nn.Module:
     """The reference's SDARForCausalLM in float32 from a config.json dict, holding `state`."""
-    config_cls = importlib.import_module("sdar_reference.configuration_sdar").SDARConfig
+    config_cls = importlib.import_module("sdar_modeling.configuration_sdar").SDARConfig
     # transformers 4.52 gave every config pad_token_id None; 5 gives none (the embedding reads it)
     config = config_cls(pad_token_id=None, **{k: v for k, v in raw.items() if k != "torch_dtype"})
     config._attn_implementation = "sdpa"  # the published "flex_attention" is training's

@@ -99,9 +99,13 @@ class Rows:
 
 class DecodeBatch:
     def __init__(self, mask_id: int, eos_id: int, device: torch.device,
-                 store_shape: tuple[int, int, int, torch.dtype] | None) -> None:
+                 store_shape: tuple[int, int, int, torch.dtype] | None,
+                 capacity: tuple[int, int] | None = None) -> None:
         """store_shape: (n_layers, n_kv_heads, head_dim, dtype) when the decoder keeps a K/V
-        store, else None."""
+        store, else None. capacity: (rows, positions) of a store allocated once at that size and
+        never compacted, so that its tensor stays where a captured CUDA graph reads it
+        (unmask.engine.graphs); None: a pool that grows with its rows and shrinks when they
+        leave."""
         self.mask_id, self.eos_id, self.device = mask_id, eos_id, device
         self.store_shape = store_shape
         self.requests: list[Request] = []
@@ -118,9 +122,12 @@ class DecodeBatch:
         self.store: KVStore | None = None
         self.store_row = np.empty(0, dtype=np.int64)  # (R,) the row's store row
         self._free: list[int] = []  # store rows no batch row holds
+        self.fixed_store = capacity is not None
         if store_shape is not None:
             n_layers, n_kv, head_dim, dtype = store_shape
-            self.store = KVStore.empty(n_layers, 0, n_kv, 0, head_dim, dtype, device)
+            rows, width = capacity or (0, 0)
+            self.store = KVStore.empty(n_layers, rows, n_kv, width, head_dim, dtype, device)
+            self._free = list(range(rows))
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -187,7 +194,10 @@ class DecodeBatch:
 
     def _compact_store(self) -> None:
         """Give the pool's memory back once it holds more than twice what the rows use (one copy;
-        so the store never holds more than twice the canvas area the scheduler budgets)."""
+        so the store never holds more than twice the canvas area the scheduler budgets); a
+        preallocated store stays as it is."""
+        if self.fixed_store:
+            return
         n, width = self.store.shape
         used = max((r.slots for r in self.requests), default=0)
         if n * width <= 2 * len(self.requests) * used:

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from unmask.kv import Frame, Past
+from unmask.engine.graphs import beyond_buckets, capture_failed, eager
+from unmask.kv import Frame, KVStore, Past
 
 NO_BLOCK = np.iinfo(np.int64).max  # a padding token's block: it sees every key
 
@@ -45,6 +46,7 @@ def next_pow2(n: np.ndarray) -> np.ndarray:
 
 
 BUCKET_RULES: dict[str, Callable[[np.ndarray], np.ndarray]] = {"exact": exact_count, "pow2": next_pow2}
+CallOut = tuple[Tensor, list[tuple[Tensor, Tensor]]]  # a bucket call's logits and fresh K/V
 
 
 @dataclass(frozen=True)
@@ -93,17 +95,56 @@ class CallRows:
     cols: np.ndarray  # (N,) and places
 
 
+class BucketCall:
+    """One bucket's forward from its buffers: the region a CUDA graph captures and replays.
+
+    Called with no arguments: every input is a persistent buffer (`BucketBuffers`), overwritten
+    in place between calls, and the K/V store is read at the flat indices in `buffers.flat`, so
+    a call reads nothing from the host, depends on no Python-side shape and allocates no K/V
+    storage (tests/test_buckets_replay.py). It returns the logits (R_b*T_b, V) at the LM head's
+    positions and each layer's fresh (k, v) (R_b, H_kv, T_b, D): a replayed graph's outputs,
+    overwritten by the next call."""
+
+    def __init__(self, model: nn.Module, buffers: BucketBuffers, bucket: Bucket,
+                 store: KVStore | None, block_causal: bool) -> None:
+        self.model, self.buffers, self.bucket, self.store = model, buffers, bucket, store
+        self.block_causal = block_causal
+
+    def __call__(self) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        buf = self.buffers
+        blocks = buf.blocks if self.block_causal else None
+        if self.store is None:
+            frame = Frame(key_mask=buf.key_mask, blocks=blocks)
+        else:
+            frame = Frame(key_mask=buf.key_mask,
+                          past=self.store.read(buf.flat, (self.bucket.rows, self.bucket.keys)),
+                          past_mask=buf.past_mask, blocks=blocks,
+                          past_blocks=buf.past_blocks if self.block_causal else None)
+        with torch.no_grad():
+            logits = self.model(buf.ids, buf.pos, frame=frame, logits_at=(buf.at_rows, buf.at_cols))
+        return logits, frame.fresh
+
+
 class Buckets:
-    """The bucketed forward of one runner: its rule and the buffers of the buckets it met.
+    """The bucketed forward of one runner: its rule and the buffers and calls of the buckets it
+    met.
 
     min_rows: a bucket's calls give every matrix product at least this many rows (the runner's
-    `ProductRows.blocks`: fewer can round differently)."""
+    `ProductRows.blocks`: fewer can round differently). wrap: what a bucket's call becomes
+    (unmask.engine.graphs: `eager`, or `capture` for a CUDA graph); max_keys: calls reading
+    more stored keys run eagerly, unwrapped (None: no limit)."""
 
-    def __init__(self, rule: str, device: torch.device, min_rows: int) -> None:
+    def __init__(self, rule: str, device: torch.device, min_rows: int,
+                 wrap: Callable[[BucketCall], Callable[[], CallOut]] = eager,
+                 max_keys: int | None = None) -> None:
         if rule not in BUCKET_RULES:
             raise ValueError(f"unknown bucket rule {rule!r}; valid: {', '.join(BUCKET_RULES)}")
         self.round, self.device, self.min_rows = BUCKET_RULES[rule], device, min_rows
+        self.wrap, self.max_keys = wrap, max_keys
         self.buffers: dict[Bucket, BucketBuffers] = {}
+        # each bucket's call and the store it reads (a call reads the store's tensor where it
+        # was when the call was made: a store that moved gets a new call)
+        self.calls: dict[Bucket, tuple[KVStore | None, Callable[[], CallOut]]] = {}
 
     def buckets(self, n_tokens: np.ndarray, n_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(R,) each row's bucket tokens and keys, from its own counts."""
@@ -146,23 +187,42 @@ class Buckets:
         rows = max(rows, -(-self.min_rows // tokens))
         return Bucket(int(self.round(np.array([rows]))[0]), tokens, keys)
 
-    def _run(self, model: nn.Module, b: Bucket, g: np.ndarray, c: CallRows,
-             past: Past | None, sel: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """Rows g of the call as one call of bucket b: its scored positions' logits (n, V), in
-        the order of `sel` (their indices among the call's scored positions), and its fresh
-        K/V (R_b, H_kv, T_b, D)."""
+    def bucket_call(self, model: nn.Module, b: Bucket, store: KVStore | None,
+                    block_causal: bool) -> Callable[[], CallOut]:
+        """Bucket b's call over `store` (None: b reads no stored keys), made at its first use
+        and again when the store has moved; beyond max_keys, an eager call."""
+        store = store if b.keys else None
+        made = self.calls.get(b)
+        if made is not None and made[0] is store:
+            return made[1]
+        if made is not None:  # the store moved: no call keeps the old one alive
+            self.calls = {k: v for k, v in self.calls.items() if v[0] is None}
         buf = self.buffers.get(b)
         if buf is None:
             buf = self.buffers[b] = BucketBuffers(b, self.device)
-        buf.fill(self._stage(b, g, c, past, sel))
-        frame = Frame(key_mask=buf.key_mask, blocks=None if c.blocks is None else buf.blocks)
-        if b.keys:
-            frame = Frame(key_mask=buf.key_mask, past=past.store.read(buf.flat, (b.rows, b.keys)),
-                          past_mask=buf.past_mask, blocks=frame.blocks,
-                          past_blocks=None if c.blocks is None else buf.past_blocks)
-        with torch.no_grad():
-            logits = model(buf.ids, buf.pos, frame=frame, logits_at=(buf.at_rows, buf.at_cols))
-        return logits[: sel.size], frame.fresh
+        call = BucketCall(model, buf, b, store, block_causal)
+        if self.max_keys is not None and b.keys > self.max_keys:
+            beyond_buckets(self.max_keys)
+            wrapped: Callable[[], CallOut] = call
+        else:
+            try:
+                wrapped = self.wrap(call)
+            except RuntimeError as e:  # out of memory, an op a graph cannot hold: serve on
+                capture_failed(b, e)
+                wrapped = call
+        self.calls[b] = (store, wrapped)
+        return wrapped
+
+    def _run(self, model: nn.Module, b: Bucket, g: np.ndarray, c: CallRows,
+             past: Past | None, sel: np.ndarray) -> CallOut:
+        """Rows g of the call as one call of bucket b: its scored positions' logits (n, V), in
+        the order of `sel` (their indices among the call's scored positions), and its fresh
+        K/V (R_b, H_kv, T_b, D)."""
+        call = self.bucket_call(model, b, None if past is None else past.store,
+                                c.blocks is not None)
+        self.buffers[b].fill(self._stage(b, g, c, past, sel))
+        logits, fresh = call()
+        return logits[: sel.size], fresh
 
     @staticmethod
     def _stage(b: Bucket, g: np.ndarray, c: CallRows, past: Past | None,

@@ -24,6 +24,7 @@ from unmask.decoding.methods import BlockSchedule, make_method
 from unmask.decoding.params import DecodeParams, batch_params
 from unmask.decoding.rules import candidate_ranks, select_top
 from unmask.engine.batch import DecodeBatch
+from unmask.engine.graphs import CudaGraphs
 from unmask.engine.layout import make_layout
 from unmask.engine.runner import Forwarded, ForwardPlan, Runner, StoreRead
 from unmask.suffix import make_suffix_policy
@@ -64,7 +65,10 @@ class Decoder:
     """The decoding method, cache policy and suffix policy of one decoder spec, its per-row knobs
     aside (unmask.decoding.params.PER_ROW): each row's are in its batch's `rows.knobs`."""
 
-    def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int) -> None:
+    def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
+                 graphs: CudaGraphs | None = None) -> None:
+        """graphs: set when the runner's calls replay CUDA graphs (None: never); the batches'
+        K/V stores are then preallocated (unmask.engine.graphs)."""
         # per-row knobs at their defaults, so that nothing here reads one request's values
         params = batch_params(params)
         self.model, self.params = model, params
@@ -81,15 +85,16 @@ class Decoder:
         self.layout = make_layout(model, params)  # where blocks lie (block-causal or not)
         self.always_draws = entry("remasking", params.remasking).facts.needs_noise
         self.suffix = make_suffix_policy(params)
-        self.runner = Runner(model, params, mask_id, eos_id, self.suffix)
+        self.runner = Runner(model, params, mask_id, eos_id, self.suffix, graphs)
         self.device = self.runner.device
+        self.store_capacity = graphs.store_capacity(model) if self.runner.captures else None
 
     def new_batch(self) -> DecodeBatch:
         shape = None
         if self.cache.uses_store:
             c = self.model.config
             shape = (c.n_layers, c.n_kv_heads, c.head_dim, next(self.model.parameters()).dtype)
-        return DecodeBatch(self.mask_id, self.eos_id, self.device, shape)
+        return DecodeBatch(self.mask_id, self.eos_id, self.device, shape, self.store_capacity)
 
     # --- the step ----------------------------------------------------------------------------
     def step(self, b: DecodeBatch, trace: bool = False) -> StepResult:

@@ -15,6 +15,7 @@ canvas, prompt and seed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import numbers
@@ -32,6 +33,7 @@ from unmask.decoding.params import DecodeParams, batch_params
 from unmask.engine.allocator import tune_for
 from unmask.engine.batch import DecodeBatch
 from unmask.engine.decoder import Decoder, StepResult
+from unmask.engine.graphs import CudaGraphs
 from unmask.engine.layout import block_size_of, canvas_length, for_model
 from unmask.engine.prefix_store import PrefixStore, reuses
 from unmask.engine.request import Request, StepEvent, useful_length
@@ -68,10 +70,12 @@ def _locked(method: Callable) -> Callable:
 class Engine:
     def __init__(self, model: nn.Module, config: SchedulerConfig | None = None,
                  mask_id: int | None = None, eos_id: int | None = None,
-                 prefix: PrefixStore | None = None) -> None:
+                 prefix: PrefixStore | None = None, graphs: CudaGraphs | None = None) -> None:
         """mask_id / eos_id default to the model config's (tests override them). prefix: the
         store of finished blocks this engine reads and feeds (block-causal models' exact block
-        cache only; several engines of one model may share one), or None: no reuse."""
+        cache only; several engines of one model may share one), or None: no reuse. graphs:
+        whether calls replay CUDA graphs where they can (unmask.engine.graphs; None: never),
+        with a K/V store of max_running rows per batch."""
         self.model = model
         # set for a block-causal model: its blocks, canvas and cache (unmask.engine.layout)
         self.block_size = block_size_of(model)
@@ -84,6 +88,9 @@ class Engine:
         self.eos_id = c.eos_token_id if eos_id is None else eos_id
         self.max_sequence_length = c.max_sequence_length
         self.scheduler = Scheduler(config or SchedulerConfig(), lambda r: decoder_key(r.params))
+        # decided once, before any request (never mid-serve): the decoders capture iff set
+        rows = dataclasses.replace(graphs, rows=self.scheduler.config.max_running) if graphs else None
+        self.graphs = rows if rows is not None and rows.active(model) else None
         self.decoders: dict[Hashable, Decoder] = {}
         self.batches: dict[Hashable, DecodeBatch] = {}
         self.requests: dict[str, Request] = {}  # waiting or running
@@ -232,7 +239,8 @@ class Engine:
                 self.decoders[key] = self.decoders.pop(key)
                 self.batches[key] = self.batches.pop(key)
             else:
-                self.decoders[key] = Decoder(self.model, req.params, self.mask_id, self.eos_id)
+                self.decoders[key] = Decoder(self.model, req.params, self.mask_id, self.eos_id,
+                                             self.graphs)
                 self.batches[key] = self.decoders[key].new_batch()
             joining.setdefault(key, []).append(req)
         for key, reqs in joining.items():  # one resize of each batch, whoever joins
@@ -374,12 +382,13 @@ def decode(model: nn.Module, params: DecodeParams, prompts: list[list[int]],
            eos_id: int | None = None,
            on_event: Callable[[StepEvent], None] | None = None,
            constraints: list[Constraint | None] | None = None,
-           prefix: PrefixStore | None = None) -> list[Request]:
+           prefix: PrefixStore | None = None,
+           graphs: CudaGraphs | None = None) -> list[Request]:
     """Decode token-id prompts to completion (all admitted at once unless max_running);
     constraints: each prompt's structured-output constraint (None: none); prefix: the store of
-    finished blocks' K/V to read and feed (None: no reuse)."""
+    finished blocks' K/V to read and feed (None: no reuse); graphs: CUDA graphs (None: none)."""
     engine = Engine(model, SchedulerConfig(max_running=max_running or max(len(prompts), 1)),
-                    mask_id, eos_id, prefix)
+                    mask_id, eos_id, prefix, graphs)
     constraints = constraints or [None] * len(prompts)
     reqs = [engine.add_request(p, params, constraint=c)
             for p, c in zip(prompts, constraints, strict=True)]

@@ -21,6 +21,7 @@ from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
 from unmask.engine.buckets import Buckets, CallRows
+from unmask.engine.graphs import CudaGraphs, capturer
 from unmask.engine.product_rows import product_rows
 from unmask.kv import Frame, KVStore, Past, RowGroup
 from unmask.suffix import SuffixPolicy
@@ -166,9 +167,15 @@ class Runner:
     # The exact block cache's rows attend block by block (kv.Frame.spans): a finished block's
     # K/V is then the same bits whichever call computed it (docs/engine.md, "Prefix reuse").
     block_by_block: bool = True
+    # Calls of fewer places than their products' fewest rows (`self.rows.blocks`) that attend
+    # block by block run as rows widened to that many places (`_widened`: the packed call's
+    # bits without its gathers); False: packed.
+    widen_small_calls: bool = True
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
-                 suffix: SuffixPolicy) -> None:
+                 suffix: SuffixPolicy, graphs: CudaGraphs | None = None) -> None:
+        """graphs: set when calls replay CUDA graphs (the engine gives it only where
+        `CudaGraphs.active`; None: never)."""
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
         self.rows = product_rows(model)  # the fewest rows a call's products get
@@ -178,7 +185,8 @@ class Runner:
         stale = entry("cache", params.cache).facts.stale_keys
         self.shapes = self.attention_shapes or ("canonical" if stale else "exact")
         self.block_size: int | None = getattr(model.config, "block_size", None)
-        self.by_block = (self.block_by_block and self.bucket_rule is None
+        self.buckets = self._buckets(graphs)
+        self.by_block = (self.block_by_block and self.buckets is None
                          and self.block_size is not None and self.shapes == "exact" and not stale)
         self.mask_id, self.eos_id = mask_id, eos_id
         vocab = model.config.vocab_size
@@ -188,11 +196,19 @@ class Runner:
         self.suppress = torch.cat([torch.tensor([mask_id] if mask_id < vocab else [],
                                                 dtype=torch.long, device=self.device), self.drop])
         self.shift = int(getattr(model, "logit_shift", 0))
-        # A block-causal model's forwarded tokens see their own block and earlier ones only
-        # (the frame decides what a call attends to: unmask.kv.Frame.blocks).
-        self.buckets = None
-        if self.bucket_rule is not None and self.block_size is not None:
-            self.buckets = Buckets(self.bucket_rule, self.device, self.rows.blocks)
+
+    def _buckets(self, graphs: CudaGraphs | None) -> Buckets | None:
+        """A block-causal model's bucketed forward: captured in CUDA graphs where `graphs` is
+        active (power-of-two buckets: few shapes, so few graphs), else by `bucket_rule`."""
+        self.captures = self.block_size is not None and graphs is not None
+        if self.block_size is None:
+            return None
+        if self.captures:
+            return Buckets("pow2", self.device, self.rows.blocks, wrap=capturer(),
+                           max_keys=graphs.max_keys)
+        if self.bucket_rule is not None:
+            return Buckets(self.bucket_rule, self.device, self.rows.blocks)
+        return None
 
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device)
@@ -294,6 +310,8 @@ class Runner:
         n = int(n_tokens.sum())
         ok_t = self._to_device(ok)
         blocks_t = None if blocks is None else self._to_device(blocks)
+        if self.widen_small_calls and self.by_block and len(groups) == 1 and r * t < self.rows.blocks:
+            return self._widened(ids, pos, ok_t, embeds, past, blocks, blocks_t, rows, cols)
         if self.unpacked(len(groups), r, t, n):
             frame = Frame(key_mask=ok_t, blocks=blocks_t) if past is None else past.frame(ok_t, blocks_t)
             frame.spans, frame.span_rows = self._spans(blocks, 0, t, past), self.block_size or 1
@@ -310,6 +328,32 @@ class Runner:
                             frame=frame,
                             embeds=None if embeds is None else self._packed(embeds[ok_t], extra),
                             logits_at=self._at_least(np.zeros_like(rows), at[rows, cols]))
+        return logits[: rows.size], frame.fresh, at
+
+    def _widened(self, ids: Tensor, pos: Tensor, ok_t: Tensor, embeds: Tensor | None,
+                 past: Past | None, blocks: np.ndarray, blocks_t: Tensor, rows: np.ndarray,
+                 cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray]:
+        """A call of fewer than `self.rows.blocks` places whose rows attend block by block (one
+        shape group, every place real), as rows widened to that many places in all: the products
+        get as many rows as a packed call's do, and attention, which reads only the blocks' own
+        spans, never sees the added places, so the bits are the packed call's without its
+        gathers in every layer (a batch-1 block-4 call: BENCHMARKS.md, "Host overhead").
+        Returns the logits, the fresh K/V (R, H_kv, W, D) and each real token's index among
+        the R*W places."""
+        r, t = ids.shape
+        w = -(-self.rows.blocks // r)
+
+        def widened(x: Tensor, fill: int | bool = 0) -> Tensor:  # (R, T, ...) -> (R, W, ...)
+            return torch.cat([x, x.new_full((r, w - t, *x.shape[2:]), fill)], dim=1)
+
+        key_mask, blocks_w = widened(ok_t, False), widened(blocks_t, np.iinfo(np.int64).max)
+        frame = (Frame(key_mask=key_mask, blocks=blocks_w) if past is None
+                 else past.frame(key_mask, blocks_w))
+        frame.spans, frame.span_rows = self._spans(blocks, 0, t, past), self.block_size
+        logits = self.model(widened(ids), widened(pos), frame=frame,
+                            embeds=None if embeds is None else widened(embeds),
+                            logits_at=self._at_least(rows, cols))
+        at = np.arange(r)[:, None] * w + np.arange(t)[None, :]  # (R, T)
         return logits[: rows.size], frame.fresh, at
 
     def unpacked(self, n_groups: int, r: int, t: int, n: int) -> bool:

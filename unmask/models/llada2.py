@@ -175,6 +175,9 @@ class LLaDA2Model(QwenLM):
 
     layer_class = LLaDA2Layer
     embed_name = "word_embeddings"
+    # each MoE layer reads its experts' token counts on the host (LLaDA2MoE), which a CUDA
+    # graph cannot hold (unmask.engine.graphs)
+    forward_reads_host = True
 
     def attention_mask(self, position_ids: Tensor) -> Tensor:
         return block_causal_mask(position_ids, self.config.block_size)

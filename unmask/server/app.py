@@ -46,7 +46,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     engine = Engine(llm.model, SchedulerConfig(max_running=config.max_running,
                                                max_queue=config.max_queue,
                                                max_slots=config.max_slots),
-                    prefix=llm.prefix_store)
+                    prefix=llm.prefix_store, graphs=llm.graphs)
     metrics = ServerMetrics()
     metrics.watch_prefix(llm.prefix_store)
     door = EngineClient(engine, metrics)

@@ -28,10 +28,16 @@ CUT_GRACE = 2.0
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from unmask.cli_args import add_model_arguments, add_prefix_arguments, positive
+    from unmask.cli_args import (
+        add_graph_arguments,
+        add_model_arguments,
+        add_prefix_arguments,
+        positive,
+    )
 
     add_model_arguments(p)
     add_prefix_arguments(p)
+    add_graph_arguments(p)
     p.add_argument("--decoder", default=DEFAULT_DECODER,
                    help=f"default decoder spec of requests that send none (default: "
                         f"{DEFAULT_DECODER})")
