@@ -628,7 +628,7 @@ def test_packing_is_for_the_padding_it_saves() -> None:
     from unmask.engine.runner import Runner
 
     runner = Runner.__new__(Runner)
-    runner.rows = ProductRows(16, 16)
+    runner._rows = (torch.get_num_threads(), ProductRows(16, 16))  # what `Runner.rows` reads
     unpacked = runner.unpacked  # (n_groups, rows, places a row, real tokens)
     assert unpacked(1, 1, 16, 1) and unpacked(1, 1, 16, 16)
     assert not unpacked(1, 1, 32, 20) and unpacked(1, 1, 32, 29)

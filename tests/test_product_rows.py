@@ -57,7 +57,7 @@ KINDS = ["float32", "bfloat16", "bfloat16 packed", "int8 float32", "int8 bfloat1
 def test_each_kind_gives_a_row_its_bits_from_its_minimum_up(kind: str, threads: int) -> None:
     """A product of `kind` gives a row the same bits in any call of at least min_rows(kind)
     rows, wherever the row sits (if this fails on a machine, its minimum there must grow)."""
-    floor = min_rows(kind, CPU)
+    floor = min_rows(kind, CPU, threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -115,7 +115,8 @@ def test_an_unmeasured_machine_or_device_gets_the_default(monkeypatch) -> None:
     monkeypatch.setattr(product_rows, "instruction_set", lambda: "avx512_bf16")
     assert min_rows("bfloat16 packed", CPU) == product_rows.MEASURED["avx512_bf16"]["bfloat16 packed"]
     assert min_rows("bfloat16 packed", torch.device("cuda")) == DEFAULT_MIN_ROWS
-    assert min_rows("float32", CPU) == DEFAULT_MIN_ROWS
+    assert min_rows("float32", CPU, threads=3) == DEFAULT_MIN_ROWS  # not measured on 3 threads
+    assert [min_rows("float32", CPU, threads=n) for n in (1, 2)] == [4, 12]
     with pytest.raises(ValueError, match="at least 1 row"):
         ProductRows(0, 1)
 
@@ -144,3 +145,25 @@ def test_the_runner_pads_a_call_to_the_models_minimum_only(monkeypatch) -> None:
         seen.clear()
         decode(m, p, [[5, 6, 7, 8]])
         assert np.median(seen) == want, (measured, seen)
+
+
+def test_the_runner_follows_the_thread_count(monkeypatch) -> None:
+    """A float32 product's minimum follows torch's thread count (4 rows on one thread, 12 on
+    two here), so the runner reads it again when the count changes: a block of 4 runs on 4
+    rows on one thread and is padded to 12 on two, never left at a count whose bits differ."""
+    monkeypatch.setattr(product_rows, "instruction_set", lambda: "avx512_bf16")
+    m = tiny_model("sdar", d_model=128, n_heads=4, n_kv_heads=2, mlp_hidden_size=256)
+    seen: list[int] = []
+    linear = next(x for x in m.modules() if isinstance(x, nn.Linear))
+    linear.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[:-1].numel()))
+    block = m.config.block_size
+    p = DecodeParams.parse("static-1", gen_length=2 * block, block_length=block)
+    before = torch.get_num_threads()
+    try:
+        for threads, want in ((1, 4), (2, 12), (1, 4)):
+            torch.set_num_threads(threads)
+            seen.clear()
+            decode(m, p, [[5, 6, 7, 8]])
+            assert np.median(seen) == want, (threads, seen)
+    finally:
+        torch.set_num_threads(before)

@@ -5,12 +5,15 @@ tokens, NFE and token-forwards are the same, alone and in a batch."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from helpers import peaky_model
 
 from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
+from unmask.engine import product_rows as product_rows_mod
 from unmask.engine import runner as runner_mod
 from unmask.kv import KVStore
 
@@ -19,7 +22,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 
 
 
 def decoded(kind: str, spec: str, dtype: torch.dtype, widen: bool, batch: int, monkeypatch):
-    model = peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS).to(dtype)
+    model = copy.deepcopy(peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)).to(dtype)  # cached: not in place
     seen: list[torch.Tensor] = []
     real_score, real_write = runner_mod.score, KVStore.write
     widened = []
@@ -38,6 +41,8 @@ def decoded(kind: str, spec: str, dtype: torch.dtype, widen: bool, batch: int, m
 
     real_widened = runner_mod.Runner._widened
     with monkeypatch.context() as mp:
+        # the default minimum (16 rows) everywhere, so that a block of 4 is a small call
+        mp.setattr(product_rows_mod, "instruction_set", lambda: "")
         mp.setattr(runner_mod.Runner, "widen_small_calls", widen)
         mp.setattr(runner_mod.Runner, "_widened", count)
         mp.setattr(runner_mod, "score", spy)

@@ -36,12 +36,15 @@ DEFAULT_MIN_ROWS = 16
 # kernels, packed or not, torch's int4 kernel and torchao's int8 in bfloat16 give a row the
 # same bits from 2 rows up. One row is a matrix-vector product, which the bfloat16 kernels
 # round differently (a 3072 -> 1024 product; int8 on two threads too; int4 never seen to), and a
-# block of 2 or more positions pays nothing for a minimum of 2. float32 products of 1-3 rows
-# differ there, and of < 8 on a Xeon, so float32 keeps the default everywhere. w8a8 sums
-# integers, exactly: from 1 row up.
-MEASURED: dict[str, dict[str, int]] = {
-    "avx512_bf16": {"bfloat16": 2, "bfloat16 packed": 2, "int8 bfloat16": 2, "int4 bfloat16": 2,
-                    "w8a8": 1},
+# block of 2 or more positions pays nothing for a minimum of 2. float32 products depend on the
+# thread count: on one thread 1-3 rows take another path and 4 up agree, so a block of 4 needs
+# no padding; on two, 1-3, 5-7 and 9-11 rows differ (the rows split between the threads), so 12;
+# on more threads, and on a Xeon (< 8 rows differ on one thread), not measured: the default.
+# w8a8 sums integers, exactly: from 1 row up. A kind's entry is its minimum on any thread count,
+# or {threads: minimum} where it depends on them (other thread counts: the default).
+MEASURED: dict[str, dict[str, int | dict[int, int]]] = {
+    "avx512_bf16": {"float32": {1: 4, 2: 12}, "bfloat16": 2, "bfloat16 packed": 2,
+                    "int8 bfloat16": 2, "int4 bfloat16": 2, "w8a8": 1},
 }
 
 
@@ -66,11 +69,15 @@ def instruction_set() -> str:
     return ""
 
 
-def min_rows(kind: str, device: torch.device) -> int:
-    """The fewest rows a product of `kind` gets on `device` (off the CPU: the default)."""
+def min_rows(kind: str, device: torch.device, threads: int | None = None) -> int:
+    """The fewest rows a product of `kind` gets on `device` (off the CPU: the default) with
+    `threads` torch threads (None: torch's current count)."""
     if device.type != "cpu":
         return DEFAULT_MIN_ROWS
-    return MEASURED.get(instruction_set(), {}).get(kind, DEFAULT_MIN_ROWS)
+    rows = MEASURED.get(instruction_set(), {}).get(kind, DEFAULT_MIN_ROWS)
+    if isinstance(rows, dict):
+        return rows.get(torch.get_num_threads() if threads is None else threads, DEFAULT_MIN_ROWS)
+    return rows
 
 
 def product_kind(linear: nn.Module) -> str:
@@ -97,10 +104,12 @@ def block_kinds(model: nn.Module) -> set[str]:
     return {product_kind(m) for m in linears} | ({"float32"} if others else set())
 
 
-def product_rows(model: nn.Module) -> ProductRows:
+def product_rows(model: nn.Module, threads: int | None = None) -> ProductRows:
     """The fewest rows the runner gives `model`'s block products and LM head (the head stays in
-    the model's dtype: unmask.quantize, unmask.packing)."""
+    the model's dtype: unmask.quantize, unmask.packing) with `threads` torch threads (None:
+    torch's current count)."""
     first = next(model.parameters())
     kinds = block_kinds(model) or {str(first.dtype).removeprefix("torch.")}
-    blocks = max(min_rows(kind, first.device) for kind in kinds)
-    return ProductRows(blocks, min_rows(str(first.dtype).removeprefix("torch."), first.device))
+    blocks = max(min_rows(kind, first.device, threads) for kind in kinds)
+    return ProductRows(blocks,
+                       min_rows(str(first.dtype).removeprefix("torch."), first.device, threads))

@@ -22,7 +22,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
 from unmask.engine.buckets import Buckets, CallRows
 from unmask.engine.graphs import CudaGraphs, capturer
-from unmask.engine.product_rows import product_rows
+from unmask.engine.product_rows import ProductRows, product_rows
 from unmask.kv import Frame, KVStore, Past, RowGroup
 from unmask.suffix import SuffixPolicy
 from unmask.syncs import to_host
@@ -178,7 +178,7 @@ class Runner:
         `CudaGraphs.active`; None: never)."""
         self.model, self.params, self.suffix = model, params, suffix
         self.device = next(model.parameters()).device
-        self.rows = product_rows(model)  # the fewest rows a call's products get
+        self._rows: tuple[int, ProductRows] | None = None  # (threads, rows): `rows`
         # Entropies are computed only for the policies that read them.
         self.with_entropy = any(entry(kind, getattr(params, kind)).facts.reads_entropy
                                 for kind in ("cache", "remasking", "method"))
@@ -209,6 +209,16 @@ class Runner:
         if self.bucket_rule is not None:
             return Buckets(self.bucket_rule, self.device, self.rows.blocks)
         return None
+
+    @property
+    def rows(self) -> ProductRows:
+        """The fewest rows a call's matrix products get (unmask.engine.product_rows): read
+        again whenever torch's thread count changed, since a float32 product's minimum follows
+        it (bucketed calls keep the count their buckets were made with)."""
+        threads = torch.get_num_threads()
+        if self._rows is None or self._rows[0] != threads:
+            self._rows = (threads, product_rows(self.model, threads))
+        return self._rows[1]
 
     def _to_device(self, a: np.ndarray) -> Tensor:
         return torch.from_numpy(a).to(self.device)
