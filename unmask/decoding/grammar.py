@@ -389,7 +389,7 @@ class StateSets:
         self.accepting: list[bool] = []  # id -> the set holds an accepting state
         self._ids: dict[bytes, int] = {}
         self._moves: dict[tuple[int, int, bool], int] = {}  # (id, token or HOLE, backward) -> id
-        self._moves_max = 1 << 20
+        self._moves_max = 1 << 16  # ~10 MB of keys; the benchmark's formats keep a few hundred
         start = np.zeros(a.n_states, dtype=bool)
         start[a.start] = True
         self.start = self.id(start)
