@@ -395,6 +395,7 @@ class StateSets:
         self.start = self.id(start)
 
     def forget(self) -> None:
+        """Drop the memoized moves (the sets and their ids stay)."""
         self._moves.clear()
 
     def id(self, states: np.ndarray) -> int:
