@@ -316,11 +316,13 @@ def test_llm_generate_and_the_cli(capsys) -> None:
     assert len(err) == 2 and "invalid regular expression" in err[0] and "readable file" in err[1]
 
 
-def test_the_passes_remembered_between_canvases_change_nothing() -> None:
-    """A constraint that remembers its last passes answers as a fresh one on every canvas of a
-    random walk of commits and retractions (the last slot committed included)."""
+def test_the_moves_remembered_between_canvases_change_nothing() -> None:
+    """A constraint whose automaton remembers the moves between state sets (its memo bounded
+    to a few, so it is cleared again and again) answers as one on a fresh automaton on every
+    canvas of a random walk of commits and retractions (the last slot committed included)."""
     rng = np.random.default_rng(1)
     kept = constraint(10)
+    kept.a.sets._moves_max = 5
     gen = np.full(10, MASK)
     for _ in range(200):
         i = int(rng.integers(10))
@@ -331,6 +333,7 @@ def test_the_passes_remembered_between_canvases_change_nothing() -> None:
         holes = np.flatnonzero(gen == MASK)
         if holes.size and fresh.feasible(gen):
             assert (kept.allowed(gen, holes, VOCAB) == fresh.allowed(gen, holes, VOCAB)).all()
+    assert len(kept.a.sets._moves) <= 5  # the memo stays within its bound
 
 
 def test_trace_shows_the_scaffold(tmp_path) -> None:

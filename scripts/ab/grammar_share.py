@@ -1,7 +1,8 @@
 """The structured-output constraint's CPU share of a decode, this tree against an earlier
-commit, side by side: the same prompts, decoder and JSON schemas on both sides, with the length
-prior off here (weight 0) so that both sides decode the same tokens (checked), rounds rotating
-which side runs first, medians. One thread, CPU clock.
+commit, side by side: the same prompts, decoder, JSON schemas and the models' own format as a
+regular expression on both sides, with the length prior off here (weight 0) so that both sides
+decode the same tokens (checked), rounds rotating which side runs first, medians. One thread,
+CPU clock.
 
     python scripts/ab/grammar_share.py --before REV [--n 16] [--rounds 3] [--out FILE]
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from structured_output import SCHEMAS  # noqa: E402  (the benchmark's schemas)
+from structured_output import OWN_FORMAT, SCHEMAS  # noqa: E402  (the benchmark's formats)
 from worktree import checkout, python_in  # noqa: E402
 
 MODELS = ("unmask-llada", "unmask-sdar")
@@ -48,8 +49,9 @@ def child(n: int) -> dict:
     out = {}
     for model in MODELS:
         llm = LLM(model)
-        for sname, schema in SCHEMAS.items():
-            fmt = ResponseFormat.json_schema(schema)
+        formats = {s: ResponseFormat.json_schema(schema) for s, schema in SCHEMAS.items()}
+        formats["own format (regex)"] = ResponseFormat.regex(OWN_FORMAT)
+        for sname, fmt in formats.items():
             if "length_penalty" in {f.name for f in dataclasses.fields(fmt)}:
                 fmt = dataclasses.replace(fmt, length_penalty=0.0)
             for batch in (1, 16):

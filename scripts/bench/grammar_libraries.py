@@ -137,8 +137,7 @@ def unmask_constraint(vocab: list[bytes], schema: dict) -> tuple[float, float]:
     slots = np.arange(len(OPENING), len(OPENING) + 32)
 
     def step() -> None:
-        a._holes.clear()  # a fresh step: no hole vector nor pass kept from the last
-        c._last.clear()
+        a.forget()  # a cold step: no hole vector nor move kept from the last
         c.allowed(gen, slots, len(vocab))
 
     return build, clock(step, n=5)

@@ -8,19 +8,21 @@ that only EOS leaves. A `Constraint` is one request's use of it over its first `
 generated slots. Given the canvas (committed tokens, holes of one token each), it propagates
 sets of automaton states forward from the left (a hole: any token) and backward from the right
 (states from which the rest can still be completed); a hole may take the tokens that lead some
-forward-reachable state into a backward one. The engine masks every other token before the
-rule scores a hole (`TokenMasks`) and keeps only as many of a step's commits, in commit order,
-as leave the canvas completable (`Constraint.restrict`): every canvas it ever holds can still
-be completed to a word of the language, so every finished output is one.
+forward-reachable state into a backward one. The sets are interned and their moves memoized on
+the automaton (`StateSets`), so a pass is a dictionary lookup a slot, shared by every row. The
+engine masks every other token before the rule scores a hole (`TokenMasks`) and keeps only as
+many of a step's commits, in commit order, as leave the canvas completable
+(`Constraint.restrict`): every canvas it ever holds can still be completed to a word of the
+language, so every finished output is one.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib
 import json
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -194,9 +196,7 @@ def _byte_table() -> dict[str, int]:
     return chars
 
 
-def _pair(f: np.ndarray, b: np.ndarray) -> bytes:
-    """A hole's (F_i, B_i+1) state sets (Q,) bool each as a dictionary key."""
-    return np.packbits(f).tobytes() + np.packbits(b).tobytes()
+HOLE = -1  # a hole's token in the passes: any token
 
 
 @dataclass
@@ -228,12 +228,18 @@ class TokenAutomaton:
         self.edge_src, self.edge_tok = src.astype(np.int32), tok.astype(np.int32)
         self.edge_dst = self.trans[src, tok]
         self.dist = self._distances()
-        # A hole's vectors by its (F_i, B_i+1) pair (and the weights by the prior's offset and
-        # weight), shared by every row of the format: along a run of holes the sets settle,
-        # a canvas's from step to step, and a batch's rows pass through the same ones. Bounded
-        # to about 32 MiB of vectors whatever the vocabulary.
+        self.sets = StateSets(self)
+        # A hole's vectors by its (F_i, B_i+1) pair of set ids (and the weights by the prior's
+        # offset and weight), shared by every row of the format: along a run of holes the sets
+        # settle, a canvas's from step to step, and a batch's rows pass through the same ones.
+        # Bounded to about 32 MiB of vectors whatever the vocabulary.
         self._holes: dict[tuple, np.ndarray] = {}
         self._holes_max = max(64, (32 << 20) // (4 * self.trans.shape[1]))
+
+    def forget(self) -> None:
+        """Drop every kept hole vector and memoized move (a benchmark's cold step)."""
+        self._holes.clear()
+        self.sets.forget()
 
     def _distances(self) -> np.ndarray:
         """(Q,) float32: the fewest tokens from each state to an accepting one (inf: none; the
@@ -249,22 +255,21 @@ class TokenAutomaton:
             within = grown
         return dist
 
-    def finish_after(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """(V,) float32: for each token that moves some state of f (Q,) into one of b (Q,), the
-        fewest tokens that can finish the word after it (the least `dist` of the states it
-        moves into b); inf for the other tokens."""
-        return self._kept((_pair(f, b),), lambda: self._finish_after(f, b))
+    def finish_after(self, f: int, b: int) -> np.ndarray:
+        """(V,) float32: for each token that moves some state of set f into one of set b (ids
+        of `sets`), the fewest tokens that can finish the word after it (the least `dist` of
+        the states it moves into b); inf for the other tokens."""
+        return self._kept((f, b), lambda: self._finish_after(self.sets.of[f], self.sets.of[b]))
 
-    def hole_weights(self, f: np.ndarray, b: np.ndarray, offset: int,
-                     penalty: float) -> np.ndarray:
-        """(V,) float32 log-weights of a hole between f and b (Q,): -inf for the tokens
+    def hole_weights(self, f: int, b: int, offset: int, penalty: float) -> np.ndarray:
+        """(V,) float32 log-weights of a hole between the sets f and b (ids): -inf for the tokens
         `finish_after` leaves out; with a penalty, -penalty per slot a token pushes the end of
         the shortest word past where it stands, against the hole's least push. offset: the
         hole's slot + 1 - that end (a token then ends the word at offset + finish_after past
         it); EOS pushes nothing."""
         if not penalty:
             offset = 0
-        return self._kept((_pair(f, b), offset, penalty),
+        return self._kept((f, b, offset, penalty),
                           lambda: self._weights(self.finish_after(f, b), offset, penalty))
 
     def _weights(self, finish: np.ndarray, offset: int, penalty: float) -> np.ndarray:
@@ -370,6 +375,80 @@ class TokenAutomaton:
         return tuple(kept)
 
 
+class StateSets:
+    """Sets of a TokenAutomaton's states interned as ids, and the moves between them memoized:
+    a pass over a canvas is one dictionary lookup a slot instead of array work. Shared by every
+    row of the format: a DFA's forward set stays one state through committed tokens and grows
+    only across holes, so a batch's canvases, step after step, pass through the same few sets.
+    The memo of moves is bounded (cleared when full); the sets are kept, as constraints hold
+    their ids."""
+
+    def __init__(self, a: TokenAutomaton) -> None:
+        self.a = a
+        self.of: list[np.ndarray] = []  # id -> (Q,) bool
+        self.accepting: list[bool] = []  # id -> the set holds an accepting state
+        self._ids: dict[bytes, int] = {}
+        self._moves: dict[tuple[int, int, bool], int] = {}  # (id, token or HOLE, backward) -> id
+        self._moves_max = 1 << 16  # ~10 MB of keys; the benchmark's formats keep a few hundred
+        start = np.zeros(a.n_states, dtype=bool)
+        start[a.start] = True
+        self.start = self.id(start)
+
+    def forget(self) -> None:
+        """Drop the memoized moves (the sets and their ids stay)."""
+        self._moves.clear()
+
+    def id(self, states: np.ndarray) -> int:
+        """The id of the set states (Q,) bool, interned on first sight."""
+        key = np.packbits(states).tobytes()
+        i = self._ids.get(key)
+        if i is None:
+            i = self._ids[key] = len(self.of)
+            self.of.append(states)
+            self.accepting.append(bool((states & self.a.final).any()))
+        return i
+
+    def forward(self, i: int, token: int) -> int:
+        """The set `token` (HOLE: any token) moves set i to, DEAD left out."""
+        return self.run(i, (token,), False)[-1]
+
+    def backward(self, i: int, token: int) -> int:
+        """The states from which `token` (HOLE: some token) moves into set i."""
+        return self.run(i, (token,), True)[-1]
+
+    def run(self, i: int, tokens: Iterable[int], back: bool) -> list[int]:
+        """The sets from set i on through `tokens` (HOLE: any token), i first: forward (each
+        set the next token moves the last to) or backward (tokens read right to left)."""
+        out, get = [i], self._moves.get
+        for t in tokens:
+            j = get((i, t, back))
+            i = self._move(i, t, back) if j is None else j
+            out.append(i)
+        return out
+
+    def meets(self, i: int, j: int) -> bool:
+        return bool((self.of[i] & self.of[j]).any())
+
+    def _move(self, i: int, token: int, back: bool) -> int:
+        """A move not memoized yet: computed and kept."""
+        if len(self._moves) >= self._moves_max:
+            self._moves.clear()
+        j = self._moves[(i, token, back)] = self.id(self._moved(self.of[i], token, back))
+        return j
+
+    def _moved(self, s: np.ndarray, token: int, back: bool) -> np.ndarray:
+        a = self.a
+        if back:
+            if token == HOLE:
+                return a.succ @ s.astype(np.float32) > 0
+            return s[a.trans[:, token]]
+        if token != HOLE:
+            return a.walk(s, token)
+        out = a.succ_t @ s.astype(np.float32) > 0  # matrix-vector: BLAS's fast case
+        out[-1] = False
+        return out
+
+
 def literal_prefix(pattern: str) -> str:
     """The text every word of `pattern` starts with: its leading literal characters (read with
     Python's own regex parser)."""
@@ -398,11 +477,6 @@ class Constraint:
     def __init__(self, fmt: ResponseFormat, automaton: TokenAutomaton, budget: int,
                  mask_id: int) -> None:
         self.format, self.a, self.budget, self.mask_id = fmt, automaton, budget, mask_id
-        self.end = automaton.final.copy()
-        # The last canvas each pass ran on, its sets and where their computed rows end: a
-        # step's canvases differ from the last in a few slots, so a pass redoes only the slots
-        # from the first (forward) or last (backward) difference on.
-        self._last: dict[str, tuple[np.ndarray, np.ndarray, int]] = {}
         self._set_end(automaton.final)
         holes = np.full(budget, mask_id, dtype=np.int64)
         self.closes = self.feasible(holes)  # some word fits the budget
@@ -410,97 +484,49 @@ class Constraint:
             self._set_end(automaton.live | automaton.final)
         self.initial = self.scaffold()
 
-    def fresh(self) -> Constraint:
-        """A copy with its own memory of the passes, for one row (rows sharing one would keep
-        overwriting it)."""
-        c = copy.copy(self)
-        c._last = {}
-        return c
-
     @property
     def mode(self) -> str:
         return self.format.mode
 
-    # --- the state sets ------------------------------------------------------------------
+    # --- the state sets (ids of the automaton's `StateSets`) ------------------------------
     def _set_end(self, end: np.ndarray) -> None:
         """The states accepted at the budget; and tail[k], the backward set of k trailing holes
         before it (the right of a canvas is mostly holes: read, not recomputed)."""
         self.end = end.copy()
-        self._last.clear()
-        tail = np.zeros((self.budget + 1, self.a.n_states), dtype=bool)
-        tail[0] = end
-        for k in range(self.budget):
-            tail[k + 1] = self.a.succ @ tail[k].astype(np.float32) > 0
+        sets = self.a.sets
+        tail = [sets.id(self.end)]
+        for _ in range(self.budget):
+            tail.append(sets.backward(tail[-1], HOLE))
         self._tail = tail
 
-    def _forward(self, gen: np.ndarray, stop: int | None = None) -> np.ndarray:
-        """(G + 1, Q) bool: the states reachable after each slot of gen (G,) from the start;
-        rows past `stop` (default G) are left as they are."""
-        a, g = self.a, gen.shape[0]
-        stop = g if stop is None else stop
-        f, since = self._reuse("forward", gen)
-        if f is None:
-            f = np.zeros((g + 1, a.n_states), dtype=bool)
-            f[0, a.start] = True
-        for i in range(since, stop):
-            t = int(gen[i])
-            if t == self.mask_id:
-                f[i + 1] = a.succ_t @ f[i].astype(np.float32) > 0  # matrix-vector: BLAS's fast case
-                f[i + 1, -1] = False
-            else:
-                f[i + 1] = a.walk(f[i], t)
-        self._last["forward"] = (gen.copy(), f, max(stop, since))
-        return f
+    def _tokens(self, gen: np.ndarray) -> tuple[list[int], int]:
+        """gen (G,)'s tokens with its holes as HOLE, and one past its last committed slot
+        (from there on: holes only)."""
+        filled = gen != self.mask_id
+        last = np.flatnonzero(filled)
+        return np.where(filled, gen, HOLE).tolist(), int(last[-1]) + 1 if last.size else 0
 
-    def _reuse(self, kind: str, gen: np.ndarray) -> tuple[np.ndarray | None, int]:
-        """The last `kind` pass's sets, copied, if it ran on a canvas of gen's length, and the
-        slot the pass must resume from (forward: the first slot that differs or was not
-        computed; backward: one past the last that differs, 0 if none); else (None, the full
-        range)."""
-        g = gen.shape[0]
-        last = self._last.get(kind)
-        if last is None or last[0].shape[0] != g:
-            return None, 0 if kind == "forward" else g
-        diff = np.flatnonzero(last[0] != gen)
-        if kind == "forward":
-            return last[1].copy(), min(int(diff[0]) if diff.size else g, last[2])
-        return last[1].copy(), max(int(diff[-1]) + 1 if diff.size else 0, last[2])
+    def _forward(self, toks: list[int], stop: int) -> list[int]:
+        """(stop + 1,) the set reachable after each of the first `stop` slots from the start."""
+        sets = self.a.sets
+        return sets.run(sets.start, toks[:stop], False)
 
-    def _backward(self, gen: np.ndarray, down_to: int = 0) -> np.ndarray:
-        """(G + 1, Q) bool: the states from which slots i.. of gen (G,) can end accepted; rows
-        before `down_to` are left as they are."""
-        a, g = self.a, gen.shape[0]
-        b, since = self._reuse("backward", gen)
-        if b is None:
-            b = np.zeros((g + 1, a.n_states), dtype=bool)
-            b[g] = self.end
-        filled = np.flatnonzero(gen != self.mask_id)
-        holes_from = int(filled[-1]) + 1 if filled.size else 0  # slots past it are all holes
-        if holes_from < since:
-            b[holes_from:] = self._tail[g - holes_from :: -1]
-            since = holes_from
-        for i in range(since - 1, down_to - 1, -1):
-            t = int(gen[i])
-            if t == self.mask_id:
-                b[i] = a.succ @ b[i + 1].astype(np.float32) > 0
-            else:
-                b[i] = b[i + 1][a.trans[:, t]]
-        self._last["backward"] = (gen.copy(), b, min(since, down_to))
-        return b
+    def _backward(self, toks: list[int], holes_from: int, down_to: int) -> list[int]:
+        """(G + 1,) the set from which slots i.. can end accepted, for i >= down_to (before:
+        unset); the trailing holes from `holes_from` on read from the tail."""
+        g = len(toks)
+        down_to = min(down_to, holes_from)
+        inside = self.a.sets.run(self._tail[g - holes_from], reversed(toks[down_to:holes_from]),
+                                 True)  # sets at holes_from, holes_from - 1, ..., down_to
+        return [-1] * down_to + inside[::-1] + self._tail[: g - holes_from][::-1]
 
     def feasible(self, gen: np.ndarray) -> bool:
         """Whether the canvas's first `budget` generated slots (gen: (>= budget,)) can still be
         completed to an accepted word."""
-        # The two passes meet at the first slot where the canvas differs from the last forward
-        # pass's: the forward rows up to it are kept, the backward ones from the last change.
-        g = gen[: self.budget]
-        last = self._last.get("forward")
-        k = 0
-        if last is not None and last[0].shape[0] == g.shape[0]:
-            diff = np.flatnonzero(last[0] != g)
-            k = min(int(diff[0]) if diff.size else g.shape[0], last[2])
-        f, b = self._forward(g, k), self._backward(g, k)
-        return bool((f[k] & b[k]).any())
+        # the passes meet where the trailing holes start: the backward set there is the tail's
+        toks, holes_from = self._tokens(gen[: self.budget])
+        f = self._forward(toks, holes_from)
+        return self.a.sets.meets(f[holes_from], self._tail[len(toks) - holes_from])
 
     def allowed(self, gen: np.ndarray, slots: np.ndarray, vocab: int) -> np.ndarray:
         """(N, vocab) bool: the tokens each hole `slots` (N,) of the generated canvas gen (G,)
@@ -520,11 +546,12 @@ class Constraint:
         if not inside.any():
             return out
         g = gen[: self.budget]
+        toks, holes_from = self._tokens(g)
         penalty = self.format.length_penalty if prior else 0.0
         start = self._word_start(g) if penalty else 0
-        f = self._forward(g, max(int(slots[inside].max()) + 1, start))
-        b = self._backward(g, int(slots[inside].min()) + 1)
-        shortest = self._shortest(g, f[start], start) if penalty else 0
+        f = self._forward(toks, max(int(slots[inside].max()) + 1, start))
+        b = self._backward(toks, holes_from, int(slots[inside].min()) + 1)
+        shortest = self._shortest(g.shape[0], f[start], start) if penalty else 0
         cols = self.a.trans.shape[1]
         at = np.flatnonzero(inside)
         out[at, :cols] = [self.a.hole_weights(f[i], b[i + 1], i + 1 - shortest, penalty)
@@ -537,18 +564,18 @@ class Constraint:
         filled = np.flatnonzero((gen != self.mask_id) & (gen != self.a.eos))
         return int(filled[-1]) + 1 if filled.size else 0
 
-    def _shortest(self, gen: np.ndarray, cur: np.ndarray, start: int) -> int:
-        """The length of the shortest word the canvas gen (budget,) can complete to: the first
-        slot k from `start` (`_word_start`) where a forward state accepts (cur: (Q,) the
-        forward set there). Past `start` the canvas holds holes and EOS only, and the word
-        ends at the first accepting slot: the walk goes on through holes (an EOS before it
-        would leave nothing to complete)."""
-        for k in range(start, gen.shape[0]):
-            if (cur & self.a.final).any():
+    def _shortest(self, n: int, cur: int, start: int) -> int:
+        """The length of the shortest word a canvas of n slots can complete to: the first slot
+        k from `start` (`_word_start`) where a forward state accepts (cur: the forward set
+        there). Past `start` the canvas holds holes and EOS only, and the word ends at the
+        first accepting slot: the walk goes on through holes (an EOS before it would leave
+        nothing to complete)."""
+        sets = self.a.sets
+        for k in range(start, n):
+            if sets.accepting[cur]:
                 return k
-            cur = self.a.succ_t @ cur.astype(np.float32) > 0
-            cur[-1] = False
-        return gen.shape[0]
+            cur = sets.forward(cur, HOLE)
+        return n
 
     # --- the commit-time check --------------------------------------------------------------
     def restrict(self, gen: np.ndarray, sel: np.ndarray, token: np.ndarray,

@@ -124,7 +124,6 @@ class Engine:
         params = self.params_for(params)
         if constraint is not None:
             check_decoder(constraint, params)
-            constraint = constraint.fresh()  # the row's own grammar state
         req = Request(ids, params, trace=trace, block_size=self.block_size,
                       constraint=constraint, **kw)
         if req.request_id in self.requests:
