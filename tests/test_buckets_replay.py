@@ -250,7 +250,7 @@ def test_a_store_that_would_not_fit_is_refused_before_any_request(monkeypatch, c
     model = peaky_model("sdar", 0, 4.0, VOCAB, MASK, EOS)
     monkeypatch.setattr(graphs_mod, "unsupported", lambda model: None)
     # 2 x 2 layers x 2 K/V heads x 16 wide x 4 bytes = 512 bytes a position, 128 positions a row
-    monkeypatch.setattr(graphs_mod, "free_device_memory", lambda device: 512 * 128 * 3)
+    monkeypatch.setattr(graphs_mod, "free_bytes", lambda device: 512 * 128 * 3)
     assert CudaGraphs("on", rows=3).active(model)
     with pytest.raises(InputError, match=r"--cuda-graphs on: the K/V store graphs preallocate "
                                          r"\(4 rows x 128 positions, 0.0 GiB\) does not fit.*"

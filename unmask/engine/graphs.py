@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from unmask.engine.prefix_store import free_bytes
 from unmask.errors import InputError
-from unmask.memory import available_ram
 
 log = logging.getLogger("unmask.engine")
 
@@ -69,7 +69,7 @@ class CudaGraphs:
         None."""
         rows, width = self.store_capacity(model)
         need = rows * width * store_bytes_per_position(model)
-        free = free_device_memory(_device(model))
+        free = free_bytes(_device(model))
         if need <= free:
             return None
         return (f"the K/V store graphs preallocate ({rows} rows x {width} positions, "
@@ -106,13 +106,6 @@ def store_bytes_per_position(model: nn.Module) -> int:
     """Bytes of K/V one stored position holds: 2 x layers x K/V heads x head width values."""
     c = model.config
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * next(model.parameters()).element_size()
-
-
-def free_device_memory(device: torch.device) -> int:
-    """Bytes free on the device (the RAM available, for a CPU standing for one in tests)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return available_ram()
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -185,6 +185,7 @@ class Runner:
         stale = entry("cache", params.cache).facts.stale_keys
         self.shapes = self.attention_shapes or ("canonical" if stale else "exact")
         self.block_size: int | None = getattr(model.config, "block_size", None)
+        self.captures = self.block_size is not None and graphs is not None
         self.buckets = self._buckets(graphs)
         self.by_block = (self.block_by_block and self.buckets is None
                          and self.block_size is not None and self.shapes == "exact" and not stale)
@@ -200,7 +201,6 @@ class Runner:
     def _buckets(self, graphs: CudaGraphs | None) -> Buckets | None:
         """A block-causal model's bucketed forward: captured in CUDA graphs where `graphs` is
         active (power-of-two buckets: few shapes, so few graphs), else by `bucket_rule`."""
-        self.captures = self.block_size is not None and graphs is not None
         if self.block_size is None:
             return None
         if self.captures:
