@@ -89,8 +89,8 @@ class Engine:
         self.max_sequence_length = c.max_sequence_length
         self.scheduler = Scheduler(config or SchedulerConfig(), lambda r: decoder_key(r.params))
         # decided once, before any request (never mid-serve): the decoders capture iff set
-        rows = dataclasses.replace(graphs, rows=self.scheduler.config.max_running) if graphs else None
-        self.graphs = rows if rows is not None and rows.active(model) else None
+        sized = dataclasses.replace(graphs, rows=self.scheduler.config.max_running) if graphs else None
+        self.graphs = sized if sized is not None and sized.active(model) else None
         self.decoders: dict[Hashable, Decoder] = {}
         self.batches: dict[Hashable, DecodeBatch] = {}
         self.requests: dict[str, Request] = {}  # waiting or running
