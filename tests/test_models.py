@@ -14,8 +14,9 @@ from transformers.models.llama import modeling_llama
 
 from unmask.config import ModelConfig
 from unmask.kv import Frame
-from unmask.models import build_model
+from unmask.models import build_model, layers
 from unmask.models.layers import RMSNorm, apply_rope, rope_cos_sin
+from unmask.models.sdar import FusedRMSNorm
 
 VOCAB, D, HEADS, LAYERS, FF = 100, 64, 4, 2, 128
 ATOL = 1e-5
@@ -373,3 +374,31 @@ def test_rms_norm_is_transformers_llama_rms_norm_bit_for_bit(dtype: torch.dtype,
     x = (torch.randn(2, tokens, 64, generator=g) * 5).to(dtype)
     with torch.no_grad():
         assert torch.equal(ours(x), ref(x))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 271])
+def test_the_fused_rms_norm_is_used_only_where_it_is_the_reference_formula(
+        tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A norm computes the references' ``x * rsqrt(mean(x^2) + eps)`` in float32: torch's fused
+    rms_norm only on the devices where it gives those bits (the CPU, checked here), the formula
+    itself elsewhere (CUDA's fused kernel departs from it). The norms of every family route
+    through `rms_kernel`: on a device without the fused op's bits (meta stands for CUDA) they
+    never call it."""
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(2, tokens, 64, generator=g) * 5
+    w = torch.randn(64, generator=g) * 2
+    by_hand = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(layers.reference_rms(x, 1e-5), by_hand)
+    assert torch.equal(layers.reference_rms(x, 1e-5, w), by_hand * w)
+    assert torch.equal(layers.fused_rms(x, 1e-5, w), layers.reference_rms(x, 1e-5, w))
+    assert layers.rms_kernel(torch.device("cpu")) is layers.fused_rms
+    assert layers.rms_kernel(torch.device("cuda")) is layers.reference_rms
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("fused rms_norm called off the CPU")
+
+    monkeypatch.setattr(layers.F, "rms_norm", refused)
+    for norm in (RMSNorm(64, 1e-5), FusedRMSNorm(64, 1e-5)):
+        for dtype in (torch.float32, torch.bfloat16):
+            out = norm.to("meta", dtype)(torch.empty(2, tokens, 64, device="meta", dtype=dtype))
+            assert out.shape == (2, tokens, 64) and out.dtype == dtype

@@ -17,11 +17,10 @@ config.json does here.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from unmask.config import ModelConfig
-from unmask.models.layers import RMSNorm
+from unmask.models.layers import RMSNorm, rms_kernel
 from unmask.models.qwen import QwenLayer, QwenLM
 
 
@@ -34,7 +33,7 @@ class FusedRMSNorm(RMSNorm):
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return super().forward(x)
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+        return rms_kernel(x.device)(x.float(), self.eps, self.weight.float()).to(x.dtype)
 
 
 def block_causal_mask(position_ids: Tensor, block_size: int) -> Tensor:
