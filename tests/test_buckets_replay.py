@@ -30,6 +30,7 @@ from unmask.engine.layout import for_model
 from unmask.engine.request import Request
 from unmask.errors import InputError
 from unmask.kv import Frame, KVStore
+from unmask.models import llada2
 from unmask.suffix import make_suffix_policy
 from unmask.syncs import SyncCounter
 
@@ -206,7 +207,7 @@ def test_what_a_graph_cannot_hold_is_named(monkeypatch) -> None:
         mp.setattr(graphs_mod, "_device", lambda model: cuda)
         mp.setattr(torch.cuda, "is_available", lambda: True)
         assert "only block-causal models" in graphs_mod.unsupported(llada)
-        assert "reads the host" in graphs_mod.unsupported(moe)
+        assert graphs_mod.unsupported(moe) is None  # its calls up to graph_tokens are held
         mp.setattr(torch.cuda, "is_available", lambda: False)
         assert "no CUDA" in graphs_mod.unsupported(llada)
 
@@ -263,3 +264,21 @@ def test_a_store_that_would_not_fit_is_refused_before_any_request(monkeypatch, c
     assert engine.graphs is None and "does not fit" in caplog.text
     assert Engine(model, SchedulerConfig(max_running=3), MASK, EOS,
                   graphs=CudaGraphs("auto")).graphs is not None
+
+
+def test_llada2_calls_past_its_fixed_experts_run_eagerly_and_say_so_once(caplog) -> None:
+    """LLaDA2's experts run at fixed shapes up to FIXED_TOKENS tokens a call (no host read:
+    unmask.models.llada2); a bucket of more tokens would read the expert counts, so it is not
+    captured, and the log says so once."""
+    model = peaky_model("llada2_moe", 0, 4.0, VOCAB, MASK, EOS)
+    most = llada2.FIXED_TOKENS
+    assert model.graph_tokens == most
+    wrapped = []
+    buckets = Buckets("pow2", torch.device("cpu"), 16, wrap=lambda call: wrapped.append(call) or call)
+    graphs_mod._logged.clear()
+    with caplog.at_level(logging.WARNING, logger="unmask.engine"):
+        for rows in (most // 4, most // 4 * 2, most // 4 * 4):
+            buckets.bucket_call(model, Bucket(rows, 4, 0), None, True)
+    assert len(wrapped) == 1  # the bucket of FIXED_TOKENS tokens only
+    assert len(caplog.records) == 1
+    assert f"calls of more than {most} tokens (LLaDA2Model's expert counts) run eagerly" in caplog.text

@@ -30,8 +30,9 @@ from unmask.cli import main
 from unmask.config import ConfigError, ModelConfig
 from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
-from unmask.models import build_model
+from unmask.models import build_model, llada2
 from unmask.models.llada2 import LLaDA2MoE
+from unmask.syncs import SyncCounter
 
 DATA = Path(__file__).parent / "data"
 VOCAB = 97
@@ -91,6 +92,59 @@ def test_a_rows_logits_do_not_depend_on_its_batch(dtype: torch.dtype) -> None:
         together = model(ids, pos)
         alone = torch.cat([model(ids[i:i + 1], pos[i:i + 1]) for i in range(8)])
     assert torch.equal(together, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 40, 128])
+def test_fixed_dispatch_is_the_counted_one_bit_for_bit_without_a_read(dtype: torch.dtype,
+                                                                       tokens: int) -> None:
+    """The experts at fixed shapes (every expert on all N rows, off the CPU up to FIXED_TOKENS:
+    what a CUDA graph can hold) give the counted dispatch's bits, and read nothing on the host
+    where the counted one reads its counts."""
+    moe = _model(dtype).model.layers[1].mlp
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    chosen, _ = moe.gate(x)
+    with SyncCounter(cpu_is_device=True).counting() as fixed_reads:
+        fixed = llada2.fixed_dispatch(moe.experts, x, chosen)
+    with SyncCounter(cpu_is_device=True).counting() as counted_reads:
+        counted = llada2.counted_dispatch(moe.experts, x, chosen,
+                                          llada2.device_counts(chosen, len(moe.experts)))
+    assert torch.equal(fixed, counted)
+    assert fixed_reads.total == 0 and counted_reads.total >= 1
+
+
+def test_the_fixed_dispatch_decodes_todays_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding with every MoE call at fixed shapes (as a device runs them) gives the tokens and
+    logits of the CPU's counted dispatch."""
+    model = _model(torch.float32)
+    params = DecodeParams.parse("threshold,threshold=0.7", gen_length=16, block_length=4)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    ids = torch.randint(0, VOCAB, (3, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24)[None].expand(3, 24)
+
+    def run() -> tuple[list[list[int]], torch.Tensor]:
+        reqs = decode(model, params, prompts, mask_id=VOCAB - 1, eos_id=VOCAB - 2, max_running=3)
+        with torch.no_grad():
+            return [r.token_ids for r in reqs], model(ids, pos)
+
+    want = run()
+    with monkeypatch.context() as mp:
+        mp.setattr(llada2, "dispatch", llada2.fixed_dispatch)
+        got = run()
+    assert got[0] == want[0]
+    assert torch.equal(got[1], want[1])
+
+
+def test_only_calls_past_fixed_tokens_read_the_expert_counts() -> None:
+    """On a device, a call of more than FIXED_TOKENS tokens counts its experts on the host (one
+    read a MoE layer); on the CPU a smaller call's counting stands for the fixed dispatch a
+    device runs, and is not counted."""
+    model = _model(torch.float32)
+    for tokens, reads in ((llada2.FIXED_TOKENS, 0), (llada2.FIXED_TOKENS + 1, 2)):
+        ids = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad(), SyncCounter(cpu_is_device=True).counting() as c:
+            model(ids, torch.arange(tokens)[None])
+        assert c.total == reads, tokens  # two MoE layers of three
 
 
 def test_router_keeps_to_the_chosen_groups() -> None:

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import edit_config, tiny_model_dir
 
+from unmask import show
 from unmask.api import DEFAULT_MODEL
 from unmask.checkpoint import load_model
 from unmask.cli import main
 from unmask.config import ModelConfig
+from unmask.engine.graphs import CudaGraphs
+from unmask.hub import SHIPPED
 from unmask.quantize import quantize_model, weight_bytes
 from unmask.show import Workload, estimate, verdict
 from unmask.show import weight_bytes as estimated_weight_bytes
@@ -98,6 +102,44 @@ def test_the_verdict_shrinks_the_batch_before_the_weights() -> None:
     n = int(got.split()[-1])
     assert n > 1 and estimate(config, Workload("float32", gen_length=1024, batch=n)).total <= free
     assert estimate(config, Workload("float32", gen_length=1024, batch=n + 1)).total > free
+
+
+def test_a_cuda_device_counts_the_k_v_store_cuda_graphs_preallocate(capsys, monkeypatch) -> None:
+    """With CUDA graphs (auto or on) a block-causal model's K/V store holds every row at its
+    full width on a CUDA device (CudaGraphs.store_capacity): the estimate and the verdict
+    there count it; the CPU's, and a CUDA device's with graphs off, count the canvases."""
+    sdar = SHIPPED["unmask-sdar"]
+    config = ModelConfig.load(sdar)  # block-causal, context 2,048
+    per_position = config.n_layers * 2 * config.n_kv_heads * config.head_dim * 4
+    work = Workload("float32", gen_length=64, prompt_length=64, batch=3)
+    canvas = estimate(config, work)
+    assert canvas.kv == 3 * 128 * per_position
+    width = CudaGraphs().store_capacity(load_model(sdar))[1]
+    assert width == 2048
+    assert estimate(config, work, "cuda:0").kv == 3 * width * per_position
+    assert estimate(config, replace(work, cuda_graphs="off"), "cuda:0") == canvas
+    assert estimate(config, replace(work, batch=1), "cuda:0").kv == width * per_position
+    llada = ModelConfig.load(DEFAULT_MODEL)  # bidirectional: no graphs, no preallocation
+    assert estimate(llada, work, "cuda:0") == estimate(llada, work)
+    need = estimate(config, work, "cuda:0").total
+    assert verdict(config, work, need, "cuda:0") == "fits"
+    assert verdict(config, work, need - 1, "cuda:0").startswith("does not fit, try --batch 2")
+    assert verdict(config, work, need - 1) == "fits"  # the CPU holds the canvases only
+
+    work = replace(work, prefix_bytes=1 << 30)  # --prefix-cache-gib 1
+    need = estimate(config, work, "cuda:0").total
+    monkeypatch.setattr(show, "machine_memory", lambda: {"cpu": 1 << 40, "cuda:0": need})
+    assert main(["show", str(sdar), "--json", "--batch", "3", "--gen-length", "64",
+                 "--prompt-length", "64", "--dtype", "float32", "--prefix-cache-gib", "1"]) == 0
+    fits = json.loads(capsys.readouterr().out)["fits"]
+    assert (fits["cuda:0"]["total"], fits["cuda:0"]["verdict"]) == (need, "fits")
+    assert fits["cpu"]["total"] == estimate(config, work).total
+    assert fits["cpu"]["graph_store_width"] == 0
+    assert main(["show", str(sdar), "--batch", "3", "--dtype", "float32"]) == 0
+    assert "CUDA graphs: the K/V store preallocated, 3 rows x 2,048 positions" in \
+        capsys.readouterr().out
+    assert main(["show", str(sdar), "--cuda-graphs", "off", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"]["cuda:0"]["graph_store_width"] == 0
 
 
 def test_show_reports_the_model(capsys, folders) -> None:

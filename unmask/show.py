@@ -17,7 +17,12 @@ batch (``KVStore``: 2 x layers x K/V heads x head width, in the dtype), the logi
 every generated position in the dtype plus the float32 copy scoring makes (`unmask/decoding/scoring.py`),
 and one layer's activations are the MLP's three hidden-width tensors per position. A
 block-causal model adds its prefix store's budget (`--prefix-cache-gib`, default PREFIX_SHARE of
-the RAM available: unmask.engine.prefix_store), which it may fill.
+the RAM available: unmask.engine.prefix_store), which it may fill. On a CUDA device a
+block-causal model's calls replay CUDA graphs (`--cuda-graphs auto`, the default), which read a
+K/V store allocated once for every row at its full width (unmask.engine.graphs,
+`store_width`): there the K/V term is the batch's rows at that width (the canvas's own where it
+is longer). The graphs' own memory is one pool holding one call's activations (the activations
+term); what each capture adds is in the start-up log of a GPU run.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from unmask.catalog import (
 from unmask.cli_args import gib as gib_budget
 from unmask.cli_args import positive
 from unmask.decoding.params import DecodeParams
+from unmask.engine.graphs import MODES, CudaGraphs, store_width
 from unmask.errors import InputError
 from unmask.memory import GIB, PREFIX_SHARE, available_ram
 
@@ -59,8 +65,11 @@ class Workload:
     prompt_length: int = 128
     batch: int = 1
     prefix_bytes: int = 0  # the prefix store's budget (block-causal models)
+    cuda_graphs: str = "auto"  # whether a CUDA device preallocates the K/V store (module docstring)
 
     def __post_init__(self) -> None:
+        if self.cuda_graphs not in MODES:
+            raise InputError(f"cuda_graphs {self.cuda_graphs!r}: valid {', '.join(MODES)}")
         if self.dtype not in WIDTH:
             raise InputError(f"dtype {self.dtype!r}: valid {', '.join(WIDTH)}")
         if self.quantize not in (None, *SCHEMES):
@@ -109,14 +118,24 @@ def weight_bytes(config, work: Workload) -> int:
     return rest + linear // 2 + (linear // group) * 2 * WIDTH["bfloat16"]
 
 
-def estimate(config, work: Workload) -> MemoryEstimate:
+def estimate(config, work: Workload, device: str = "cpu") -> MemoryEstimate:
+    """The memory `work` takes on `device` ("cpu", "cuda:N")."""
     width = WIDTH[work.dtype]
     positions = work.batch * (work.prompt_length + work.gen_length)
-    kv = positions * config.n_layers * 2 * config.n_kv_heads * config.head_dim * width
+    kv = (work.batch * max(work.prompt_length + work.gen_length, graph_store_width(config, work, device))
+          * config.n_layers * 2 * config.n_kv_heads * config.head_dim * width)
     logits = work.batch * work.gen_length * config.vocab_size * (width + 4)
     activations = positions * config.mlp_hidden_size * 3 * width
     prefix = work.prefix_bytes if config.block_size is not None else 0
     return MemoryEstimate(weight_bytes(config, work), kv, logits, activations, prefix)
+
+
+def graph_store_width(config, work: Workload, device: str) -> int:
+    """Positions a row of the K/V store takes when CUDA graphs preallocate it on `device`, else
+    0: a block-causal model on a CUDA device, graphs not off (`CudaGraphs.store_capacity`)."""
+    if device == "cpu" or work.cuda_graphs == "off" or config.block_size is None:
+        return 0
+    return store_width(config, CudaGraphs().max_keys)
 
 
 # --- the machine ------------------------------------------------------------------------------
@@ -132,7 +151,7 @@ def machine_memory() -> dict[str, int]:
 
 
 
-def verdict(config, work: Workload, free: int) -> str:
+def verdict(config, work: Workload, free: int, device: str = "cpu") -> str:
     """'fits', or why not and the nearest setting that fits: first the model's context, then
     memory. The batch's canvases (K/V, logits, activations) grow with the batch and the weights
     do not, so a smaller batch is tried before cheaper weights (`cheaper`), each at the largest
@@ -142,11 +161,11 @@ def verdict(config, work: Workload, free: int) -> str:
         return (f"does not fit the model's context: {work.prompt_length} prompt + "
                 f"{work.gen_length} generated need {canvas:,} positions, max_sequence_length is "
                 f"{config.max_sequence_length:,}; shorten --prompt-length or --gen-length")
-    if estimate(config, work).total <= free:
+    if estimate(config, work, device).total <= free:
         return "fits"
     for change, tried in [("", work), *cheaper(work)]:
         try:
-            n = largest_batch(config, tried, free)
+            n = largest_batch(config, tried, free, device)
         except InputError:  # a scheme this model's widths do not allow
             continue
         if n >= 1:
@@ -164,10 +183,10 @@ def context_needed(config, work: Workload) -> int:
     return work.prompt_length + canvas_length(work.prompt_length, work.gen_length, block)
 
 
-def largest_batch(config, work: Workload, free: int) -> int:
-    """The most canvases that fit in `free` bytes beside `work`'s weights (at most its batch):
-    everything but the weights grows with the batch (`estimate`)."""
-    one = estimate(config, replace(work, batch=1))
+def largest_batch(config, work: Workload, free: int, device: str = "cpu") -> int:
+    """The most canvases that fit in `free` bytes of `device` beside `work`'s weights (at most
+    its batch): everything but the weights grows with the batch (`estimate`)."""
+    one = estimate(config, replace(work, batch=1), device)
     per_canvas = one.total - one.weights
     return max(0, min(work.batch, (free - one.weights) // per_canvas))
 
@@ -196,6 +215,9 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-gib", type=gib_budget, default=None, metavar="GIB",
                    help="the prefix store's budget, for a block-causal model (default: "
                         f"{PREFIX_SHARE:.0%} of the RAM available)")
+    p.add_argument("--cuda-graphs", choices=MODES, default="auto",
+                   help="size a CUDA device's K/V store as CUDA graphs preallocate it, for a "
+                        "block-causal model (auto, on; off: as the canvases need; default: auto)")
     p.add_argument("--json", action="store_true", help="one JSON object")
 
 
@@ -212,7 +234,7 @@ def run_show(args: argparse.Namespace) -> int:
               else int(PREFIX_SHARE * available_ram()))
     work = Workload(dtype=args.dtype or config.torch_dtype, quantize=args.quantize,
                     gen_length=args.gen_length or GEN_LENGTH, prompt_length=args.prompt_length,
-                    batch=args.batch, prefix_bytes=prefix)
+                    batch=args.batch, prefix_bytes=prefix, cuda_graphs=args.cuda_graphs)
     report = describe(folder, config, work)
     if args.json:
         print(json.dumps(report))
@@ -234,7 +256,9 @@ def describe(folder: Path, config, work: Workload) -> dict:
         "chat_template": has_chat_template(folder), "mask_token_id": config.mask_token_id,
         "eos_token_id": config.eos_token_id, "workload": asdict(work),
         "memory": {**asdict(mem), "total": mem.total},
-        "fits": {dev: {"free": free, "verdict": verdict(config, work, free)}
+        "fits": {dev: {"free": free, "total": estimate(config, work, dev).total,
+                       "graph_store_width": graph_store_width(config, work, dev),
+                       "verdict": verdict(config, work, free, dev)}
                  for dev, free in machine_memory().items()},
     }
 
@@ -270,5 +294,8 @@ def print_report(r: dict) -> None:
     ]
     for dev, f in r["fits"].items():
         what = "RAM available" if dev == "cpu" else "free"
-        lines.append(f"{dev:<12} {gib(f['free'])} {what}: {f['verdict']}")
+        store = (f" (CUDA graphs: the K/V store preallocated, {w['batch']} rows x "
+                 f"{f['graph_store_width']:,} positions; {gib(f['total'])} in all)"
+                 if f["graph_store_width"] else "")
+        lines.append(f"{dev:<12} {gib(f['free'])} {what}{store}: {f['verdict']}")
     print("\n".join(lines), file=sys.stdout)

@@ -201,8 +201,9 @@ class Buckets:
         if buf is None:
             buf = self.buffers[b] = BucketBuffers(b, self.device)
         call = BucketCall(model, buf, b, store, block_causal)
-        if self.max_keys is not None and b.keys > self.max_keys:
-            beyond_buckets(self.max_keys)
+        beyond = self.beyond(model, b)
+        if beyond is not None:
+            beyond_buckets(beyond)
             wrapped: Callable[[], CallOut] = call
         else:
             try:
@@ -212,6 +213,17 @@ class Buckets:
                 wrapped = call
         self.calls[b] = (store, wrapped)
         return wrapped
+
+    def beyond(self, model: nn.Module, b: Bucket) -> str | None:
+        """Why bucket b's call of `model` is not wrapped (captured), or None: more stored keys
+        than max_keys, or more tokens than the model's forward holds without reading the host
+        (`graph_tokens`: LLaDA2's expert counts, unmask.models.llada2)."""
+        if self.max_keys is not None and b.keys > self.max_keys:
+            return f"reading more than {self.max_keys} stored keys"
+        most = getattr(model, "graph_tokens", None)
+        if most is not None and b.rows * b.tokens > most:
+            return f"of more than {most} tokens ({type(model).__name__}'s expert counts)"
+        return None
 
     def _run(self, model: nn.Module, b: Bucket, g: np.ndarray, c: CallRows,
              past: Past | None, sel: np.ndarray) -> CallOut:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unmask.config import ModelConfig
 from unmask.engine.prefix_store import free_bytes
 from unmask.errors import InputError
 
@@ -81,10 +82,15 @@ class CudaGraphs:
         context (to its last block's end) or max_keys, the fewer: a longer row grows the store,
         which moves it, and the buckets' calls are made again (those past max_keys run eagerly
         anyway). A context of 32k positions for every row would not fit most devices."""
-        c = model.config
-        block = c.block_size or 1
-        width = min(int(c.max_sequence_length), self.max_keys)
-        return self.rows, -(-width // block) * block
+        return self.rows, store_width(model.config, self.max_keys)
+
+
+def store_width(config: ModelConfig, max_keys: int) -> int:
+    """Positions of each row of a preallocated K/V store (`CudaGraphs.store_capacity`): the
+    model's context or max_keys, the fewer, to the end of its block."""
+    block = config.block_size or 1
+    width = min(int(config.max_sequence_length), max_keys)
+    return -(-width // block) * block
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -97,8 +103,6 @@ def unsupported(model: nn.Module) -> str | None:
     if getattr(model.config, "block_size", None) is None:
         return ("only block-causal models (SDAR, LLaDA2, Fast-dLLM v2) have shape buckets "
                 "yet; a bidirectional canvas changes with padding")
-    if getattr(model, "forward_reads_host", False):
-        return f"{type(model).__name__}'s forward reads the host (a graph cannot hold it)"
     return None
 
 
@@ -165,7 +169,6 @@ def capture(call: Callable[[], Any], pool: Any = None) -> Callable[[], Any]:
     return replay
 
 
-def beyond_buckets(max_keys: int) -> None:
-    """Log once that calls reading more than max_keys stored keys run eagerly."""
-    _once(logging.WARNING, f"CUDA graphs: calls reading more than {max_keys} stored keys run "
-          "eagerly")
+def beyond_buckets(what: str) -> None:
+    """Log once that calls beyond what graphs hold (`what`) run eagerly."""
+    _once(logging.WARNING, f"CUDA graphs: calls {what} run eagerly")

@@ -28,6 +28,7 @@ from unmask.kv import Frame
 from unmask.models.layers import RMSNorm, attention
 from unmask.models.qwen import QwenLM
 from unmask.models.sdar import block_causal_mask
+from unmask.syncs import cpu_only
 
 # An expert runs on its tokens padded with zero rows to a multiple of this: on the CPU torch
 # takes other kernels for other row counts (the matmuls below 12 rows, the elementwise SiLU and
@@ -115,22 +116,89 @@ class LLaDA2MoE(nn.Module):
     def routed(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
         """x (N, d), chosen / weights (N, K) -> (N, d): sum_k weights[:, k] * expert_k(x),
         summed in float32 and rounded once, as the reference's moe_infer does."""
-        k = chosen.shape[1]
-        order = chosen.flatten().argsort(stable=True)  # (N*K,) pairs grouped by expert
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
-        tokens = x[order // k]  # (N*K, d) each pair's token, in expert order
-        out = torch.empty_like(tokens)
-        start = 0
-        for expert, count in zip(self.experts, counts, strict=True):
-            if count:
-                mine = F.pad(tokens[start:start + count], (0, 0, 0, -count % ROW_STEP))
-                out[start:start + count] = expert(mine)[:count]
-                start += count
-        per_pair = torch.empty_like(out)
-        per_pair[order] = out  # back to (token, k) order
-        pairs = per_pair.view(-1, k, x.shape[-1]).to(weights.dtype)
+        n, k = chosen.shape
+        per_pair = dispatch(self.experts, x, chosen)  # (N*K, d) in (token, k) order
+        pairs = per_pair.view(n, k, x.shape[-1]).to(weights.dtype)
         summed = (pairs * weights[..., None]).sum(dim=1)
         return summed.to(x.dtype)
+
+
+# A call of at most this many tokens runs every expert on a fixed number of rows off the CPU
+# (`fixed_dispatch`): no shape depends on the routing, so no expert count is read on the host
+# and a CUDA graph can hold the layer. It costs experts x rows of expert products where the
+# routing needs K rows a token (32x for LLaDA2-mini), which a GPU hides while a product of so
+# few rows is bound by reading the expert's weights rather than by arithmetic (an H200 does
+# ~200 bf16 flops in the time it reads a byte). Larger calls count first (`counted_dispatch`).
+FIXED_TOKENS = 128
+
+
+def dispatch(experts: nn.ModuleList, x: Tensor, chosen: Tensor) -> Tensor:
+    """Each (token, k) pair's expert output (N*K, d) for tokens x (N, d) and their experts
+    chosen (N, K): at fixed shapes for calls of at most FIXED_TOKENS off the CPU; by the
+    experts' counts on the CPU (the host is the device there: the read waits for nothing) and
+    for larger calls (one device read a MoE layer)."""
+    n_experts = len(experts)
+    if x.shape[0] > FIXED_TOKENS:
+        return counted_dispatch(experts, x, chosen, device_counts(chosen, n_experts))
+    if x.device.type == "cpu":
+        return counted_dispatch(experts, x, chosen, cpu_counts(chosen, n_experts))
+    return fixed_dispatch(experts, x, chosen)
+
+
+def _counts(chosen: Tensor, n_experts: int) -> Tensor:
+    return torch.bincount(chosen.flatten(), minlength=n_experts)  # (E,)
+
+
+def device_counts(chosen: Tensor, n_experts: int) -> list[int]:
+    """How many tokens chose each expert, read on the host."""
+    return _counts(chosen, n_experts).tolist()
+
+
+@cpu_only
+def cpu_counts(chosen: Tensor, n_experts: int) -> list[int]:
+    """`device_counts` of a CPU call that a device would run at fixed shapes (`dispatch`),
+    reading nothing: `SyncCounter` leaves it out."""
+    return _counts(chosen, n_experts).tolist()
+
+
+def counted_dispatch(experts: nn.ModuleList, x: Tensor, chosen: Tensor,
+                     counts: list[int]) -> Tensor:
+    """`dispatch` with each expert run on the pairs that chose it (counts: (E,) how many), in
+    pair order, padded to ROW_STEP rows."""
+    k = chosen.shape[1]
+    order = chosen.flatten().argsort(stable=True)  # (N*K,) pairs grouped by expert
+    tokens = x[order // k]  # (N*K, d) each pair's token, in expert order
+    out = torch.empty_like(tokens)
+    start = 0
+    for expert, count in zip(experts, counts, strict=True):
+        if count:
+            mine = F.pad(tokens[start:start + count], (0, 0, 0, -count % ROW_STEP))
+            out[start:start + count] = expert(mine)[:count]
+            start += count
+    per_pair = torch.empty_like(out)
+    per_pair[order] = out  # back to (token, k) order
+    return per_pair
+
+
+def fixed_dispatch(experts: nn.ModuleList, x: Tensor, chosen: Tensor) -> Tensor:
+    """`dispatch` with no host read: every expert runs on N rows rounded up to ROW_STEP (a
+    token chooses an expert at most once), its pairs first in pair order, zeros after. Each
+    pair's row holds the place it has in `counted_dispatch` in a product of a multiple of
+    ROW_STEP rows, so the results are its bits on the CPU (tests/test_llada2.py)."""
+    n, k = chosen.shape
+    flat = chosen.flatten()  # (N*K,)
+    # (E,) counted by a scatter: CUDA's bincount reads its input's maximum on the host
+    counts = torch.zeros(len(experts), dtype=flat.dtype, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    first = counts.cumsum(0) - counts  # (E,) each expert's first pair in expert order
+    order = flat.argsort(stable=True)
+    place = torch.empty_like(flat)  # (N*K,) each pair's row among its expert's
+    place[order] = torch.arange(flat.shape[0], device=flat.device) - first[flat[order]]
+    rows = -(-n // ROW_STEP) * ROW_STEP
+    grid = x.new_zeros(len(experts), rows, x.shape[-1])  # (E, rows, d)
+    grid[flat, place] = x.repeat_interleave(k, dim=0)
+    out = torch.stack([expert(grid[e]) for e, expert in enumerate(experts)])  # (E, rows, d)
+    return out[flat, place]
 
 
 class LLaDA2Attention(nn.Module):
@@ -175,9 +243,9 @@ class LLaDA2Model(QwenLM):
 
     layer_class = LLaDA2Layer
     embed_name = "word_embeddings"
-    # each MoE layer reads its experts' token counts on the host (LLaDA2MoE), which a CUDA
-    # graph cannot hold (unmask.engine.graphs)
-    forward_reads_host = True
+    # a call of more tokens reads each MoE layer's expert counts on the host (`fixed_fits`),
+    # which a CUDA graph cannot hold: its buckets run eagerly (unmask.engine.buckets)
+    graph_tokens = FIXED_TOKENS
 
     def attention_mask(self, position_ids: Tensor) -> Tensor:
         return block_causal_mask(position_ids, self.config.block_size)
