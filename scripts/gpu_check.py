@@ -75,19 +75,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from unmask.config import ModelConfig  # noqa: E402
-from unmask.decoding.params import DecodeParams  # noqa: E402
+from unmask.decoding.methods import METHODS  # noqa: E402
+from unmask.decoding.params import DecodeParams, row_knobs  # noqa: E402
+from unmask.decoding.rules import select_top  # noqa: E402
 from unmask.engine import Engine, SchedulerConfig  # noqa: E402
 from unmask.engine import graphs as graphs_mod  # noqa: E402
 from unmask.engine.buckets import Buckets  # noqa: E402
 from unmask.engine.graphs import CudaGraphs  # noqa: E402
-from unmask.models import build_model  # noqa: E402
+from unmask.models import build_model, layers  # noqa: E402
+from unmask.models.layers import RMSNorm, reference_rms  # noqa: E402
 from unmask.syncs import SyncCounter  # noqa: E402
 
 PUBLISHED = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b", "sdar": "sdar-8b-chat"}
@@ -438,6 +443,64 @@ class CallTimer:
         setattr(self.owner, self.name, self.inner)
 
 
+# --- norm and rule: numerics and the commit rule on the device ------------------------------
+def section_norm(report: Report, clock: Clock, device: torch.device, sz: Sizes) -> None:
+    """RMSNorm on the device against the references' formula (unmask.models.layers): torch's
+    fused rms_norm's max |diff| from the formula, and whether the norm the models call gives
+    the formula's bits (it calls the fused op only where `FUSED_RMS_EXACT` says it does)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for width in (128, 4096):  # a head's q/k norm, a LLaDA-8B layer's
+            row = {"dtype": str(dtype).removeprefix("torch."), "width": width}
+            with cell_guard(report, "norm", clock, row) as r:
+                if r is None:
+                    continue
+                x = (torch.randn(sz.logit_width, width, generator=g) * 3).to(device, dtype)
+                norm = RMSNorm(width, 1e-5).to(device, dtype)
+                with torch.no_grad():
+                    norm.weight.copy_(torch.randn(width, generator=g) * 2)
+                    h = x.float()
+                    formula = norm.weight * reference_rms(h, 1e-5).to(dtype)
+                    fused = F.rms_norm(h, (width,), eps=1e-5)
+                    r["fused vs formula max |diff|"] = (fused - reference_rms(h, 1e-5)).abs().max().item()
+                    r["RMSNorm is the formula"] = torch.equal(norm(x), formula)
+                    r["kernel"] = layers.rms_kernel(device).__name__
+
+
+def commits(rule: Any, conf: Any, cand: Any, knobs: Any) -> Any:
+    """(R, S) the commit mask of one step of `rule` (arrays or tensors alike)."""
+    return select_top(conf, cand, rule.count(conf, cand, None, knobs))
+
+
+def section_rule(report: Report, clock: Clock, device: torch.device, sz: Sizes) -> None:
+    """A step's commit rule (count and selection, unmask.decoding.rules) over R canvases of the
+    decode section's width, on the host's numpy arrays (what the engine runs) and as tensors on
+    the device: median microseconds a step, and the device reads the device's path made."""
+    width = sz.prompt + sz.gen_length
+    for rows in (1, 16, 64):
+        gen = np.random.default_rng(rows)
+        conf = gen.random((rows, width), dtype=np.float32)
+        cand = gen.random((rows, width)) < 0.1
+        knobs = row_knobs([DecodeParams.parse("threshold", gen_length=sz.gen_length,
+                                              block_length=sz.block_length)] * rows)
+        for name in ("threshold", "static-1"):
+            row = {"rows": rows, "width": width, "rule": name}
+            with cell_guard(report, "rule", clock, row) as r:
+                if r is None:
+                    continue
+                rule = METHODS[name].impl()
+                conf_t, cand_t = torch.from_numpy(conf).to(device), torch.from_numpy(cand).to(device)
+                knobs_t = {"threshold": torch.from_numpy(knobs["threshold"].copy()).to(device)}
+                host = functools.partial(commits, rule, conf, cand, knobs)
+                on_device = functools.partial(commits, rule, conf_t, cand_t, knobs_t)
+                r["host us"] = 1e6 * time_call(host, torch.device("cpu"), 50)
+                r["device us"] = 1e6 * time_call(on_device, device, 50)
+                with SyncCounter(cpu_is_device=device.type == "cpu").counting() as c:
+                    same = on_device()
+                r["device reads"] = c.total
+                r["same commits"] = bool((same.cpu().numpy() == host()).all())
+
+
 def copy_bandwidth(device: torch.device, mib: int) -> float:
     """Bytes per second a device-to-device copy moves (read plus written), median of 5."""
     src = torch.empty(mib << 18, dtype=torch.float32, device=device).uniform_()
@@ -661,15 +724,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "CUDA-graph modes are refused, an error row), graphs (--cuda-graphs on: "
                         "block-causal models, every model listed; a skipped row elsewhere, with "
                         "the reason)")
-    p.add_argument("--sections", default="logits,forward,decode,load",
-                   help="comma-separated, run in this order: logits, forward, decode, load")
+    p.add_argument("--sections", default="norm,rule,logits,forward,decode,load",
+                   help=f"comma-separated, run in this order: {', '.join(SECTIONS)}")
     args = p.parse_args(argv)
     for name in args.models.split(","):
         if name not in PUBLISHED:
             p.error(f"--models: unknown model {name!r}; valid: {', '.join(PUBLISHED)}")
     for name in args.sections.split(","):
-        if name not in ("logits", "forward", "decode", "load"):
-            p.error(f"--sections: unknown section {name!r}; valid: logits, forward, decode, load")
+        if name not in SECTIONS:
+            p.error(f"--sections: unknown section {name!r}; valid: {', '.join(SECTIONS)}")
     if args.reference is not None and not (args.reference / "modeling_llada.py").is_file():
         p.error(f"--reference {args.reference}: no modeling_llada.py there")
     return args
@@ -691,6 +754,15 @@ def run_section(section: str, report: Report, clock: Clock, family: str, device:
         section_decode(report, clock, family, device, sz, variants, args.tiny)
 
 
+# the sections run once, not per model
+ONCE: dict[str, Callable[[Report, Clock, torch.device, Sizes, argparse.Namespace], None]] = {
+    "norm": lambda report, clock, device, sz, args: section_norm(report, clock, device, sz),
+    "rule": lambda report, clock, device, sz, args: section_rule(report, clock, device, sz),
+    "load": lambda report, clock, device, sz, args: section_load(report, clock, device, args.tiny),
+}
+SECTIONS = ("norm", "rule", "logits", "forward", "decode", "load")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -701,8 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     report.write()
     families = args.models.split(",")
     for section in sections:  # in the order given: a tight --budget keeps the first ones
-        if section == "load":
-            section_load(report, clock, device, args.tiny)
+        if section in ONCE:
+            ONCE[section](report, clock, device, sz, args)
             continue
         for i, family in enumerate(families):
             run_section(section, report, clock, family, device, sz, args, first=i == 0)

@@ -18,12 +18,12 @@ def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
     variants = "eager,int8,int4,compile,graphs"
     out = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--out",
                           str(tmp_path), "--variants", variants, "--budget", "600",
-                          "--sections", "logits,load,forward,decode"],
+                          "--sections", "norm,rule,logits,load,forward,decode"],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "gpu_check.json").read_text())
     sections = data["sections"]
-    assert set(sections) == {"logits", "forward", "decode", "load"}
+    assert set(sections) == {"norm", "rule", "logits", "forward", "decode", "load"}
     rows = [r for rs in sections.values() for r in rs]
     assert not [r for r in rows if "error" in r]
     # every cell ran but the graphs variant (every model's), which says why not
@@ -32,6 +32,13 @@ def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
     assert "only block-causal models" in skipped["llada", "graphs"]
     assert "only block-causal models" in skipped["dream", "graphs"]
     assert "need a CUDA device; this run is on cpu" in skipped["sdar", "graphs"]
+    # the norm computes the references' formula (on the CPU through the fused op, which gives it)
+    assert {(r["RMSNorm is the formula"], r["kernel"]) for r in sections["norm"]} == {
+        (True, "fused_rms")}
+    # the commit rule as tensors: the host's commits, no device read
+    assert len(sections["rule"]) == 6
+    assert all(r["same commits"] and r["device reads"] == 0 and r["device us"] > 0
+               for r in sections["rule"])
     # bf16 against fp32 of the same weights: close, not equal
     for r in sections["logits"]:
         assert 0 < r["max |diff|"] < 0.1 and not r["bit-identical"]

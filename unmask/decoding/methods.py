@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from unmask.decoding.knobs import REGISTRY, Facts, Knobs, at_least, entry, knob, register, within
-from unmask.decoding.rules import candidate_ranks, static_count, threshold_count
+from unmask.decoding.rules import candidate_ranks, larger, static_count, threshold_count
 
 
 # --- knobs ---------------------------------------------------------------------------------------
@@ -72,9 +72,13 @@ class BlockSchedule:
 
 
 class Rule:
-    """How many candidates (R, S) one reference step commits per row (host arrays); knobs: (R,)
-    the rows' per-row knobs (unmask.engine.batch). A rule registered with
-    Facts(reads_entropy=True) also gets entropy=(R, S), the predictive entropies."""
+    """How many candidates (R, S) one reference step commits per row; knobs: (R,) the rows'
+    per-row knobs (unmask.engine.batch). A rule registered with Facts(reads_entropy=True) also
+    gets entropy=(R, S), the predictive entropies. Host arrays; `on_device` rules take torch
+    tensors too (conf, cand, the schedule's fields and each knob a tensor: knobs a dict) and
+    give the same counts on the tensors' device (tests/test_device_rules.py)."""
+
+    on_device = False
 
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
               knobs: np.ndarray) -> np.ndarray:
@@ -84,9 +88,11 @@ class Rule:
 class OneToken(Rule):
     """static-1: one token per step."""
 
+    on_device = True
+
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
               knobs: np.ndarray) -> np.ndarray:
-        return cand.any(-1).astype(np.int64)
+        return cand.any(-1) * 1  # int64, as arrays and as tensors
 
 
 class Threshold(Rule):
@@ -95,23 +101,27 @@ class Threshold(Rule):
     a static floor of LLaDA2's generate() and SDAR's low_confidence_dynamic, docs/decoders.md,
     "Block-diffusion decoding"). Without `steps` that floor is one a step: plain threshold."""
 
+    on_device = True
+
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
               knobs: np.ndarray) -> np.ndarray:
         n = threshold_count(conf, cand, knobs["threshold"])
         if schedule is None:  # FreeDave++ (drafts and targets): the rule without its schedule
             return n
-        return np.maximum(n, static_count(schedule.masked_at_start, schedule.steps_per_block,
-                                          schedule.step))
+        return larger(n, static_count(schedule.masked_at_start, schedule.steps_per_block,
+                                      schedule.step))
 
 
 class Static(Rule):
     """LLaDA's reference schedule: a block's M masked positions over s steps."""
 
+    on_device = True
+
     def count(self, conf: np.ndarray, cand: np.ndarray, schedule: BlockSchedule | None,
               knobs: np.ndarray) -> np.ndarray:
         assert schedule is not None, "the static rule needs its block schedule"
         n = static_count(schedule.masked_at_start, schedule.steps_per_block, schedule.step)
-        return np.maximum(n, 1)
+        return n + (n == 0)  # at least one
 
 
 class EntropyBounded(Rule):

@@ -1,6 +1,9 @@
-"""The commit rules: which masked positions of the current block to commit, on the host (numpy,
-over the decode state's (R, S) arrays; unmask.engine.batch says why). Scoring a position (token
-and confidence) runs on the model's device: unmask.decoding.scoring.
+"""The commit rules: which masked positions of the current block to commit, over the decode
+state's (R, S) arrays. The engine runs them on the host (numpy; unmask.engine.batch says why);
+each function here takes torch tensors too and then runs on their device with the same results
+(tests/test_device_rules.py), the rule of a step that never leaves the device
+(docs/engine.md, "Host syncs"). Scoring a position (token and confidence) runs on the model's
+device: unmask.decoding.scoring.
 
 Ties (docs/design.md § Exactness and ties), one rule used everywhere: argmax over the vocabulary keeps
 the lowest token id (torch.argmax returns the first maximum) and rankings over positions keep
@@ -9,45 +12,70 @@ the lowest position (a stable sort of the negated confidence).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
+import torch
+from torch import Tensor
 
 NEG_INF = float("-inf")
+A = TypeVar("A", np.ndarray, Tensor)  # host arrays or device tensors, the same in and out
 
 
-def rank(conf: np.ndarray) -> np.ndarray:
-    """Rank (0 = best) of each position of each row (R, S); ties go to the lowest position."""
-    order = np.argsort(-conf, axis=-1, kind="stable")  # (R, S)
+def _inverse(order: A) -> A:
+    """(R, S) each row's inverse permutation of `order` (R, S)."""
+    if isinstance(order, Tensor):
+        positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+        return torch.empty_like(order).scatter_(-1, order, positions)
     ranks = np.empty_like(order)
-    ranks[np.arange(order.shape[0])[:, None], order] = np.arange(conf.shape[-1])
+    ranks[np.arange(order.shape[0])[:, None], order] = np.arange(order.shape[-1])
     return ranks
 
 
-def candidate_ranks(conf: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+def rank(conf: A) -> A:
+    """Rank (0 = best) of each position of each row (R, S); ties go to the lowest position."""
+    if isinstance(conf, Tensor):
+        return _inverse(torch.argsort(-conf, dim=-1, stable=True))  # NaN last, as numpy
+    return _inverse(np.argsort(-conf, axis=-1, kind="stable"))
+
+
+def candidate_ranks(conf: A, candidates: A) -> A:
     """(B, S) rank of each candidate among its row's candidates (`rank`'s order); the k best
     candidates of a row are those ranked below k, for any k (FreeDave's drafts rank once).
     Non-candidates rank after every candidate, even one scored -inf or NaN: they are NaN, which
     a sort puts last, and a candidate's NaN is -inf (fmax ignores NaN); a -inf fill would tie
     with such a candidate and win by position."""
-    neg_inf = np.float32(NEG_INF)
-    return rank(np.where(candidates, np.fmax(conf, neg_inf), np.float32(np.nan)))
+    xp = torch if isinstance(conf, Tensor) else np
+    neg_inf, nan = np.float32(NEG_INF), np.float32(np.nan)
+    if xp is torch:
+        neg_inf, nan = conf.new_tensor(NEG_INF), conf.new_tensor(float("nan"))
+    return rank(xp.where(candidates, xp.fmax(conf, neg_inf), nan))
 
 
-def select_top(conf: np.ndarray, candidates: np.ndarray, k: np.ndarray) -> np.ndarray:
+def select_top(conf: A, candidates: A, k: A) -> A:
     """Commit mask (B, S): the k[b] best candidates of each row (fewer if fewer exist)."""
     return (candidate_ranks(conf, candidates) < k[:, None]) & candidates
 
 
-def threshold_count(conf: np.ndarray, candidates: np.ndarray, tau: float | np.ndarray) -> np.ndarray:
+def at_least_one(n: A, candidates: A) -> A:
+    """(B,) the counts n, raised to one in each row that has a candidate."""
+    return n + ((n == 0) & candidates.any(-1))
+
+
+def threshold_count(conf: A, candidates: A, tau: float | A) -> A:
     """How many candidates each row commits under threshold decoding: all with conf >= tau (one
     value, or (B,) one per row, float32 like conf), at least one when the row has a candidate."""
-    if isinstance(tau, np.ndarray):
+    if getattr(tau, "ndim", 0) == 1:
         tau = tau[:, None]
-    n = ((conf >= tau) & candidates).sum(-1)
-    return np.maximum(n, candidates.any(-1))
+    return at_least_one(((conf >= tau) & candidates).sum(-1), candidates)
 
 
-def static_count(masked_at_block_start: np.ndarray, steps_per_block: np.ndarray | int,
-                 block_step: np.ndarray) -> np.ndarray:
+def larger(a: A, b: A) -> A:
+    """The elementwise maximum of two arrays (or two tensors)."""
+    return torch.maximum(a, b) if isinstance(a, Tensor) else np.maximum(a, b)
+
+
+def static_count(masked_at_block_start: A, steps_per_block: A | int, block_step: A) -> A:
     """LLaDA's transfer schedule: M masked positions over s steps commit M // s per step, plus
     one for the first M % s steps."""
     base = masked_at_block_start // steps_per_block
