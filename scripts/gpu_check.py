@@ -10,6 +10,10 @@ DIR/gpu_check.json and DIR/gpu_check.md as soon as they are measured, so a run s
 time limit still reports what it measured. Random weights: these are speed and numerics
 numbers, not accuracy.
 
+0. norm and rule, once: RMSNorm on the device against the references' formula (torch's fused
+   rms_norm's max |diff| from it; whether the models' norm gives its bits), and a step's commit
+   rule (`threshold`, `static-1`) over 1, 16 and 64 canvases on the host's numpy arrays and as
+   tensors on the device: median microseconds and the device's device reads.
 1. logits: bfloat16 logits against float32 logits of the same weights (max and mean |diff|,
    the float32 logits' standard deviation for scale, top-1 agreement); with `--reference DIR`
    (a folder holding Fast-dLLM's LLaDA modeling files, carried in the working tree, never part
@@ -42,10 +46,17 @@ numbers, not accuracy.
    against the eager cell's. Elsewhere (a bidirectional model, no CUDA device) a skipped row
    gives the reason; an error in a graphs cell is reported in its row and the rest still runs.
 
-The graphs check in one command, a few minutes on one H100 or H200:
+The graphs check in one command, under 6 minutes on one H100 or H200 (`--budget` skips the
+cells that would start past 300 s; LLaDA2-mini's shape, last, runs in what is left):
 
-    python scripts/gpu_check.py --out benchmarks/gpu/DATE-graphs --models sdar,llada \
-        --variants eager,graphs --sections decode --budget 300
+    python scripts/gpu_check.py --out benchmarks/gpu/DATE-graphs --models sdar,llada,llada2 \
+        --variants eager,graphs --sections norm,rule,decode --budget 300
+
+It reports, besides the decode table (`host syncs/step` per cell: 1 for `threshold` on SDAR, and
+on LLaDA2 in calls of up to 128 tokens), the `norm` section (torch's fused rms_norm against
+the references' formula on the device, and whether the models' norm gives the formula's bits)
+and the `rule` section (a step's commit rule on the host and on the device: microseconds and
+device reads, unmask/decoding/rules.py), which decide whether the rule belongs in the graph.
 4. load: a bfloat16 checkpoint of the LLaDA shape written to disk and loaded onto the device
    by `unmask.checkpoint.load_model` in a fresh process: seconds and the process's peak host
    memory (ru_maxrss), against the weights' size.
@@ -95,18 +106,23 @@ from unmask.models import build_model, layers  # noqa: E402
 from unmask.models.layers import RMSNorm, reference_rms  # noqa: E402
 from unmask.syncs import SyncCounter  # noqa: E402
 
-PUBLISHED = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b", "sdar": "sdar-8b-chat"}
+PUBLISHED = {"llada": "llada-8b-instruct", "dream": "dream-v0-instruct-7b", "sdar": "sdar-8b-chat",
+             "llada2": "llada2-mini"}
 TINY = {  # the published architecture shrunk: same key set, head/kv-head ratio and vocabulary
     "llada": {"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "n_layers": 2, "mlp_hidden_size": 128},
     "dream": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "num_hidden_layers": 2, "intermediate_size": 128},
     "sdar": {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
              "num_hidden_layers": 2, "intermediate_size": 192},
+    "llada2": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "num_hidden_layers": 2, "intermediate_size": 128, "moe_intermediate_size": 32,
+               "num_experts": 16, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4},
 }
 DECODERS = ("static-1", "threshold", "exact", "balanced", "fast")
 # each family's main decoders, also measured at Sizes.wide_batches (a block-diffusion family
 # decodes in its own blocks: Sizes.block_length does not apply)
-WIDE = {"llada": ("threshold", "fast"), "dream": ("threshold", "fast"), "sdar": ("threshold",)}
+WIDE = {"llada": ("threshold", "fast"), "dream": ("threshold", "fast"), "sdar": ("threshold",),
+        "llada2": ("threshold",)}
 
 
 @dataclass(frozen=True)
@@ -515,8 +531,10 @@ def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch
     prompt's tokens (the same prompt at every batch). graphs: with `--cuda-graphs on`, the
     model's calls timed as the bucket calls that replay them, captures taken out."""
     c = model.config
-    params = DecodeParams.parse(spec, gen_length=sz.gen_length,
-                                block_length=c.block_size or sz.block_length)
+    block = c.block_size or sz.block_length
+    # whole blocks (--tiny's 16 positions are half of LLaDA2's fixed block of 32)
+    params = DecodeParams.parse(spec, gen_length=-(-sz.gen_length // block) * block,
+                                block_length=block)
     g = torch.Generator().manual_seed(seed)
     high = min(c.vocab_size, c.mask_token_id)
     prompts = [torch.randint(0, high, (sz.prompt,), generator=g).tolist() for _ in range(batch)]
@@ -717,7 +735,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reference", type=Path, default=None,
                    help="folder of Fast-dLLM's LLaDA modeling files (configuration_llada.py, "
                         "modeling_llada.py, __init__.py) to compare LLaDA logits against")
-    p.add_argument("--models", default="llada,dream,sdar", help="comma-separated: llada, dream, sdar")
+    p.add_argument("--models", default="llada,dream,sdar",
+                   help=f"comma-separated: {', '.join(PUBLISHED)} (llada2: LLaDA2.0-mini's shape, "
+                        "16B parameters, 32 GB in bfloat16)")
     p.add_argument("--variants", default="eager,graphs,int8,int4,compile",
                    help="decode variants for the first model (the others run eager only): eager, "
                         "int8, int4, compile[:MODE] (torch.compile mode, e.g. max-autotune-no-cudagraphs; "
