@@ -20,6 +20,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
 from unmask.engine import runner as runner_mod
 from unmask.engine.buckets import Bucket, Buckets, next_pow2
+from unmask.models import llada2
 
 VOCAB, MASK, EOS = 64, 63, 1
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [20]]
@@ -81,3 +82,17 @@ def test_bucket_is_validated() -> None:
         Bucket(0, 4, 0)
     with pytest.raises(ValueError, match="unknown bucket rule"):
         Buckets("round", torch.device("cpu"), 16)
+
+
+@pytest.mark.parametrize("spec", ["threshold,threshold=0.7", "static-1"])
+def test_llada2_in_pow2_buckets_with_its_experts_at_fixed_shapes_gives_todays_tokens(
+        spec: str, monkeypatch) -> None:
+    """The path a GPU with graphs takes for LLaDA2 (power-of-two buckets, every MoE call at
+    fixed shapes: no expert count read), run on the CPU: today's tokens, NFE and
+    token-forwards, alone and in a batch."""
+    for batch in (1, 4):
+        want, _ = decoded("llada2_moe", spec, None, monkeypatch, batch)
+        with monkeypatch.context() as mp:
+            mp.setattr(llada2, "dispatch", llada2.fixed_dispatch)
+            got, _ = decoded("llada2_moe", spec, "pow2", monkeypatch, batch)
+        assert got == want

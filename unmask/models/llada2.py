@@ -196,7 +196,7 @@ def fixed_dispatch(experts: nn.ModuleList, x: Tensor, chosen: Tensor) -> Tensor:
     place[order] = torch.arange(flat.shape[0], device=flat.device) - first[flat[order]]
     rows = -(-n // ROW_STEP) * ROW_STEP
     grid = x.new_zeros(len(experts), rows, x.shape[-1])  # (E, rows, d)
-    grid[flat, place] = x.repeat_interleave(k, dim=0)
+    grid[flat, place] = x[:, None].expand(n, k, x.shape[-1]).reshape(n * k, -1)  # pair i's token: i // k
     out = torch.stack([expert(grid[e]) for e, expert in enumerate(experts)])  # (E, rows, d)
     return out[flat, place]
 
