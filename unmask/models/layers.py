@@ -26,9 +26,9 @@ def fused_rms(x: Tensor, eps: float, weight: Tensor | None = None) -> Tensor:
 
 # Device types whose fused rms_norm was measured to give `reference_rms`'s bits: there a norm
 # is one torch call instead of five (a forward of the embedded model makes 9 norms). The CPU's
-# is pinned by tests/test_models.py; CUDA's is not the formula (float32 max |diff| 5.8e-5 on an
-# H200 against LLaDA's reference, BENCHMARKS.md "GPU (H200)"), so every other device computes
-# the formula itself.
+# is pinned by tests/test_models.py; CUDA's did not give the formula's bits on an H200 (the
+# first difference from LLaDA's reference in float32, whose logits then differed by up to
+# 5.8e-5: BENCHMARKS.md, "GPU (H200)"), so every other device computes the formula itself.
 FUSED_RMS_EXACT = frozenset({"cpu"})
 
 
