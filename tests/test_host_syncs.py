@@ -31,13 +31,21 @@ EXPECTED = {
     ("sdar", "freedave++"): 1,
     ("sdar", "exact"): 1,
     ("sdar", "threshold,temperature=0.7"): 2,
+    ("sdar", "fast"): 1,
+    ("sdar", "balanced"): 1,
+    ("llada", "static-1"): 1,
     ("llada", "threshold"): 1,
     ("llada", "static"): 1,
     ("llada", "exact"): 1,
     ("llada", "fast"): 1,
     ("llada", "balanced"): 1,
     ("llada2_moe", "threshold"): 1,
+    ("llada2_moe", "static-1"): 1,
+    ("llada2_moe", "exact"): 1,
+    ("llada2_moe", "fast"): 1,
     ("Fast_dLLM_Qwen", "threshold"): 1,
+    ("Fast_dLLM_Qwen", "static"): 1,
+    ("Fast_dLLM_Qwen", "fast"): 1,
 }
 
 
