@@ -316,6 +316,34 @@ def test_llm_generate_and_the_cli(capsys) -> None:
     assert len(err) == 2 and "invalid regular expression" in err[0] and "readable file" in err[1]
 
 
+def test_length_penalty_on_the_cli_and_llm_generate(capsys) -> None:
+    """--length-penalty and LLM.generate(length_penalty=...) set the format's prior weight (a
+    heavy one closes the integer at its first digit); a negative or NaN weight, or one with
+    no format, is one line and exit 2."""
+    from unmask import LLM
+    from unmask.cli import main
+
+    schema = json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}},
+                         "required": ["answer"]})
+    prompt, spec = "What is 47 + 38?", "threshold,threshold=0.9"
+    llm = LLM()
+    texts = {w: llm.generate([prompt], spec, gen_length=32, length_penalty=w,
+                             response_format=ResponseFormat.json_schema(schema))[0].text
+             for w in (0.0, 100.0)}
+    assert re.fullmatch(r'\{"answer":-?[0-9]\}', texts[100.0]) and texts[0.0] != texts[100.0]
+    for w in (0.0, 100.0):
+        assert main(["generate", prompt, "--json-schema", schema, "--length-penalty", str(w),
+                     "--gen-length", "32", "--decoder", spec]) == 0
+        assert capsys.readouterr().out.strip() == texts[w]
+    for bad in (["--json-schema", schema, "--length-penalty", "-1"],
+                ["--regex", "a+", "--length-penalty", "nan"], ["--length-penalty", "1"]):
+        assert main(["generate", "hi", *bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all("length_penalty" in line for line in err), err
+    with pytest.raises(GrammarError, match="give a JSON schema"):
+        llm.generate([prompt], spec, gen_length=32, length_penalty=1.0)
+
+
 def test_the_moves_remembered_between_canvases_change_nothing() -> None:
     """A constraint whose automaton remembers the moves between state sets (its memo bounded
     to a few, so it is cleared again and again) answers as one on a fresh automaton on every

@@ -23,7 +23,7 @@ import json
 import re
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -60,8 +60,10 @@ class ResponseFormat:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise GrammarError(f"grammar mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not (isinstance(self.length_penalty, (int, float)) and 0 <= self.length_penalty < 1e6):
-            raise GrammarError(f"length_penalty must be a number >= 0, got {self.length_penalty!r}")
+        w = self.length_penalty
+        # 0 <= w is False for NaN: refused with the negatives
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < 1e6):
+            raise GrammarError(f"length_penalty must be a number >= 0, got {w!r}")
 
     @classmethod
     def json_schema(cls, schema: dict | str, mode: str = "complete",
@@ -133,6 +135,19 @@ def as_format(value: Any, mode: str = "complete") -> ResponseFormat | None:
         raise GrammarError("json_schema strict: false (best-effort adherence) is not offered; "
                            "unmask always enforces the schema: send strict: true or leave it out")
     return ResponseFormat.json_schema(spec["schema"], mode)
+
+
+def with_prior(fmt: ResponseFormat | None, length_penalty: float | None) -> ResponseFormat | None:
+    """`fmt` with the length prior's weight set (docs/decoders.md § Structured output, "The
+    length prior"; None: the format's own default). Every door (the CLI's --length-penalty,
+    the server's `length_penalty` field, `LLM.generate(length_penalty=...)`) sets it here: a
+    weight without a format, or one that is negative or not a number, is a GrammarError."""
+    if length_penalty is None:
+        return fmt
+    if fmt is None:
+        raise GrammarError("length_penalty weighs a response format's values: give a JSON schema, "
+                           "json_object or a regular expression with it")
+    return replace(fmt, length_penalty=length_penalty)
 
 
 @lru_cache(maxsize=64)
