@@ -196,6 +196,29 @@ def test_scaffold_is_the_fixed_opening() -> None:
     assert (c.initial[len(encode('{"a":')):] == MASK).all()
 
 
+def test_settle_writes_what_the_commits_fixed() -> None:
+    """After a commit that leaves one way on, the fixed text is written in the tokenizer's own
+    tokens (`,"b":` after the integer 0, which no digit may follow), and a hole whose one
+    allowed token is not EOS is written (the closing brace before a committed EOS); a hole
+    that may only be EOS is left to the rule, and the baseline writes nothing."""
+    c = constraint(20)
+    gen = c.initial.copy()
+    at = len(encode('{"a":'))
+    gen[at] = encode("0")[0]
+    got = c.settle(gen)
+    fixed = encode(',"b":')
+    assert got[at + 1 : at + 1 + len(fixed)].tolist() == fixed
+    assert (got[at + 1 + len(fixed) :] == MASK).all()  # true or false: a choice
+    word = encode('{"a":0,"b":true')
+    gen = np.full(20, MASK)
+    gen[: len(word)] = word
+    gen[len(word) + 1] = EOS  # the hole before it can only be the closing brace
+    got = c.settle(gen)
+    assert text(got.tolist()) == '{"a":0,"b":true}'
+    assert (got[len(word) + 2 :] == MASK).all()  # EOS alone: not written
+    assert (constraint(20, mode="prefix").settle(gen) == gen).all()
+
+
 def test_restrict_keeps_the_commit_order_prefix_that_stays_completable() -> None:
     """Two holes each allowed alone, not together: only the better ranked one commits."""
     c = constraint(7, r"ab|ba")
@@ -342,6 +365,33 @@ def test_length_penalty_on_the_cli_and_llm_generate(capsys) -> None:
     assert len(err) == 3 and all("length_penalty" in line for line in err), err
     with pytest.raises(GrammarError, match="give a JSON schema"):
         llm.generate([prompt], spec, gen_length=32, length_penalty=1.0)
+
+
+def test_a_commit_writes_the_key_it_fixes_in_the_same_step() -> None:
+    """unmask-sdar asked for {"steps": [string], "answer": <integer>} closes the list, and
+    `,"answer":` is written in the same step in the tokenizer's own tokens, decided by no
+    forward (TPF does not count it); the model once spent five forwards choosing among the
+    key's tokenizations."""
+    from unmask import LLM
+    from unmask.tasks.math import make_split
+
+    llm = LLM("unmask-sdar")
+    fmt = ResponseFormat.json_schema({"type": "object", "properties": {
+        "steps": {"type": "array", "items": {"type": "string"}}, "answer": {"type": "integer"}},
+        "required": ["steps", "answer"]})
+    prompt = [p for p in make_split("heldout", 16) if p.answer.lstrip("-").isdigit()][2].prompt
+    events: list = []
+    [g] = llm.generate([prompt], "threshold,threshold=0.9", gen_length=64, response_format=fmt,
+                       on_event=events.append)
+    assert fmt.accepts(g.text) and g.text.startswith('{"steps":[]')
+    ids = g.token_ids
+    close = ids.index(llm.tokenizer.encode("]", add_special_tokens=False)[0])
+    step = next(i for i, e in enumerate(events) if close in e.positions)
+    key = llm.tokenizer.encode(',"answer":', add_special_tokens=False)
+    assert ids[close + 1 : close + 1 + len(key)] == key
+    assert set(range(close + 1, close + 1 + len(key))) <= set(events[step].positions)
+    decided = events[step].decided - (events[step - 1].decided if step else 0)
+    assert decided <= len(events[step].positions) - len(key)
 
 
 def test_the_moves_remembered_between_canvases_change_nothing() -> None:

@@ -237,6 +237,12 @@ class TokenAutomaton:
     edge_dst: np.ndarray | None = None
     dist: np.ndarray | None = None  # (Q,) fewest tokens to an accepting state (set on construction)
     eos: int = -1  # the EOS token (the one move into END)
+    # the bytes of the tokens, for the fixed text after a state (`fixed_tokens`): (V,) each
+    # token's first byte (-1: none), (256,) the token of each byte alone (-1: none); and the
+    # tokenizer's text -> token ids (None: no fixed text is written)
+    first_byte: np.ndarray | None = None
+    byte_token: np.ndarray | None = None
+    encode: Any = None
 
     def __post_init__(self) -> None:
         src, tok = np.nonzero(self.trans != self.n_states - 1)
@@ -250,11 +256,51 @@ class TokenAutomaton:
         # Bounded to about 32 MiB of vectors whatever the vocabulary.
         self._holes: dict[tuple, np.ndarray] = {}
         self._holes_max = max(64, (32 << 20) // (4 * self.trans.shape[1]))
+        self._forced: dict[tuple[int, int], int] = {}  # (F_i, B_i+1) -> `forced_token`
+        self._fixed: dict[int, tuple[int, ...]] = {}  # state -> `fixed_tokens`
 
     def forget(self) -> None:
-        """Drop every kept hole vector and memoized move (a benchmark's cold step)."""
+        """Drop every kept hole vector, forced token and memoized move (a benchmark's cold
+        step)."""
         self._holes.clear()
+        self._forced.clear()
+        self._fixed.clear()
         self.sets.forget()
+
+    def forced_token(self, f: int, b: int) -> int:
+        """The one token a hole between the sets f and b (ids of `sets`) may take, or -1 when
+        it has a choice or the one token is EOS (the EOS tail is early exit's, or the forward's).
+        Kept by pair (an int each, bounded like the moves)."""
+        hit = self._forced.get((f, b))
+        if hit is None:
+            ok = np.flatnonzero(np.isfinite(self._finish_after(self.sets.of[f], self.sets.of[b])))
+            hit = int(ok[0]) if ok.size == 1 and ok[0] != self.eos else -1
+            if len(self._forced) >= 1 << 16:
+                self._forced.clear()
+            self._forced[(f, b)] = hit
+        return hit
+
+    def fixed_tokens(self, state: int) -> tuple[int, ...]:
+        """The tokenizer's own tokens of the text every word goes on with from `state` (its
+        characters while every allowed token starts with the same byte: a key after its
+        comma, the quote and colon after it), as many as stay a live path; () when the next
+        character is a choice or the word may end there. Kept per state."""
+        hit = self._fixed.get(state)
+        if hit is None:
+            hit = self._fixed[state] = self._live_path(state, self._fixed_text(state))
+        return hit
+
+    def _fixed_text(self, s: int) -> str:
+        if self.first_byte is None or self.byte_token is None:
+            return ""
+        out = bytearray()
+        while len(out) < 256 and not self.final[s]:
+            firsts = np.unique(self.first_byte[self.live[self.trans[s]]])
+            if firsts.size != 1 or firsts[0] < 0 or self.byte_token[firsts[0]] < 0:
+                break
+            out.append(int(firsts[0]))
+            s = int(self.trans[s, self.byte_token[firsts[0]]])
+        return out.decode("utf-8", errors="ignore")
 
     def _distances(self) -> np.ndarray:
         """(Q,) float32: the fewest tokens from each state to an accepting one (inf: none; the
@@ -359,10 +405,16 @@ class TokenAutomaton:
             if (grown == live).all():
                 break
             live = grown
+        first = np.full(vocab, -1, dtype=np.int16)
+        alone = np.full(256, -1, dtype=np.int32)
+        for i, b in tokens.items():
+            if i < vocab and b:
+                first[i] = b[0]
+                if len(b) == 1:
+                    alone[b[0]] = i
         a = cls(trans, succ, np.ascontiguousarray(succ.T), int(number[index.get_initial_state()]),
-                final, live, (), eos=eos_id)
-        if encode is not None:
-            a.prefix = a._scaffold(literal_prefix(pattern), encode)
+                final, live, (), eos=eos_id, first_byte=first, byte_token=alone, encode=encode)
+        a.prefix = a._live_path(a.start, literal_prefix(pattern))
         return a
 
     def walk(self, states: np.ndarray, token: int) -> np.ndarray:
@@ -372,13 +424,13 @@ class TokenAutomaton:
         out[-1] = False
         return out
 
-    def _scaffold(self, text: str, encode: Any) -> tuple[int, ...]:
-        """The tokenizer's own tokens of the fixed opening `text`, as many of them as the
-        automaton accepts as a live path from its start (a boundary token may merge with what
-        follows the opening, so the last ones may be dropped)."""
-        ids = list(encode(text)) if text else []
+    def _live_path(self, start: int, text: str) -> tuple[int, ...]:
+        """The tokenizer's own tokens of `text` (a fixed opening, a fixed text), as many of them
+        as the automaton accepts as a live path from the state `start` (a boundary token may
+        merge with what follows the text, so the last ones may be dropped)."""
+        ids = list(self.encode(text)) if text and self.encode is not None else []
         state = np.zeros(self.n_states, dtype=bool)
-        state[self.start] = True
+        state[start] = True
         kept = []
         for t in ids:
             if not 0 <= t < self.trans.shape[1]:
@@ -402,6 +454,7 @@ class StateSets:
         self.a = a
         self.of: list[np.ndarray] = []  # id -> (Q,) bool
         self.accepting: list[bool] = []  # id -> the set holds an accepting state
+        self.single: list[int] = []  # id -> its one state (-1: several or none)
         self._ids: dict[bytes, int] = {}
         self._moves: dict[tuple[int, int, bool], int] = {}  # (id, token or HOLE, backward) -> id
         self._moves_max = 1 << 16  # ~10 MB of keys; the benchmark's formats keep a few hundred
@@ -421,6 +474,8 @@ class StateSets:
             i = self._ids[key] = len(self.of)
             self.of.append(states)
             self.accepting.append(bool((states & self.a.final).any()))
+            one = np.flatnonzero(states)
+            self.single.append(int(one[0]) if one.size == 1 else -1)
         return i
 
     def forward(self, i: int, token: int) -> int:
@@ -634,6 +689,57 @@ class Constraint:
             else:
                 hi = mid - 1
         return lo
+
+    # --- what the commits fix ----------------------------------------------------------------
+    def settle(self, gen: np.ndarray) -> np.ndarray:
+        """gen (G,) with what its commits fixed written into its holes (complete mode; the
+        prefix baseline writes only what the model chose): after each committed run that
+        leaves the automaton in one state, the fixed text that follows (`fixed_tokens`: the
+        tokenizer's own tokens of a key, its quotes and colon) where it keeps the canvas
+        completable; then every hole whose allowed set is one token other than EOS (a closing
+        quote or brace). No forward decided these: they count in no TPF."""
+        if self.mode == "prefix":
+            return gen
+        out = gen.copy()
+        g = out[: self.budget]  # a view: written in place
+        self._write_fixed_text(g)
+        self._write_forced(g)
+        return out
+
+    def _write_fixed_text(self, g: np.ndarray) -> None:
+        holes = g == self.mask_id
+        starts = np.flatnonzero(holes & ~np.r_[False, holes[:-1]])  # each run's first hole
+        if not starts.size:
+            return
+        sets = self.a.sets
+        toks, _ = self._tokens(g)
+        f = self._forward(toks, int(starts[-1]))  # the passes are redone only after a write
+        for i in starts.tolist():
+            state = sets.single[f[i]]
+            fixed = self.a.fixed_tokens(state) if state >= 0 else ()
+            run = int(np.argmin(np.r_[holes[i:], False]))  # the run's holes
+            for n in range(min(len(fixed), run), 0, -1):  # the most that stays completable
+                trial = g.copy()
+                trial[i : i + n] = fixed[:n]
+                if self.feasible(trial):
+                    g[:] = trial
+                    toks, _ = self._tokens(g)
+                    f = self._forward(toks, int(starts[-1]))
+                    break
+
+    def _write_forced(self, g: np.ndarray) -> None:
+        # a forced token is in every completion: writing it changes no other hole's set, so
+        # one pass over the sets of the canvas as it was
+        holes = np.flatnonzero(g == self.mask_id)
+        if not holes.size:
+            return
+        toks, holes_from = self._tokens(g)
+        f = self._forward(toks, int(holes[-1]) + 1)
+        b = self._backward(toks, holes_from, int(holes[0]) + 1)
+        for i in holes.tolist():
+            t = self.a.forced_token(f[i], b[i + 1])
+            if t >= 0:
+                g[i] = t
 
     # --- the scaffold ------------------------------------------------------------------------
     def scaffold(self) -> np.ndarray:

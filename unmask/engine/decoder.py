@@ -201,8 +201,11 @@ class Decoder:
                 if not keep.any():
                     break
                 sel, kept = sel[keep], rows[keep]
-            drafts.append(Drafts(np.where(sel, pr.token[kept], x[kept]), kept,
-                                 self._max_entropy(pr.entropy[kept], sel), sel, np.full_like(kept, k)))
+            dx = np.where(sel, pr.token[kept], x[kept])
+            if cons is not None:  # what the commits fixed (not committed by the rule: `sel`)
+                dx = self._settle(b, dx, self._of(cons, kept))
+            drafts.append(Drafts(dx, kept, self._max_entropy(pr.entropy[kept], sel), sel,
+                                 np.full_like(kept, k)))
         if len(drafts) == 1:
             return drafts[0]
         return Drafts(*(np.concatenate([getattr(d, f.name) for d in drafts])
@@ -240,6 +243,16 @@ class Decoder:
             if c is not None and sel[i].any():
                 sel[i, g] = c.restrict(x[i, g], sel[i, g], token[i, g], ranks[i, g])
         return sel
+
+    @staticmethod
+    def _settle(b: DecodeBatch, x: np.ndarray, cons: list[Constraint | None]) -> np.ndarray:
+        """x (D, S) with what each canvas's commits fixed written in (`Constraint.settle`),
+        after every rule step: a key, a closing quote or brace is written as soon as it is the
+        only way on, instead of waiting a forward to be scored with confidence 1."""
+        for i, c in enumerate(cons):
+            if c is not None:
+                x[i, b.P :] = c.settle(x[i, b.P :])
+        return x
 
     @staticmethod
     def _completable(b: DecodeBatch, x: np.ndarray, cons: list[Constraint | None],
@@ -362,6 +375,8 @@ class Decoder:
             if cons is not None:
                 sel = self._restrict(b, fx, cons, sel, fw.token, candidate_ranks(fw.conf, cand))
             target[need] = np.where(sel, fw.token, fx)
+            if cons is not None:  # the reference step settles what it fixed, as the drafts did
+                target[need] = self._settle(b, target[need], cons)
         # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);
         # eq[r, i, j] = draft j of row r equals the target of its draft i.
         kid = np.full((r, n), -1, dtype=np.int64)
