@@ -230,11 +230,6 @@ class TokenAutomaton:
     final: np.ndarray
     live: np.ndarray
     prefix: tuple[int, ...]
-    # every move that does not lead to DEAD, as (E,) arrays: a hole's mask reads these when
-    # they are fewer than its states x the vocabulary (a large automaton, few moves a state)
-    edge_src: np.ndarray | None = None
-    edge_tok: np.ndarray | None = None
-    edge_dst: np.ndarray | None = None
     dist: np.ndarray | None = None  # (Q,) fewest tokens to an accepting state (set on construction)
     eos: int = -1  # the EOS token (the one move into END)
     # the bytes of the tokens, for the fixed text after a state (`fixed_tokens`): (V,) each
@@ -245,9 +240,10 @@ class TokenAutomaton:
     encode: Any = None
 
     def __post_init__(self) -> None:
-        src, tok = np.nonzero(self.trans != self.n_states - 1)
-        self.edge_src, self.edge_tok = src.astype(np.int32), tok.astype(np.int32)
-        self.edge_dst = self.trans[src, tok]
+        # each state's moves grouped by the state they lead to, built on a state's first use
+        # and kept with the automaton (every request of the format): a hole's vector then
+        # costs its allowed tokens, not its states x the vocabulary
+        self._by_state: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
         self.dist = self._distances()
         self.sets = StateSets(self)
         # A hole's vectors by its (F_i, B_i+1) pair of set ids (and the weights by the prior's
@@ -344,14 +340,25 @@ class TokenAutomaton:
         return np.where(ok, np.float32(-penalty) * (push - least), np.float32(-np.inf))
 
     def _finish_after(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-        states = np.flatnonzero(f)
-        if states.size * self.trans.shape[1] <= self.edge_src.size:
-            nxt = self.trans[states]  # (|F|, V)
-            return np.where(b[nxt], self.dist[nxt], np.inf).min(0).astype(np.float32)
         out = np.full(self.trans.shape[1], np.inf, dtype=np.float32)
-        at = f[self.edge_src] & b[self.edge_dst]
-        np.minimum.at(out, self.edge_tok[at], self.dist[self.edge_dst[at]])
+        for state in np.flatnonzero(f).tolist():
+            nxt, tokens = self._moves_of(state)
+            for q, toks in zip(nxt[b[nxt]].tolist(), _pick(tokens, b[nxt]), strict=True):
+                out[toks] = np.minimum(out[toks], self.dist[q])
         return out
+
+    def _moves_of(self, state: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(K,) the states `state` moves to (DEAD left out), and for each the tokens that move
+        it there."""
+        hit = self._by_state.get(state)
+        if hit is None:
+            row = self.trans[state]
+            order = np.argsort(row, kind="stable")
+            nxt, first = np.unique(row[order], return_index=True)
+            groups = np.split(order, first[1:])
+            live = nxt != self.n_states - 1
+            hit = self._by_state[state] = (nxt[live], _pick(groups, live))
+        return hit
 
     def _kept(self, key: tuple, make: Any) -> np.ndarray:
         hit = self._holes.get(key)
@@ -519,6 +526,11 @@ class StateSets:
         return out
 
 
+def _pick(items: list, keep: np.ndarray) -> list:
+    """The items where keep (bool, one per item)."""
+    return [x for x, k in zip(items, keep.tolist(), strict=True) if k]
+
+
 def literal_prefix(pattern: str) -> str:
     """The text every word of `pattern` starts with: its leading literal characters (read with
     Python's own regex parser)."""
@@ -612,9 +624,17 @@ class Constraint:
         the canvas's shortest word further right, against the hole's least such push; slots
         past the budget: 0."""
         out = np.zeros((slots.shape[0], vocab), dtype=np.float32)
+        self.write_weights(out, np.arange(slots.shape[0]), gen, slots, prior)
+        return out
+
+    def write_weights(self, out: np.ndarray, rows: np.ndarray, gen: np.ndarray,
+                      slots: np.ndarray, prior: bool = True) -> None:
+        """`weights` written into the rows `rows` (N,) of out (M, vocab), which hold 0: each
+        distinct vector once to all the rows that share it (a run of holes settles into a few
+        pairs of sets), one pass over the output, whatever the vocabulary."""
         inside = slots < self.budget
         if not inside.any():
-            return out
+            return
         g = gen[: self.budget]
         toks, holes_from = self._tokens(g)
         penalty = self.format.length_penalty if prior else 0.0
@@ -623,11 +643,15 @@ class Constraint:
         b = self._backward(toks, holes_from, int(slots[inside].min()) + 1)
         shortest = self._shortest(g.shape[0], f[start], start) if penalty else 0
         cols = self.a.trans.shape[1]
-        at = np.flatnonzero(inside)
-        out[at, :cols] = [self.a.hole_weights(f[i], b[i + 1], i + 1 - shortest, penalty)
-                          for i in slots[at].tolist()]
+        at = rows[inside]
+        keys = [(f[i], b[i + 1], i + 1 - shortest if penalty else 0)
+                for i in slots[inside].tolist()]
+        shared: dict[tuple, list[int]] = {}
+        for row, key in zip(at.tolist(), keys, strict=True):
+            shared.setdefault(key, []).append(row)
+        for (fi, bi, offset), where in shared.items():
+            out[where, :cols] = self.a.hole_weights(fi, bi, offset, penalty)
         out[at, cols:] = -np.inf
-        return out
 
     def _word_start(self, gen: np.ndarray) -> int:
         """One past the last slot of gen (budget,) committed to a token other than EOS."""
@@ -778,7 +802,7 @@ class TokenMasks:
             if c is None:
                 continue
             at = np.flatnonzero(rows == r)
-            out[at] = c.weights(self.x[r, self.P :], slots[at] - self.P, vocab)
+            c.write_weights(out, at, self.x[r, self.P :], slots[at] - self.P)
         return out
 
 
