@@ -27,7 +27,7 @@ MODELS = ("unmask-llada", "unmask-sdar")
 SPEC = "threshold,threshold=0.9"
 # The constraint's entry points on either side (the older one has no `weights`): the time
 # inside any of them, counted once when they call each other.
-ENTRIES = ("weights", "allowed", "restrict", "feasible")
+ENTRIES = ("weights", "write_weights", "allowed", "restrict", "feasible", "settle")
 
 
 def child(n: int) -> dict:

@@ -7,9 +7,10 @@ Structured output, "Measured"). One request at a time, one thread.
     python scripts/probe/grammar_steps.py [--model unmask-sdar] [--n 4] [--gen-length 64]
         [--schema answer|steps+answer] [--spec threshold,threshold=0.9] [--out FILE]
 
-The ceiling: a block-causal model's forward commits in its current block only, so the slots
-the rule decided (not the scaffold, not what settling wrote, not the fill after the stop) in m
-blocks need m forwards at least: no rule deciding them reaches more than their number / m.
+The ceiling: a forward commits in the current block only (a block-causal model's, or the spec's
+block_length for LLaDA), so the slots the rule decided (not the scaffold, not what settling wrote,
+not the fill after the stop) in m blocks need m forwards at least: no rule deciding them
+reaches more than their number / m.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from unmask import LLM
+from unmask.api import resolve_params
 from unmask.decoding.grammar import ResponseFormat, TokenMasks
 from unmask.engine.decoder import Decoder
 from unmask.engine.layout import model_defaults
@@ -99,7 +101,8 @@ def main() -> int:
                            gen_length=args.gen_length)[0]
         c = llm.constraint(fmt, args.gen_length)
         scaffold = int((c.initial != c.mask_id).sum())
-        block = int(model_defaults(llm.model).get("block_length", 1))
+        block = resolve_params(args.spec, {"gen_length": args.gen_length},
+                               model_defaults(llm.model)).block_length
         offset = len(llm.encode_prompt(p.prompt)) % block
         decided, blocks = ceiling(rec.steps, block, offset)
         # commit steps where no hole reached the threshold: the rule commits its best one alone

@@ -726,19 +726,20 @@ class Constraint:
             return gen
         out = gen.copy()
         g = out[: self.budget]  # a view: written in place
-        self._write_fixed_text(g)
-        self._write_forced(g)
+        holes = g == self.mask_id
+        if holes.any():
+            self._write_forced(g, *self._write_fixed_text(g, holes))
         return out
 
-    def _write_fixed_text(self, g: np.ndarray) -> None:
-        holes = g == self.mask_id
-        starts = np.flatnonzero(holes & ~np.r_[False, holes[:-1]])  # each run's first hole
-        if not starts.size:
-            return
+    def _write_fixed_text(self, g: np.ndarray, holes: np.ndarray
+                          ) -> tuple[list[int], int, list[int]]:
+        """The fixed text after each run of commits written into the holes after it; returns
+        the canvas as it is left: `_tokens`, and the forward sets up to its last hole."""
+        last = int(np.flatnonzero(holes)[-1])
+        toks, holes_from = self._tokens(g)
+        f = self._forward(toks, last + 1)  # the passes are redone only after a write
         sets = self.a.sets
-        toks, _ = self._tokens(g)
-        f = self._forward(toks, int(starts[-1]))  # the passes are redone only after a write
-        for i in starts.tolist():
+        for i in np.flatnonzero(holes & ~np.r_[False, holes[:-1]]).tolist():  # each run's first hole
             state = sets.single[f[i]]
             fixed = self.a.fixed_tokens(state) if state >= 0 else ()
             run = int(np.argmin(np.r_[holes[i:], False]))  # the run's holes
@@ -747,18 +748,19 @@ class Constraint:
                 trial[i : i + n] = fixed[:n]
                 if self.feasible(trial):
                     g[:] = trial
-                    toks, _ = self._tokens(g)
-                    f = self._forward(toks, int(starts[-1]))
+                    toks, holes_from = self._tokens(g)
+                    f = self._forward(toks, last + 1)
                     break
+        return toks, holes_from, f
 
-    def _write_forced(self, g: np.ndarray) -> None:
+    def _write_forced(self, g: np.ndarray, toks: list[int], holes_from: int,
+                      f: list[int]) -> None:
         # a forced token is in every completion: writing it changes no other hole's set, so
-        # one pass over the sets of the canvas as it was
+        # one pass over the sets of the canvas as it was (toks, holes_from: `_tokens`; f: its
+        # forward sets)
         holes = np.flatnonzero(g == self.mask_id)
         if not holes.size:
             return
-        toks, holes_from = self._tokens(g)
-        f = self._forward(toks, int(holes[-1]) + 1)
         b = self._backward(toks, holes_from, int(holes[0]) + 1)
         for i in holes.tolist():
             t = self.a.forced_token(f[i], b[i + 1])
