@@ -720,45 +720,51 @@ class Constraint:
         prefix baseline writes only what the model chose): after each committed run that
         leaves the automaton in one state, the fixed text that follows (`fixed_tokens`: the
         tokenizer's own tokens of a key, its quotes and colon) where it keeps the canvas
-        completable; then every hole whose allowed set is one token other than EOS (a closing
-        quote or brace). No forward decided these: they count in no TPF."""
+        completable; then every hole among the commits (and the first after them) whose
+        allowed set is one token other than EOS (a closing quote or brace). The trailing holes
+        past the first are a choice until the budget's end nears, and are left to the rule.
+        No forward decided these: they count in no TPF."""
         if self.mode == "prefix":
             return gen
         out = gen.copy()
         g = out[: self.budget]  # a view: written in place
-        holes = g == self.mask_id
-        if holes.any():
-            self._write_forced(g, *self._write_fixed_text(g, holes))
+        if (g == self.mask_id).any():
+            self._write_forced(g, *self._write_fixed_text(g))
         return out
 
-    def _write_fixed_text(self, g: np.ndarray, holes: np.ndarray
-                          ) -> tuple[list[int], int, list[int]]:
-        """The fixed text after each run of commits written into the holes after it; returns
-        the canvas as it is left: `_tokens`, and the forward sets up to its last hole."""
-        last = int(np.flatnonzero(holes)[-1])
+    def _near(self, g: np.ndarray) -> tuple[list[int], int, list[int]]:
+        """`_tokens` of g, and the forward sets up to its first trailing hole."""
         toks, holes_from = self._tokens(g)
-        f = self._forward(toks, last + 1)  # the passes are redone only after a write
+        return toks, holes_from, self._forward(toks, min(holes_from, g.shape[0] - 1) + 1)
+
+    def _write_fixed_text(self, g: np.ndarray) -> tuple[list[int], int, list[int]]:
+        """The fixed text after each run of commits written into the holes after it; returns
+        the canvas as it is left (`_near`)."""
+        toks, holes_from, f = self._near(g)
+        holes = g == self.mask_id
+        starts = np.flatnonzero(holes[1:] & ~holes[:-1]) + 1  # each run's first hole
         sets = self.a.sets
-        for i in np.flatnonzero(holes & ~np.r_[False, holes[:-1]]).tolist():  # each run's first hole
+        for i in ([0] if holes[0] else []) + starts[starts <= holes_from].tolist():
             state = sets.single[f[i]]
             fixed = self.a.fixed_tokens(state) if state >= 0 else ()
-            run = int(np.argmin(np.r_[holes[i:], False]))  # the run's holes
+            if not fixed:
+                continue
+            ends = np.flatnonzero(~holes[i:])
+            run = int(ends[0]) if ends.size else holes.size - i  # the run's holes
             for n in range(min(len(fixed), run), 0, -1):  # the most that stays completable
                 trial = g.copy()
                 trial[i : i + n] = fixed[:n]
                 if self.feasible(trial):
                     g[:] = trial
-                    toks, holes_from = self._tokens(g)
-                    f = self._forward(toks, last + 1)
+                    toks, holes_from, f = self._near(g)  # the passes redone after a write
                     break
         return toks, holes_from, f
 
     def _write_forced(self, g: np.ndarray, toks: list[int], holes_from: int,
                       f: list[int]) -> None:
         # a forced token is in every completion: writing it changes no other hole's set, so
-        # one pass over the sets of the canvas as it was (toks, holes_from: `_tokens`; f: its
-        # forward sets)
-        holes = np.flatnonzero(g == self.mask_id)
+        # one pass over the sets of the canvas as it was (`_near`: its tokens and forward sets)
+        holes = np.flatnonzero(g[: len(f) - 1] == self.mask_id)
         if not holes.size:
             return
         b = self._backward(toks, holes_from, int(holes[0]) + 1)
