@@ -219,6 +219,38 @@ def test_settle_writes_what_the_commits_fixed() -> None:
     assert (constraint(20, mode="prefix").settle(gen) == gen).all()
 
 
+@pytest.mark.parametrize("kind", ["llada", "sdar"])
+def test_settled_tokens_are_written_at_their_step(kind: str) -> None:
+    """What settling writes is committed at the step that wrote it, as the rule's commits are
+    (the caches' recency reads it): only the scaffold and early exit's EOS fill have none."""
+    import torch
+
+    from unmask.engine.decoder import Decoder
+    from unmask.engine.request import Request
+
+    model = peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)
+    params = DecodeParams.parse("threshold,threshold=0.5", gen_length=20, block_length=4)
+    dec = Decoder(model, params, MASK, EOS)
+    settled = 0  # tokens written by no decision of the rule
+    for prompt in ([5, 6, 7], [9, 10], [3]):
+        b = dec.new_batch()
+        c = constraint(20)
+        b.extend([Request(prompt, params, block_size=4 if kind == "sdar" else None,
+                          constraint=c)])
+        while not b.rows.done.all():
+            before, decided = b.x.copy(), int(b.rows.decided[0])
+            with torch.no_grad():
+                dec.step(b)
+            written = (before == MASK) & (b.x != MASK)
+            written[0, b.P : b.P + 20] &= c.initial == MASK  # the scaffold: before any step
+            if b.rows.done[0]:  # early exit's EOS fill is no commit
+                written &= b.x != EOS
+            assert (b.commit_step[written] == b.rows.step[0] - 1).all()
+            settled += int(written.sum()) - (int(b.rows.decided[0]) - decided)
+        assert c.format.accepts(text(b.x[0, b.P : b.P + 20].tolist()))
+    assert settled > 0
+
+
 def test_restrict_keeps_the_commit_order_prefix_that_stays_completable() -> None:
     """Two holes each allowed alone, not together: only the better ranked one commits."""
     c = constraint(7, r"ab|ba")

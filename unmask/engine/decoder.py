@@ -289,7 +289,9 @@ class Decoder:
         x, parent = d.x, d.parent
         slots = b.slots
         end = start + self.params.block_length
-        commit_step = np.where(d.added, b.rows.step[parent][:, None], b.commit_step[parent])
+        # written this step: the draft's commits and what settling wrote with them
+        written = x != b.x[parent]
+        commit_step = np.where(written, b.rows.step[parent][:, None], b.commit_step[parent])
         masked = x == self.mask_id
         # The token each slot's stored K/V was computed from (-1: none); a slot whose K/V comes
         # from another token (committed since) holds [MASK] K/V.
@@ -407,8 +409,9 @@ class Decoder:
                 need: np.ndarray, fwd_index: np.ndarray, draft_start: np.ndarray) -> None:
         rows = d.parent[chosen]  # every row, in order
         added = d.added[chosen]
+        written = d.x[chosen] != b.x  # the commits and what settling wrote with them
         b.x = d.x[chosen]
-        b.commit_step = np.where(added, b.rows.step[:, None], b.commit_step)
+        b.commit_step = np.where(written, b.rows.step[:, None], b.commit_step)
         b.rows.decided += added.sum(-1)
         b.rows.step += 1
         if fw is None:
