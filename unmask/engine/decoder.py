@@ -248,7 +248,7 @@ class Decoder:
     def _settle(b: DecodeBatch, x: np.ndarray, cons: list[Constraint | None]) -> np.ndarray:
         """x (D, S) with what each canvas's commits fixed written in (`Constraint.settle`),
         after every rule step: a key, a closing quote or brace is written as soon as it is the
-        only way on, instead of waiting a forward to be scored with confidence 1."""
+        only way on, instead of waiting for a forward to score it with confidence 1."""
         for i, c in enumerate(cons):
             if c is not None:
                 x[i, b.P :] = c.settle(x[i, b.P :])
