@@ -196,6 +196,61 @@ def test_scaffold_is_the_fixed_opening() -> None:
     assert (c.initial[len(encode('{"a":')):] == MASK).all()
 
 
+def test_settle_writes_what_the_commits_fixed() -> None:
+    """After a commit that leaves one way on, the fixed text is written in the tokenizer's own
+    tokens (`,"b":` after the integer 0, which no digit may follow), and a hole whose one
+    allowed token is not EOS is written (the closing brace before a committed EOS); a hole
+    that may only be EOS is left to the rule, and the baseline writes nothing."""
+    c = constraint(20)
+    gen = c.initial.copy()
+    at = len(encode('{"a":'))
+    gen[at] = encode("0")[0]
+    got = c.settle(gen)
+    fixed = encode(',"b":')
+    assert got[at + 1 : at + 1 + len(fixed)].tolist() == fixed
+    assert (got[at + 1 + len(fixed) :] == MASK).all()  # true or false: a choice
+    word = encode('{"a":0,"b":true')
+    gen = np.full(20, MASK)
+    gen[: len(word)] = word
+    gen[len(word) + 1] = EOS  # the hole before it can only be the closing brace
+    got = c.settle(gen)
+    assert text(got.tolist()) == '{"a":0,"b":true}'
+    assert (got[len(word) + 2 :] == MASK).all()  # EOS alone: not written
+    assert (constraint(20, mode="prefix").settle(gen) == gen).all()
+
+
+@pytest.mark.parametrize("kind", ["llada", "sdar"])
+def test_settled_tokens_are_written_at_their_step(kind: str) -> None:
+    """What settling writes is committed at the step that wrote it, as the rule's commits are
+    (the caches' recency reads it): only the scaffold and early exit's EOS fill have none."""
+    import torch
+
+    from unmask.engine.decoder import Decoder
+    from unmask.engine.request import Request
+
+    model = peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)
+    params = DecodeParams.parse("threshold,threshold=0.5", gen_length=20, block_length=4)
+    dec = Decoder(model, params, MASK, EOS)
+    settled = 0  # tokens written by no decision of the rule
+    for prompt in ([5, 6, 7], [9, 10], [3]):
+        b = dec.new_batch()
+        c = constraint(20)
+        b.extend([Request(prompt, params, block_size=4 if kind == "sdar" else None,
+                          constraint=c)])
+        while not b.rows.done.all():
+            before, decided = b.x.copy(), int(b.rows.decided[0])
+            with torch.no_grad():
+                dec.step(b)
+            written = (before == MASK) & (b.x != MASK)
+            written[0, b.P : b.P + 20] &= c.initial == MASK  # the scaffold: before any step
+            if b.rows.done[0]:  # early exit's EOS fill is no commit
+                written &= b.x != EOS
+            assert (b.commit_step[written] == b.rows.step[0] - 1).all()
+            settled += int(written.sum()) - (int(b.rows.decided[0]) - decided)
+        assert c.format.accepts(text(b.x[0, b.P : b.P + 20].tolist()))
+    assert settled > 0
+
+
 def test_restrict_keeps_the_commit_order_prefix_that_stays_completable() -> None:
     """Two holes each allowed alone, not together: only the better ranked one commits."""
     c = constraint(7, r"ab|ba")
@@ -314,6 +369,61 @@ def test_llm_generate_and_the_cli(capsys) -> None:
     assert main(["generate", "hi", "--json-schema", "/no/such/schema.json"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "invalid regular expression" in err[0] and "readable file" in err[1]
+
+
+def test_length_penalty_on_the_cli_and_llm_generate(capsys) -> None:
+    """--length-penalty and LLM.generate(length_penalty=...) set the format's prior weight (a
+    heavy one closes the integer at its first digit); a negative or NaN weight, or one with
+    no format, is one line and exit 2."""
+    from unmask import LLM
+    from unmask.cli import main
+
+    schema = json.dumps({"type": "object", "properties": {"answer": {"type": "integer"}},
+                         "required": ["answer"]})
+    prompt, spec = "What is 47 + 38?", "threshold,threshold=0.9"
+    llm = LLM()
+    texts = {w: llm.generate([prompt], spec, gen_length=32, length_penalty=w,
+                             response_format=ResponseFormat.json_schema(schema))[0].text
+             for w in (0.0, 100.0)}
+    assert re.fullmatch(r'\{"answer":-?[0-9]\}', texts[100.0]) and texts[0.0] != texts[100.0]
+    for w in (0.0, 100.0):
+        assert main(["generate", prompt, "--json-schema", schema, "--length-penalty", str(w),
+                     "--gen-length", "32", "--decoder", spec]) == 0
+        assert capsys.readouterr().out.strip() == texts[w]
+    for bad in (["--json-schema", schema, "--length-penalty", "-1"],
+                ["--regex", "a+", "--length-penalty", "nan"], ["--length-penalty", "1"]):
+        assert main(["generate", "hi", *bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all("length_penalty" in line for line in err), err
+    with pytest.raises(GrammarError, match="give a JSON schema"):
+        llm.generate([prompt], spec, gen_length=32, length_penalty=1.0)
+
+
+def test_a_commit_writes_the_key_it_fixes_in_the_same_step() -> None:
+    """unmask-sdar asked for {"steps": [string], "answer": <integer>} closes the list, and
+    `,"answer":` is written in the same step in the tokenizer's own tokens, decided by no
+    forward (TPF does not count it); the model once spent five forwards choosing among the
+    key's tokenizations."""
+    from unmask import LLM
+    from unmask.tasks.math import make_split
+
+    llm = LLM("unmask-sdar")
+    fmt = ResponseFormat.json_schema({"type": "object", "properties": {
+        "steps": {"type": "array", "items": {"type": "string"}}, "answer": {"type": "integer"}},
+        "required": ["steps", "answer"]})
+    prompt = [p for p in make_split("heldout", 16) if p.answer.lstrip("-").isdigit()][2].prompt
+    events: list = []
+    [g] = llm.generate([prompt], "threshold,threshold=0.9", gen_length=64, response_format=fmt,
+                       on_event=events.append)
+    assert fmt.accepts(g.text) and g.text.startswith('{"steps":[]')
+    ids = g.token_ids
+    close = ids.index(llm.tokenizer.encode("]", add_special_tokens=False)[0])
+    step = next(i for i, e in enumerate(events) if close in e.positions)
+    key = llm.tokenizer.encode(',"answer":', add_special_tokens=False)
+    assert ids[close + 1 : close + 1 + len(key)] == key
+    assert set(range(close + 1, close + 1 + len(key))) <= set(events[step].positions)
+    decided = events[step].decided - (events[step - 1].decided if step else 0)
+    assert decided <= len(events[step].positions) - len(key)
 
 
 def test_the_moves_remembered_between_canvases_change_nothing() -> None:

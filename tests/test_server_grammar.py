@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import openai
 import pytest
 from helpers import LiveServer
@@ -83,6 +84,33 @@ def test_length_when_the_schema_cannot_close(server: LiveServer) -> None:
     assert '{"answer":'.startswith(out.choices[0].message.content)
 
 
+def test_length_penalty_is_an_extension_field_on_both_routes(server: LiveServer) -> None:
+    """The length prior's weight reaches the constraint from either route: a heavy weight
+    closes the integer where it may first close, a zero weight leaves the model's own digits."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    client = server.client()
+    texts = {}
+    for weight in (0.0, 100.0):
+        body = {"length_penalty": weight, "decoder": "threshold,threshold=0.9"}
+        texts[weight] = chat(client, response_format=fmt, extra_body=body).choices[0].message.content
+        done = client.completions.create(model="unmask-llada", prompt="What is 47 + 38?",
+                                         max_tokens=32, extra_body={"response_format": fmt, **body})
+        assert set(json.loads(done.choices[0].text)) == {"answer"}
+    assert re.fullmatch(r'\{"answer":-?[0-9]\}', texts[100.0]), texts
+    assert texts[0.0] != texts[100.0]
+
+
+def test_a_nan_length_penalty_is_a_400(server: LiveServer) -> None:
+    """JSON's NaN literal (Python's json writes it; the openai client refuses to): one line."""
+    body = ('{"model": "unmask-llada", "messages": [{"role": "user", "content": "hi"}], '
+            '"response_format": {"type": "json_object"}, "length_penalty": NaN}')
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=body,
+                   headers={"Content-Type": "application/json"}, timeout=30)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "length_penalty", r.text
+    assert "finite number" in err["message"] and "\n" not in err["message"]
+
+
 @pytest.mark.parametrize(("kw", "param", "says"), [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "object", "properties": {"a": {"type": 5}}}}}},
@@ -99,6 +127,11 @@ def test_length_when_the_schema_cannot_close(server: LiveServer) -> None:
     ({"response_format": {"type": "json_object"},
       "extra_body": {"decoder": "threshold,suppress_eos=true"}}, "response_format",
      "drop suppress_eos"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"length_penalty": -1}},
+     "length_penalty", "length_penalty must be a number >= 0"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"length_penalty": "NaN"}},
+     "length_penalty", "valid number"),
+    ({"extra_body": {"length_penalty": 1}}, "length_penalty", "give a JSON schema"),
 ])
 def test_bad_constraints_are_400s(server: LiveServer, kw: dict, param: str, says: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:

@@ -19,7 +19,14 @@ import torch
 
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.compiling import check_compile, compile_model
-from unmask.decoding.grammar import Constraint, ResponseFormat, TokenAutomaton, as_format, token_bytes
+from unmask.decoding.grammar import (
+    Constraint,
+    ResponseFormat,
+    TokenAutomaton,
+    as_format,
+    token_bytes,
+    with_prior,
+)
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams, SpecError
 from unmask.engine import Request, StepEvent, decode
 from unmask.engine.graphs import CudaGraphs
@@ -370,13 +377,16 @@ class LLM:
     def generate(self, prompts: str | list[str], params: DecodeParams | str | None = None,
                  chat: bool = True, batch_size: int = 8,
                  on_event: Callable[[StepEvent], None] | None = None,
-                 response_format: Any = None, **overrides) -> list[Generation]:
+                 response_format: Any = None, length_penalty: float | None = None,
+                 **overrides) -> list[Generation]:
         """Generate for each prompt. params: a DecodeParams or a decoder spec string; keyword
         overrides (gen_length=..., block_length=...) apply on top of it. batch_size: requests
         decoded at once (the output does not depend on it). on_event: called with every step
         event (progress). response_format: structured output (`grammar.as_format`: OpenAI's
         response_format object, a pydantic model class or a `ResponseFormat`): every output
-        matches it, or ends with finish_reason "length" where gen_length cannot hold one."""
+        matches it, or ends with finish_reason "length" where gen_length cannot hold one.
+        length_penalty: the format's length prior weight (`grammar.with_prior`; None: its
+        default, 2 for JSON, 0 for a regular expression)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -389,7 +399,7 @@ class LLM:
                 raise InputError(f"empty prompt (prompt {i}): give the model something to answer")
             check_text(prompt, f"prompt {i}")
         params = resolve_params(params, overrides, model_defaults(self.model))
-        fmt = as_format(response_format)
+        fmt = with_prior(as_format(response_format), length_penalty)
         ids = [self._encode(p, chat) for p in prompts]
         constraints = None if fmt is None else [self.constraint(fmt, params.gen_length)] * len(ids)
         return self.generate_ids(ids, params, batch_size=batch_size, on_event=on_event,

@@ -237,11 +237,21 @@ def add_format_arguments(p: argparse.ArgumentParser) -> None:
                    help="how --json-schema / --regex constrain the canvas: complete (slots in "
                         "any order, the canvas kept completable) or prefix (the "
                         "longest-valid-prefix baseline, left to right)")
+    p.add_argument("--length-penalty", type=float, metavar="W", default=None,
+                   help="the length prior's weight: an allowed token loses W in log-weight per "
+                        "slot it pushes the end of the shortest word (default: 2 with "
+                        "--json-schema, 0 with --regex; 0 turns it off)")
 
 
 def response_format_of(args: argparse.Namespace):
     """The structured output --json-schema (a file, or the schema's JSON) or --regex asks for,
-    in --grammar-mode; None without either."""
+    in --grammar-mode, with --length-penalty's weight; None without either."""
+    from unmask.decoding.grammar import with_prior
+
+    return with_prior(_format_of(args), args.length_penalty)
+
+
+def _format_of(args: argparse.Namespace):
     from unmask.decoding.grammar import GrammarError, ResponseFormat
 
     if args.regex is not None:

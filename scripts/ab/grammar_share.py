@@ -21,13 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from structured_output import OWN_FORMAT, SCHEMAS  # noqa: E402  (the benchmark's formats)
-from worktree import checkout, python_in  # noqa: E402
+from worktree import ab_main  # noqa: E402
 
 MODELS = ("unmask-llada", "unmask-sdar")
 SPEC = "threshold,threshold=0.9"
 # The constraint's entry points on either side (the older one has no `weights`): the time
 # inside any of them, counted once when they call each other.
-ENTRIES = ("weights", "allowed", "restrict", "feasible")
+ENTRIES = ("weights", "write_weights", "allowed", "restrict", "feasible", "settle")
 
 
 def child(n: int) -> dict:
@@ -80,34 +80,6 @@ def _timed(inner, spent: dict):
     return timed
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--before", help="the earlier commit (required)")
-    ap.add_argument("--n", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="benchmarks/ab/grammar-share.md")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        print(json.dumps(child(args.n)))
-        return 0
-    if not args.before:
-        ap.error("--before REV is required")
-    here = Path(__file__).resolve().parents[2]
-    runs: dict[str, list[dict]] = {"before": [], "after": []}
-    with checkout(args.before) as old:
-        trees = {"before": old, "after": here}
-        for r in range(args.rounds):
-            order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
-            for side in order:
-                got = python_in(trees[side], [__file__, "--child", "--n", str(args.n)],
-                                cwd=str(trees[side]))
-                runs[side].append(json.loads(got.strip().splitlines()[-1]))
-                print(side, "round", r, file=sys.stderr)
-    write(runs, args)
-    return 0
-
-
 def write(runs: dict[str, list[dict]], args: argparse.Namespace) -> None:
     lines = [f"Produced by `python scripts/ab/grammar_share.py --before {args.before} --n {args.n} "
              f"--rounds {args.rounds}`: the constraint's CPU time (masks, commit checks) as a share",
@@ -128,4 +100,4 @@ def write(runs: dict[str, list[dict]], args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(ab_main(__file__, __doc__, "benchmarks/ab/grammar-share.md", child, write))

@@ -4,7 +4,9 @@ same measuring code, the tree under test chosen by PYTHONPATH."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -35,3 +37,38 @@ def python_in(tree: Path, args: list[str], cwd: str | None = None) -> str:
     out = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
                          check=True, cwd=cwd)
     return out.stdout
+
+
+def rounds(before: str, script: str, args: list[str], n_rounds: int) -> dict[str, list[dict]]:
+    """`script args` run against REV `before` and against this tree, n_rounds each, the side
+    that runs first rotating; each run's last stdout line is a JSON object. Returns
+    {"before": [...], "after": [...]}, one object a round."""
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    with checkout(before) as old:
+        trees = {"before": old, "after": ROOT}
+        for r in range(n_rounds):
+            for side in (["before", "after"] if r % 2 == 0 else ["after", "before"]):
+                got = python_in(trees[side], [script, *args], cwd=str(trees[side]))
+                runs[side].append(json.loads(got.strip().splitlines()[-1]))
+                print(side, "round", r, file=sys.stderr)
+    return runs
+
+
+def ab_main(script: str, doc: str, out: str, child, write) -> int:
+    """The command line of a before/after script measured in rounds: `--before REV [--n N]
+    [--rounds R] [--out FILE]`; child(n) -> a JSON-able dict measures one side (the script
+    runs itself with --child), write(runs, args) writes the comparison."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--before", help="the earlier commit (required)")
+    ap.add_argument("--n", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.n)))
+        return 0
+    if not args.before:
+        ap.error("--before REV is required")
+    write(rounds(args.before, script, ["--child", "--n", str(args.n)], args.rounds), args)
+    return 0

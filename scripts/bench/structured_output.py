@@ -44,11 +44,12 @@ MODES = {"unconstrained": None, "complete": ("complete", None),
 
 
 class GrammarClock:
-    """CPU seconds spent in the constraint's work (masks, commit checks, draft checks)."""
+    """CPU seconds spent in the constraint's work (masks, commit checks, draft checks,
+    settling)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        for name in ("weights", "allowed", "restrict", "feasible"):
+        for name in ("weights", "write_weights", "allowed", "restrict", "feasible", "settle"):
             self._wrap(name)
 
     def _wrap(self, name: str) -> None:
@@ -185,11 +186,12 @@ def write(rows: list[dict], sweep: list[dict], args: argparse.Namespace) -> None
              "hold it to `[^#]*#### -?[0-9]+`). complete: the out-of-order constraint with the JSON",
              "formats' length prior (weight 2, docs/decoders.md § Structured output); complete, no",
              "prior: weight 0; prefix: the longest-valid-prefix baseline, no prior. TPF and NFE per",
-             "output (TPF counts what forwards decided: the scaffold and early exit's EOS fill are",
-             "not counted), with their ratio to the model's unconstrained decode of the same",
+             "output (TPF counts what forwards decided: the scaffold, what settling wrote after a",
+             "commit and early exit's EOS fill are not counted), with their ratio to the model's",
+             "unconstrained decode of the same",
              "prompts; useful tokens: the output's, up to its EOS; length: outputs that ended",
-             "without EOS. Grammar share: the constraint's CPU time (scaffold, masks and weights,",
-             "commit checks) over the whole decode's, all prompts at batch 1 and at batch 16, the",
+             "without EOS. Grammar share: the constraint's CPU time (masks and weights, commit",
+             "checks, settling) over the whole decode's, all prompts at batch 1 and at batch 16, the",
              f"median of {args.repeats} runs. The grammar libraries compared:",
              "[benchmarks/bench/grammar-libraries.md](benchmarks/bench/grammar-libraries.md)",
              "(`python scripts/bench/grammar_libraries.py`).",

@@ -23,7 +23,7 @@ import json
 import re
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -60,8 +60,10 @@ class ResponseFormat:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise GrammarError(f"grammar mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not (isinstance(self.length_penalty, (int, float)) and 0 <= self.length_penalty < 1e6):
-            raise GrammarError(f"length_penalty must be a number >= 0, got {self.length_penalty!r}")
+        w = self.length_penalty
+        # 0 <= w is False for NaN: refused with the negatives
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < 1e6):
+            raise GrammarError(f"length_penalty must be a number >= 0, got {w!r}")
 
     @classmethod
     def json_schema(cls, schema: dict | str, mode: str = "complete",
@@ -133,6 +135,19 @@ def as_format(value: Any, mode: str = "complete") -> ResponseFormat | None:
         raise GrammarError("json_schema strict: false (best-effort adherence) is not offered; "
                            "unmask always enforces the schema: send strict: true or leave it out")
     return ResponseFormat.json_schema(spec["schema"], mode)
+
+
+def with_prior(fmt: ResponseFormat | None, length_penalty: float | None) -> ResponseFormat | None:
+    """`fmt` with the length prior's weight set (docs/decoders.md § Structured output, "The
+    length prior"; None: the format's own default). Every door (the CLI's --length-penalty,
+    the server's `length_penalty` field, `LLM.generate(length_penalty=...)`) sets it here: a
+    weight without a format, or one that is negative or not a number, is a GrammarError."""
+    if length_penalty is None:
+        return fmt
+    if fmt is None:
+        raise GrammarError("length_penalty weighs a response format's values: give a JSON schema, "
+                           "json_object or a regular expression with it")
+    return replace(fmt, length_penalty=length_penalty)
 
 
 @lru_cache(maxsize=64)
@@ -215,18 +230,20 @@ class TokenAutomaton:
     final: np.ndarray
     live: np.ndarray
     prefix: tuple[int, ...]
-    # every move that does not lead to DEAD, as (E,) arrays: a hole's mask reads these when
-    # they are fewer than its states x the vocabulary (a large automaton, few moves a state)
-    edge_src: np.ndarray | None = None
-    edge_tok: np.ndarray | None = None
-    edge_dst: np.ndarray | None = None
     dist: np.ndarray | None = None  # (Q,) fewest tokens to an accepting state (set on construction)
     eos: int = -1  # the EOS token (the one move into END)
+    # the bytes of the tokens, for the fixed text after a state (`fixed_tokens`): (V,) each
+    # token's first byte (-1: none), (256,) the token of each byte alone (-1: none); and the
+    # tokenizer's text -> token ids (None: no fixed text is written)
+    first_byte: np.ndarray | None = None
+    byte_token: np.ndarray | None = None
+    encode: Any = None
 
     def __post_init__(self) -> None:
-        src, tok = np.nonzero(self.trans != self.n_states - 1)
-        self.edge_src, self.edge_tok = src.astype(np.int32), tok.astype(np.int32)
-        self.edge_dst = self.trans[src, tok]
+        # each state's moves grouped by the state they lead to, built on a state's first use
+        # and kept with the automaton (every request of the format): a hole's vector then
+        # costs its allowed tokens, not its states x the vocabulary
+        self._by_state: dict[int, tuple[np.ndarray, list[np.ndarray]]] = {}
         self.dist = self._distances()
         self.sets = StateSets(self)
         # A hole's vectors by its (F_i, B_i+1) pair of set ids (and the weights by the prior's
@@ -235,11 +252,51 @@ class TokenAutomaton:
         # Bounded to about 32 MiB of vectors whatever the vocabulary.
         self._holes: dict[tuple, np.ndarray] = {}
         self._holes_max = max(64, (32 << 20) // (4 * self.trans.shape[1]))
+        self._forced: dict[tuple[int, int], int] = {}  # (F_i, B_i+1) -> `forced_token`
+        self._fixed: dict[int, tuple[int, ...]] = {}  # state -> `fixed_tokens`
 
     def forget(self) -> None:
-        """Drop every kept hole vector and memoized move (a benchmark's cold step)."""
+        """Drop every kept hole vector, forced token and memoized move (a benchmark's cold
+        step)."""
         self._holes.clear()
+        self._forced.clear()
+        self._fixed.clear()
         self.sets.forget()
+
+    def forced_token(self, f: int, b: int) -> int:
+        """The one token a hole between the sets f and b (ids of `sets`) may take, or -1 when
+        it has a choice or the one token is EOS (the EOS tail is early exit's, or the forward's).
+        Kept by pair (an int each, bounded like the moves)."""
+        hit = self._forced.get((f, b))
+        if hit is None:
+            ok = np.flatnonzero(np.isfinite(self._finish_after(self.sets.of[f], self.sets.of[b])))
+            hit = int(ok[0]) if ok.size == 1 and ok[0] != self.eos else -1
+            if len(self._forced) >= 1 << 16:
+                self._forced.clear()
+            self._forced[(f, b)] = hit
+        return hit
+
+    def fixed_tokens(self, state: int) -> tuple[int, ...]:
+        """The tokenizer's own tokens of the text every word goes on with from `state` (its
+        characters while every allowed token starts with the same byte: a key after its
+        comma, the quote and colon after it), as many as stay a live path; () when the next
+        character is a choice or the word may end there. Kept per state."""
+        hit = self._fixed.get(state)
+        if hit is None:
+            hit = self._fixed[state] = self._live_path(state, self._fixed_text(state))
+        return hit
+
+    def _fixed_text(self, s: int) -> str:
+        if self.first_byte is None or self.byte_token is None:
+            return ""
+        out = bytearray()
+        while len(out) < 256 and not self.final[s]:
+            firsts = np.unique(self.first_byte[self.live[self.trans[s]]])
+            if firsts.size != 1 or firsts[0] < 0 or self.byte_token[firsts[0]] < 0:
+                break
+            out.append(int(firsts[0]))
+            s = int(self.trans[s, self.byte_token[firsts[0]]])
+        return out.decode("utf-8", errors="ignore")
 
     def _distances(self) -> np.ndarray:
         """(Q,) float32: the fewest tokens from each state to an accepting one (inf: none; the
@@ -283,14 +340,25 @@ class TokenAutomaton:
         return np.where(ok, np.float32(-penalty) * (push - least), np.float32(-np.inf))
 
     def _finish_after(self, f: np.ndarray, b: np.ndarray) -> np.ndarray:
-        states = np.flatnonzero(f)
-        if states.size * self.trans.shape[1] <= self.edge_src.size:
-            nxt = self.trans[states]  # (|F|, V)
-            return np.where(b[nxt], self.dist[nxt], np.inf).min(0).astype(np.float32)
         out = np.full(self.trans.shape[1], np.inf, dtype=np.float32)
-        at = f[self.edge_src] & b[self.edge_dst]
-        np.minimum.at(out, self.edge_tok[at], self.dist[self.edge_dst[at]])
+        for state in np.flatnonzero(f).tolist():
+            nxt, tokens = self._moves_of(state)
+            for q, toks in zip(nxt[b[nxt]].tolist(), _pick(tokens, b[nxt]), strict=True):
+                out[toks] = np.minimum(out[toks], self.dist[q])
         return out
+
+    def _moves_of(self, state: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(K,) the states `state` moves to (DEAD left out), and for each the tokens that move
+        it there."""
+        hit = self._by_state.get(state)
+        if hit is None:
+            row = self.trans[state]
+            order = np.argsort(row, kind="stable")
+            nxt, first = np.unique(row[order], return_index=True)
+            groups = np.split(order, first[1:])
+            live = nxt != self.n_states - 1
+            hit = self._by_state[state] = (nxt[live], _pick(groups, live))
+        return hit
 
     def _kept(self, key: tuple, make: Any) -> np.ndarray:
         hit = self._holes.get(key)
@@ -344,10 +412,16 @@ class TokenAutomaton:
             if (grown == live).all():
                 break
             live = grown
+        first = np.full(vocab, -1, dtype=np.int16)
+        alone = np.full(256, -1, dtype=np.int32)
+        for i, b in tokens.items():
+            if i < vocab and b:
+                first[i] = b[0]
+                if len(b) == 1:
+                    alone[b[0]] = i
         a = cls(trans, succ, np.ascontiguousarray(succ.T), int(number[index.get_initial_state()]),
-                final, live, (), eos=eos_id)
-        if encode is not None:
-            a.prefix = a._scaffold(literal_prefix(pattern), encode)
+                final, live, (), eos=eos_id, first_byte=first, byte_token=alone, encode=encode)
+        a.prefix = a._live_path(a.start, literal_prefix(pattern))
         return a
 
     def walk(self, states: np.ndarray, token: int) -> np.ndarray:
@@ -357,13 +431,13 @@ class TokenAutomaton:
         out[-1] = False
         return out
 
-    def _scaffold(self, text: str, encode: Any) -> tuple[int, ...]:
-        """The tokenizer's own tokens of the fixed opening `text`, as many of them as the
-        automaton accepts as a live path from its start (a boundary token may merge with what
-        follows the opening, so the last ones may be dropped)."""
-        ids = list(encode(text)) if text else []
+    def _live_path(self, start: int, text: str) -> tuple[int, ...]:
+        """The tokenizer's own tokens of `text` (a fixed opening, a fixed text), as many of them
+        as the automaton accepts as a live path from the state `start` (a boundary token may
+        merge with what follows the text, so the last ones may be dropped)."""
+        ids = list(self.encode(text)) if text and self.encode is not None else []
         state = np.zeros(self.n_states, dtype=bool)
-        state[self.start] = True
+        state[start] = True
         kept = []
         for t in ids:
             if not 0 <= t < self.trans.shape[1]:
@@ -387,6 +461,7 @@ class StateSets:
         self.a = a
         self.of: list[np.ndarray] = []  # id -> (Q,) bool
         self.accepting: list[bool] = []  # id -> the set holds an accepting state
+        self.single: list[int] = []  # id -> its one state (-1: several or none)
         self._ids: dict[bytes, int] = {}
         self._moves: dict[tuple[int, int, bool], int] = {}  # (id, token or HOLE, backward) -> id
         self._moves_max = 1 << 16  # ~10 MB of keys; the benchmark's formats keep a few hundred
@@ -406,6 +481,8 @@ class StateSets:
             i = self._ids[key] = len(self.of)
             self.of.append(states)
             self.accepting.append(bool((states & self.a.final).any()))
+            one = np.flatnonzero(states)
+            self.single.append(int(one[0]) if one.size == 1 else -1)
         return i
 
     def forward(self, i: int, token: int) -> int:
@@ -447,6 +524,11 @@ class StateSets:
         out = a.succ_t @ s.astype(np.float32) > 0  # matrix-vector: BLAS's fast case
         out[-1] = False
         return out
+
+
+def _pick(items: list, keep: np.ndarray) -> list:
+    """The items where keep (bool, one per item)."""
+    return [x for x, k in zip(items, keep.tolist(), strict=True) if k]
 
 
 def literal_prefix(pattern: str) -> str:
@@ -542,9 +624,17 @@ class Constraint:
         the canvas's shortest word further right, against the hole's least such push; slots
         past the budget: 0."""
         out = np.zeros((slots.shape[0], vocab), dtype=np.float32)
+        self.write_weights(out, np.arange(slots.shape[0]), gen, slots, prior)
+        return out
+
+    def write_weights(self, out: np.ndarray, rows: np.ndarray, gen: np.ndarray,
+                      slots: np.ndarray, prior: bool = True) -> None:
+        """`weights` written into the rows `rows` (N,) of out (M, vocab), which hold 0: each
+        distinct vector once to all the rows that share it (a run of holes settles into a few
+        pairs of sets), one pass over the output, whatever the vocabulary."""
         inside = slots < self.budget
         if not inside.any():
-            return out
+            return
         g = gen[: self.budget]
         toks, holes_from = self._tokens(g)
         penalty = self.format.length_penalty if prior else 0.0
@@ -553,11 +643,15 @@ class Constraint:
         b = self._backward(toks, holes_from, int(slots[inside].min()) + 1)
         shortest = self._shortest(g.shape[0], f[start], start) if penalty else 0
         cols = self.a.trans.shape[1]
-        at = np.flatnonzero(inside)
-        out[at, :cols] = [self.a.hole_weights(f[i], b[i + 1], i + 1 - shortest, penalty)
-                          for i in slots[at].tolist()]
+        at = rows[inside]
+        keys = [(f[i], b[i + 1], i + 1 - shortest if penalty else 0)
+                for i in slots[inside].tolist()]
+        shared: dict[tuple, list[int]] = {}
+        for row, key in zip(at.tolist(), keys, strict=True):
+            shared.setdefault(key, []).append(row)
+        for (fi, bi, offset), where in shared.items():
+            out[where, :cols] = self.a.hole_weights(fi, bi, offset, penalty)
         out[at, cols:] = -np.inf
-        return out
 
     def _word_start(self, gen: np.ndarray) -> int:
         """One past the last slot of gen (budget,) committed to a token other than EOS."""
@@ -620,6 +714,65 @@ class Constraint:
                 hi = mid - 1
         return lo
 
+    # --- what the commits fix ----------------------------------------------------------------
+    def settle(self, gen: np.ndarray) -> np.ndarray:
+        """gen (G,) with what its commits fixed written into its holes (complete mode; the
+        prefix baseline writes only what the model chose): after each committed run that
+        leaves the automaton in one state, the fixed text that follows (`fixed_tokens`: the
+        tokenizer's own tokens of a key, its quotes and colon) where it keeps the canvas
+        completable; then every hole among the commits (and the first after them) whose
+        allowed set is one token other than EOS (a closing quote or brace). The trailing holes
+        past the first are a choice until the budget's end nears, and are left to the rule.
+        No forward decided these: they count in no TPF."""
+        if self.mode == "prefix":
+            return gen
+        out = gen.copy()
+        g = out[: self.budget]  # a view: written in place
+        if (g == self.mask_id).any():
+            self._write_forced(g, *self._write_fixed_text(g))
+        return out
+
+    def _near(self, g: np.ndarray) -> tuple[list[int], int, list[int]]:
+        """`_tokens` of g, and the forward sets up to its first trailing hole."""
+        toks, holes_from = self._tokens(g)
+        return toks, holes_from, self._forward(toks, min(holes_from, g.shape[0] - 1) + 1)
+
+    def _write_fixed_text(self, g: np.ndarray) -> tuple[list[int], int, list[int]]:
+        """The fixed text after each run of commits written into the holes after it; returns
+        the canvas as it is left (`_near`)."""
+        toks, holes_from, f = self._near(g)
+        holes = g == self.mask_id
+        starts = np.flatnonzero(holes[1:] & ~holes[:-1]) + 1  # each run's first hole
+        sets = self.a.sets
+        for i in ([0] if holes[0] else []) + starts[starts <= holes_from].tolist():
+            state = sets.single[f[i]]
+            fixed = self.a.fixed_tokens(state) if state >= 0 else ()
+            if not fixed:
+                continue
+            ends = np.flatnonzero(~holes[i:])
+            run = int(ends[0]) if ends.size else holes.size - i  # the run's holes
+            for n in range(min(len(fixed), run), 0, -1):  # the most that stays completable
+                trial = g.copy()
+                trial[i : i + n] = fixed[:n]
+                if self.feasible(trial):
+                    g[:] = trial
+                    toks, holes_from, f = self._near(g)  # the passes redone after a write
+                    break
+        return toks, holes_from, f
+
+    def _write_forced(self, g: np.ndarray, toks: list[int], holes_from: int,
+                      f: list[int]) -> None:
+        # a forced token is in every completion: writing it changes no other hole's set, so
+        # one pass over the sets of the canvas as it was (`_near`: its tokens and forward sets)
+        holes = np.flatnonzero(g[: len(f) - 1] == self.mask_id)
+        if not holes.size:
+            return
+        b = self._backward(toks, holes_from, int(holes[0]) + 1)
+        for i in holes.tolist():
+            t = self.a.forced_token(f[i], b[i + 1])
+            if t >= 0:
+                g[i] = t
+
     # --- the scaffold ------------------------------------------------------------------------
     def scaffold(self) -> np.ndarray:
         """(budget,) the canvas a constrained request starts from: the language's fixed opening
@@ -657,7 +810,7 @@ class TokenMasks:
             if c is None:
                 continue
             at = np.flatnonzero(rows == r)
-            out[at] = c.weights(self.x[r, self.P :], slots[at] - self.P, vocab)
+            c.write_weights(out, at, self.x[r, self.P :], slots[at] - self.P)
         return out
 
 

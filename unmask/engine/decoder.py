@@ -201,8 +201,11 @@ class Decoder:
                 if not keep.any():
                     break
                 sel, kept = sel[keep], rows[keep]
-            drafts.append(Drafts(np.where(sel, pr.token[kept], x[kept]), kept,
-                                 self._max_entropy(pr.entropy[kept], sel), sel, np.full_like(kept, k)))
+            dx = np.where(sel, pr.token[kept], x[kept])
+            if cons is not None:  # what the commits fixed (not committed by the rule: `sel`)
+                dx = self._settle(b, dx, self._of(cons, kept))
+            drafts.append(Drafts(dx, kept, self._max_entropy(pr.entropy[kept], sel), sel,
+                                 np.full_like(kept, k)))
         if len(drafts) == 1:
             return drafts[0]
         return Drafts(*(np.concatenate([getattr(d, f.name) for d in drafts])
@@ -242,6 +245,16 @@ class Decoder:
         return sel
 
     @staticmethod
+    def _settle(b: DecodeBatch, x: np.ndarray, cons: list[Constraint | None]) -> np.ndarray:
+        """x (D, S) with what each canvas's commits fixed written in (`Constraint.settle`),
+        after every rule step: a key, a closing quote or brace is written as soon as it is the
+        only way on, instead of waiting for a forward to score it with confidence 1."""
+        for i, c in enumerate(cons):
+            if c is not None:
+                x[i, b.P :] = c.settle(x[i, b.P :])
+        return x
+
+    @staticmethod
     def _completable(b: DecodeBatch, x: np.ndarray, cons: list[Constraint | None],
                      check: np.ndarray) -> np.ndarray:
         """(D,) bool: canvases x (D, S) their constraint can still complete (checked where
@@ -276,7 +289,9 @@ class Decoder:
         x, parent = d.x, d.parent
         slots = b.slots
         end = start + self.params.block_length
-        commit_step = np.where(d.added, b.rows.step[parent][:, None], b.commit_step[parent])
+        # written this step: the draft's commits and what settling wrote with them
+        written = x != b.x[parent]
+        commit_step = np.where(written, b.rows.step[parent][:, None], b.commit_step[parent])
         masked = x == self.mask_id
         # The token each slot's stored K/V was computed from (-1: none); a slot whose K/V comes
         # from another token (committed since) holds [MASK] K/V.
@@ -362,6 +377,8 @@ class Decoder:
             if cons is not None:
                 sel = self._restrict(b, fx, cons, sel, fw.token, candidate_ranks(fw.conf, cand))
             target[need] = np.where(sel, fw.token, fx)
+            if cons is not None:  # the reference step settles what it fixed, as the drafts did
+                target[need] = self._settle(b, target[need], cons)
         # The chain on arrays (no per-row loop): kid[r, k] = draft k of row r (-1: none);
         # eq[r, i, j] = draft j of row r equals the target of its draft i.
         kid = np.full((r, n), -1, dtype=np.int64)
@@ -392,8 +409,9 @@ class Decoder:
                 need: np.ndarray, fwd_index: np.ndarray, draft_start: np.ndarray) -> None:
         rows = d.parent[chosen]  # every row, in order
         added = d.added[chosen]
+        written = d.x[chosen] != b.x  # the commits and what settling wrote with them
         b.x = d.x[chosen]
-        b.commit_step = np.where(added, b.rows.step[:, None], b.commit_step)
+        b.commit_step = np.where(written, b.rows.step[:, None], b.commit_step)
         b.rows.decided += added.sum(-1)
         b.rows.step += 1
         if fw is None:

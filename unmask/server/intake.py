@@ -5,10 +5,18 @@ decoder parameters. The engine's own checks of the ids come after, at the door
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from unmask.api import LLM
-from unmask.decoding.grammar import Constraint, ResponseFormat, as_format, check_decoder
+from unmask.decoding.grammar import (
+    Constraint,
+    ResponseFormat,
+    as_format,
+    check_decoder,
+    with_prior,
+)
 from unmask.decoding.params import DecodeParams, whole_blocks
 from unmask.errors import SpecError, UnmaskError
 from unmask.server.engine_client import Submission
@@ -136,16 +144,34 @@ def request_constraint(state: ServerState, body: _Common, params: DecodeParams
                        ) -> Constraint | None:
     """The request's structured-output constraint over its max_tokens (compiling a schema can
     take a while: called off the event loop), or a 400 naming the field that set it: an invalid
-    schema or regex, an unsupported schema feature, or a decoder that cannot honour it."""
-    name = body.constraint_field()
-    if name is None:
+    schema or regex, an unsupported schema feature, a bad length prior weight, or a decoder
+    that cannot honour it."""
+    fmt = request_format(body)
+    if fmt is None:
         return None
-    value = getattr(body, name)
-    try:
-        fmt = as_format(value) if name == "response_format" else ResponseFormat.regex(value)
-        budget = body.max_tokens or params.gen_length
-        constraint = state.llm.constraint(fmt, budget)
+    with _named(body.constraint_field()):
+        constraint = state.llm.constraint(fmt, body.max_tokens or params.gen_length)
         check_decoder(constraint, state.engine.engine.params_for(params))
-    except UnmaskError as e:
-        raise APIError(400, f"{name}: {e}", param=name) from None
     return constraint
+
+
+def request_format(body: _Common) -> ResponseFormat | None:
+    """The request's response format with its `length_penalty` (None: no constraint), or a
+    400 naming the field at fault."""
+    name = body.constraint_field()
+    fmt = None
+    if name is not None:
+        with _named(name):
+            value = getattr(body, name)
+            fmt = as_format(value) if name == "response_format" else ResponseFormat.regex(value)
+    with _named("length_penalty"):
+        return with_prior(fmt, body.length_penalty)
+
+
+@contextmanager
+def _named(field: str | None) -> Iterator[None]:
+    """An UnmaskError inside becomes a 400 naming `field`."""
+    try:
+        yield
+    except UnmaskError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from None

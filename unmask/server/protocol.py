@@ -68,6 +68,9 @@ class _Common(BaseModel):
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     guided_regex: str | None = None
+    # The length prior's weight on the constraint above (docs/decoders.md § Structured output;
+    # None: the format's default); checked where the constraint is built, naming this field
+    length_penalty: float | None = Field(default=None, allow_inf_nan=False)
 
     @field_validator("stop")
     @classmethod
