@@ -28,6 +28,7 @@ from unmask.engine.prefix_store import make_prefix_store
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.hub import DEFAULT_NAME, SHIPPED, model_name, resolve_model
+from unmask.memory import resident
 from unmask.packing import pack_linears, slow_bf16_note
 from unmask.quantize import (
     QUANTIZED_FILE,
@@ -274,7 +275,9 @@ class LLM:
         self.load_note = self._quantize_note(quantize)
         if not compile:  # torch.compile packs the weights it freezes its own way
             self.load_note += self._pack()
-        log.info("%s: %s", self.path, self.load_note)
+        self.load_memory = resident()  # what the load left resident, and the peak (None off Linux)
+        log.info("%s: %s%s", self.path, self.load_note,
+                 "" if self.load_memory is None else f"; {self.load_memory.note()}")
         if compile:  # after quantization: the compiled layers trace the weights they will run
             compile_model(self.model)
         self.config = self.model.config

@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from unmask.errors import CheckpointError, InputError
+from unmask.memory import mib  # noqa: F401  (re-exported: the scripts' sizes)
 from unmask.packing import PackedLinear
 from unmask.rowint8 import SCHEME as ROW_SCHEME
 from unmask.rowint8 import RowInt8Linear, check_device, quantize_rows
@@ -182,13 +183,12 @@ class LoadQuantizer:
             self.config = _torchao_config(scheme, linears, dtype, device)
 
     def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """The tensor load_model assigns for `key`: quantized for a block linear's weight; for
-        another tensor, `t` copied out of the memory-mapped file (so the file's mapping, and its
-        pages, go once the file is read)."""
-        if self.config is None:  # w8a8: the weights stay the file's until `finish` converts them
+        """The tensor load_model assigns for `key`: quantized for a block linear's weight, `t`
+        for another. load_model reads a quantizing load's tensors into buffers of their own (not
+        views of a mapped file: unmask.checkpoint.READ_BACKEND), so a float weight's memory
+        goes once it is quantized."""
+        if self.config is None or key not in self.targets:  # w8a8: converted by `finish`
             return t
-        if key not in self.targets:
-            return t.clone() if t.device.type == "cpu" else t
         from torchao.quantization import quantize_
 
         target = self.targets[key]
@@ -285,10 +285,6 @@ def _tensor_bytes(t: torch.Tensor) -> int:
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 # --- saved quantized folders ----------------------------------------------------------------------

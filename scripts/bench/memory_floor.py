@@ -70,16 +70,17 @@ def load(folder: Path, scheme: str | None) -> torch.nn.Module:
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB of float32: 32x this machine's last-level cache
 
 
-def random_folder(shape: str, root: Path) -> Path:
-    """A random-weight SDAR model of `shape`, saved in bfloat16 with the shipped SDAR tokenizer."""
+def random_folder(shape: str, root: Path, dtype: str = "bfloat16") -> Path:
+    """A random-weight SDAR model of `shape`, saved in `dtype` (one file) with the shipped SDAR
+    tokenizer."""
     shipped = SHIPPED["unmask-sdar"]
     config = json.loads((shipped / "config.json").read_text())
-    config.update(SHAPES[shape], torch_dtype="bfloat16", max_position_embeddings=4096)
+    config.update(SHAPES[shape], torch_dtype=dtype, max_position_embeddings=4096)
     (root / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
     model = build_model(ModelConfig.load(root))
     model.init_weights()
-    return save_checkpoint(model.to(torch.bfloat16), root, tokenizer_dir=shipped)
+    return save_checkpoint(model.to(getattr(torch, dtype)), root, tokenizer_dir=shipped)
 
 
 def clock(threads: int) -> Callable[[], float]:
