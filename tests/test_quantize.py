@@ -223,7 +223,7 @@ def test_save_and_reload_round_trips_tokens(llms, folders, kind: str, scheme: st
     assert quantized_scheme(again.model) == scheme
     assert again.model.config.torch_dtype == str(DTYPE[scheme])[6:]
     assert weight_bytes(again.model) == weight_bytes(llm.model)
-    assert again.load_note.endswith(f"(saved quantized as {scheme})")
+    assert f"(saved quantized as {scheme})" in again.load_note
     params = DecodeParams.parse("threshold,threshold=0.1", gen_length=16, block_length=8)
     assert ([g.token_ids for g in again.generate(PROMPTS, params)]
             == [g.token_ids for g in llm.generate(PROMPTS, params)])
@@ -336,4 +336,4 @@ def test_cli_generate_quantized_notes_the_weights(folders, capsys) -> None:
                  "--dtype", "bfloat16", "--gen-length", "8", "--block-length", "8", "--json"]) == 0
     err = capsys.readouterr().err
     assert "note: weights" in err and "quantized int4 with torchao" in err
-    assert "before); process resident " in err
+    assert "before), " in err and "int4 layers calling torch's kernel directly; process resident " in err

@@ -28,6 +28,7 @@ from unmask.engine.prefix_store import make_prefix_store
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.hub import DEFAULT_NAME, SHIPPED, model_name, resolve_model
+from unmask.int4call import call_int4_directly
 from unmask.memory import resident
 from unmask.packing import pack_linears, slow_bf16_note
 from unmask.quantize import (
@@ -312,8 +313,12 @@ class LLM:
         slow = slow_bf16_note(self.model)
         if slow is not None:
             warnings.warn(slow, stacklevel=3)
+        scheme = quantized_scheme(self.model)
+        if scheme == "int4":  # torch's int4 CPU kernel called without torchao's dispatch
+            n = call_int4_directly(self.model) if self.device.type == "cpu" else 0
+            return f", {n} int4 layers calling torch's kernel directly" if n else ""
         # a quantized model's block weights are not plain bfloat16 (w8a8's not nn.Linear at all)
-        n = 0 if quantized_scheme(self.model) else pack_linears(self.model)
+        n = 0 if scheme else pack_linears(self.model)
         return f", {n} linear layers prepacked for oneDNN" if n else ""
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:

@@ -58,14 +58,15 @@ SHAPES = {
                       num_key_value_heads=8, head_dim=128, intermediate_size=6144),
 }
 # name -> --quantize; "bfloat16 F.linear" is bfloat16 as loaded before unmask.packing (the plain
-# weights through F.linear), for the side-by-side comparison
+# weights through F.linear), "int4 through torchao" int4 as loaded before unmask.int4call (torchao's
+# dispatch), for the side-by-side comparison: load_model's weights, which LLM then converts
 FORMATS = {"bfloat16": None, "bfloat16 F.linear": "plain", "int8": "int8", "int4": "int4",
-           "w8a8": "w8a8"}
+           "int4 through torchao": "plain int4", "w8a8": "w8a8"}
 
 
 def load(folder: Path, scheme: str | None) -> torch.nn.Module:
-    if scheme == "plain":
-        return load_model(folder, "cpu", "bfloat16")
+    if scheme is not None and scheme.startswith("plain"):
+        return load_model(folder, "cpu", "bfloat16", quantize=scheme.partition(" ")[2] or None)
     return LLM(folder, device="cpu", dtype="bfloat16", quantize=scheme).model
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB of float32: 32x this machine's last-level cache
 
