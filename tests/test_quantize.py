@@ -129,18 +129,22 @@ def status(key):
     with open("/proc/self/status") as f:
         return int(next(x for x in f if x.startswith(key + ":")).split()[1]) * 1024
 before = status("VmRSS")
-model = load_model(sys.argv[1], "cpu", quantize="int8")
+model = load_model(sys.argv[1], "cpu", quantize=sys.argv[2])
 print(json.dumps({"peak": status("VmHWM") - before}))
 """
 
 
+@pytest.mark.parametrize("scheme", ["int8", pytest.param("w8a8", marks=pytest.mark.skipif(
+    not torch.cpu._is_vnni_supported(), reason="no VNNI here"))])
 @pytest.mark.parametrize("shard", [8 << 20, None], ids=["shards", "one file"])
 def test_quantizing_while_loading_holds_one_tensor_of_float_weights(tmp_path: Path,
-                                                                    shard: int | None) -> None:
-    """int8 from a float32 folder, in shards or one file: the load's peak (resident memory, in a
-    fresh process, mapped files' pages included) stays well under the float weights' size: each
-    tensor is read into its own buffer and quantized, and the buffer freed (quantizing after the
-    load held them all; reading through the file's mapping held the file's pages to its end)."""
+                                                                    shard: int | None,
+                                                                    scheme: str) -> None:
+    """int8 or w8a8 from a float32 folder, in shards or one file: the load's peak (resident
+    memory, in a fresh process, mapped files' pages included) stays well under the float
+    weights' size: each tensor is read into its own buffer and quantized (w8a8: each layer once
+    its tensors are read), and the buffer freed (quantizing after the load held them all;
+    reading through the file's mapping held the file's pages to its end)."""
     import json
     import subprocess
 
@@ -148,9 +152,9 @@ def test_quantizing_while_loading_holds_one_tensor_of_float_weights(tmp_path: Pa
                        mlp_hidden_size=1536, vocab_size=512)
     float_size = weight_bytes(model)  # 8 layers of 3.4M float32 weights: 110 MB
     folder = save_checkpoint(model, tmp_path / "f32", max_shard_size=shard)
-    out = subprocess.run([sys.executable, "-c", _PEAK, str(folder)], check=True,
+    out = subprocess.run([sys.executable, "-c", _PEAK, str(folder), scheme], check=True,
                          capture_output=True, text=True).stdout
-    # measured: one file 159 MB through the mapping, shards 58 MB; both 55 MB read by pread
+    # measured, int8: one file 159 MB through the mapping, shards 58 MB; both 55 MB read by pread
     # (28 MB of int8 weights, a tensor, torchao's temporaries)
     assert json.loads(out)["peak"] < 0.6 * float_size
 

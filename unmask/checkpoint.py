@@ -28,9 +28,9 @@ from unmask.errors import CheckpointError  # noqa: F401  (re-exported)
 from unmask.models import build_model
 from unmask.quantize import (
     QUANTIZED_FILE,
-    LoadQuantizer,
     check_saveable,
     load_quantized,
+    load_quantizer,
     quantized_scheme,
     save_quantized,
 )
@@ -126,10 +126,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     """The model in folder `path`, weights memory-mapped and moved to `device` in `dtype`.
 
     dtype None means the config's torch_dtype, on every device; bfloat16 or float16 on the CPU
-    warns once, naming the dtype it runs in. quantize: "int8" / "int4" quantizes the block
-    linear weights as each is read (unmask.quantize.LoadQuantizer), so the float weights of at
-    most one file are held at a time; a folder saved quantized loads as saved whatever it says
-    (LLM checks the two agree). Raises CheckpointError naming what is wrong.
+    warns once, naming the dtype it runs in. quantize: "int8" / "int4" / "w8a8" converts the
+    block linear weights as they are read (unmask.quantize.load_quantizer), so the float weights
+    of one tensor (w8a8: one layer) are held at a time; a folder saved quantized loads as saved
+    whatever it says (LLM checks the two agree). Raises CheckpointError naming what is wrong.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -165,8 +165,8 @@ def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
     and its block linear weights quantized as they are read when `quantize` names a scheme."""
     files = weight_files(folder)
     expected = model.state_dict()
-    quantizer = None if quantize is None else LoadQuantizer(model, quantize, dtype,
-                                                            torch.device(device))
+    quantizer = None if quantize is None else load_quantizer(model, quantize, dtype,
+                                                             torch.device(device))
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file, names in files.items():

@@ -54,7 +54,7 @@ from unmask.errors import CheckpointError, InputError
 from unmask.memory import mib  # noqa: F401  (re-exported: the scripts' sizes)
 from unmask.packing import PackedLinear
 from unmask.rowint8 import SCHEME as ROW_SCHEME
-from unmask.rowint8 import RowInt8Linear, check_device, quantize_rows
+from unmask.rowint8 import RowInt8Linear, RowInt8Loader, check_device, quantize_rows
 from unmask.weights import block_linears, release_host_memory, trim_heap
 
 SCHEMES = ("int8", "int4", ROW_SCHEME)  # w8a8: unmask.rowint8 (int8 activations too), opt-in
@@ -166,6 +166,16 @@ def quantize_model(model: nn.Module, scheme: str) -> None:
         release_host_memory(model)
 
 
+def load_quantizer(model: nn.Module, scheme: str, dtype: torch.dtype,
+                   device: torch.device) -> LoadQuantizer | RowInt8Loader:
+    """What converts `model`'s block linear weights to `scheme` as load_model reads them:
+    torchao's schemes a tensor at a time (LoadQuantizer), w8a8 a layer at a time (RowInt8Loader)."""
+    check_quantize(scheme, device)
+    if scheme == ROW_SCHEME:
+        return RowInt8Loader(model, device)
+    return LoadQuantizer(model, scheme, dtype, device)
+
+
 class LoadQuantizer:
     """Quantizes the block linear weights one at a time as load_model reads them, so that a
     load holds the float weights of at most one checkpoint file at a time besides the quantized
@@ -174,20 +184,17 @@ class LoadQuantizer:
 
     def __init__(self, model: nn.Module, scheme: str, dtype: torch.dtype,
                  device: torch.device) -> None:
-        check_quantize(scheme, device)
         linears = block_linears(model)
         self.scheme = scheme
-        self.targets, self.config = {}, None  # w8a8 converts the loaded layers (`finish`)
-        if scheme != ROW_SCHEME:
-            self.targets = {f"{name}.weight": m for name, m in linears.items()}
-            self.config = _torchao_config(scheme, linears, dtype, device)
+        self.targets = {f"{name}.weight": m for name, m in linears.items()}
+        self.config = _torchao_config(scheme, linears, dtype, device)
 
     def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
         """The tensor load_model assigns for `key`: quantized for a block linear's weight, `t`
         for another. load_model reads a quantizing load's tensors into buffers of their own (not
         views of a mapped file: unmask.checkpoint.READ_BACKEND), so a float weight's memory
         goes once it is quantized."""
-        if self.config is None or key not in self.targets:  # w8a8: converted by `finish`
+        if key not in self.targets:
             return t
         from torchao.quantization import quantize_
 
@@ -204,10 +211,7 @@ class LoadQuantizer:
         return layer.weight
 
     def finish(self, model: nn.Module) -> None:
-        """After the load: w8a8's layers converted (they hold a packed module, not a tensor);
-        the host memory the quantizing left behind released."""
-        if self.scheme == ROW_SCHEME:
-            quantize_rows(model)
+        """After the load: the host memory the quantizing left behind released."""
         release_host_memory(model)
 
 
