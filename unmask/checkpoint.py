@@ -26,22 +26,26 @@ from torch import nn
 from unmask.config import TORCH_DTYPES, ConfigError, ModelConfig
 from unmask.errors import CheckpointError  # noqa: F401  (re-exported)
 from unmask.models import build_model
+from unmask.packing import PackedLinear, packs
 from unmask.quantize import (
     QUANTIZED_FILE,
+    LoadQuantizer,
     check_saveable,
     load_quantized,
     load_quantizer,
     quantized_scheme,
     save_quantized,
 )
+from unmask.weights import LayerLoader
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPES}
 INDEX = "model.safetensors.index.json"
 # How a load reads a file's tensors: mapped when the tensors are kept as they are read, read
-# into buffers freed once quantized when they are not (module docstring). Measured on a 640 MiB
-# float32 single file loaded as int8 (scripts/probe/load_memory.py): peak 840 MiB mapped.
-READ_BACKEND = {False: "mmap", True: "pread"}  # by whether the load quantizes
+# into buffers freed once converted (quantized, packed) when they are not (module docstring).
+# Measured on a 640 MiB float32 single file loaded as int8 (scripts/probe/load_memory.py): peak
+# 840 MiB mapped, 240-252 MiB read.
+READ_BACKEND = {False: "mmap", True: "pread"}  # by whether the load converts the weights
 
 
 def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
@@ -122,14 +126,17 @@ def _split(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[s
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None, quantize: str | None = None) -> nn.Module:
+               dtype: str | torch.dtype | None = None, quantize: str | None = None,
+               pack: bool = False) -> nn.Module:
     """The model in folder `path`, weights memory-mapped and moved to `device` in `dtype`.
 
     dtype None means the config's torch_dtype, on every device; bfloat16 or float16 on the CPU
     warns once, naming the dtype it runs in. quantize: "int8" / "int4" / "w8a8" converts the
     block linear weights as they are read (unmask.quantize.load_quantizer), so the float weights
     of one tensor (w8a8: one layer) are held at a time; a folder saved quantized loads as saved
-    whatever it says (LLM checks the two agree). Raises CheckpointError naming what is wrong.
+    whatever it says (LLM checks the two agree). pack: a load in bfloat16 on a CPU with oneDNN's
+    bfloat16 kernel packs the block linears for it (unmask.packing) as they are read, a layer at
+    a time (elsewhere, and with quantize, nothing). Raises CheckpointError naming what is wrong.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -150,23 +157,32 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     try:
         if quantized:
             return load_quantized(folder, model, torch.device(device), dtype)
-        return _load_weights(folder, model, config, device, dtype, quantize)
+        return _load_weights(folder, model, config, device, dtype,
+                             _converter(model, quantize, pack, dtype, torch.device(device)))
     except CheckpointError as e:  # which folder: a command may name several, or a hub id
         if str(folder) in str(e):
             raise
         raise CheckpointError(f"{folder}: {e}") from e
 
 
+def _converter(model: nn.Module, quantize: str | None, pack: bool, dtype: torch.dtype,
+               device: torch.device) -> LoadQuantizer | LayerLoader | None:
+    """What converts the block linear weights as load_model reads them, if anything."""
+    if quantize is not None:
+        return load_quantizer(model, quantize, dtype, device)
+    if pack and packs(dtype, device):
+        return LayerLoader(model, PackedLinear)
+    return None
+
+
 def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
                   device: str | torch.device, dtype: torch.dtype,
-                  quantize: str | None) -> nn.Module:
+                  quantizer: LoadQuantizer | LayerLoader | None) -> nn.Module:
     """`model` (on the meta device) with the folder's safetensors weights assigned, each
     checked against the config's names and shapes (a CheckpointError naming the file or tensor),
-    and its block linear weights quantized as they are read when `quantize` names a scheme."""
+    and its block linear weights converted as they are read by `quantizer`, if any."""
     files = weight_files(folder)
     expected = model.state_dict()
-    quantizer = None if quantize is None else load_quantizer(model, quantize, dtype,
-                                                             torch.device(device))
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file, names in files.items():

@@ -54,8 +54,8 @@ from unmask.errors import CheckpointError, InputError
 from unmask.memory import mib  # noqa: F401  (re-exported: the scripts' sizes)
 from unmask.packing import PackedLinear
 from unmask.rowint8 import SCHEME as ROW_SCHEME
-from unmask.rowint8 import RowInt8Linear, RowInt8Loader, check_device, quantize_rows
-from unmask.weights import block_linears, release_host_memory, trim_heap
+from unmask.rowint8 import RowInt8Linear, check_device, quantize_rows
+from unmask.weights import LayerLoader, block_linears, release_host_memory, trim_heap
 
 SCHEMES = ("int8", "int4", ROW_SCHEME)  # w8a8: unmask.rowint8 (int8 activations too), opt-in
 INSTALL = "pip install 'unmask[quant]'"
@@ -167,12 +167,12 @@ def quantize_model(model: nn.Module, scheme: str) -> None:
 
 
 def load_quantizer(model: nn.Module, scheme: str, dtype: torch.dtype,
-                   device: torch.device) -> LoadQuantizer | RowInt8Loader:
+                   device: torch.device) -> LoadQuantizer | LayerLoader:
     """What converts `model`'s block linear weights to `scheme` as load_model reads them:
-    torchao's schemes a tensor at a time (LoadQuantizer), w8a8 a layer at a time (RowInt8Loader)."""
+    torchao's schemes a tensor at a time (LoadQuantizer), w8a8 a layer at a time (LayerLoader)."""
     check_quantize(scheme, device)
     if scheme == ROW_SCHEME:
-        return RowInt8Loader(model, device)
+        return LayerLoader(model, RowInt8Linear)
     return LoadQuantizer(model, scheme, dtype, device)
 
 

@@ -77,48 +77,6 @@ class RowInt8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {SCHEME}"
 
 
-class RowInt8Loader:
-    """Converts the block linears to RowInt8Linear one at a time as load_model reads them, so
-    that a load holds the float weights of one layer at a time besides the converted ones
-    (quantize_rows on a loaded model holds them all): the interface of unmask.quantize's
-    LoadQuantizer. A layer converts once its weight (and bias, if it has one) are read; the
-    state dict gets meta placeholders for them, and `finish` puts the converted layers in."""
-
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        check_device(device)
-        self.layers = block_linears(model)
-        self.keys = {f"{name}.{part}": (name, part) for name, m in self.layers.items()
-                     for part, _ in m.named_parameters()}
-        self.read: dict[str, dict[str, Tensor]] = {}
-        self.converted: dict[str, RowInt8Linear] = {}
-
-    def __call__(self, key: str, t: Tensor) -> Tensor:
-        """`t` for a tensor not of a block linear; a meta placeholder for one, whose layer is
-        converted once all its tensors are read."""
-        if key not in self.keys:
-            return t
-        name, part = self.keys[key]
-        parts = self.read.setdefault(name, {})
-        parts[part] = t
-        layer = self.layers[name]
-        if len(parts) == len(dict(layer.named_parameters())):
-            with torch.device("meta"):
-                plain = nn.Linear(layer.in_features, layer.out_features, bias="bias" in parts)
-            for n, v in self.read.pop(name).items():
-                setattr(plain, n, nn.Parameter(v, requires_grad=False))
-            self.converted[name] = RowInt8Linear(plain)
-            trim_heap()  # the layer's float32 temporaries (weights.trim_heap)
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
-
-    def finish(self, model: nn.Module) -> None:
-        """After the load: the converted layers in place of the block linears; the host memory
-        the converting left behind released."""
-        for name, layer in self.converted.items():
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, layer)
-        release_host_memory(model)
-
-
 def quantize_rows(model: nn.Module) -> int:
     """Replace the block stack's nn.Linear layers by RowInt8Linear, in place; how many.
     InputError where the device has no fast kernel (check_device)."""
