@@ -14,6 +14,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import decode, product_rows
 from unmask.engine.product_rows import DEFAULT_MIN_ROWS, ProductRows, min_rows, product_kind
 from unmask.engine.product_rows import product_rows as rows_of
+from unmask.int4call import Int4Linear
 from unmask.packing import PackedLinear, bf16_kernel, pack_linears
 from unmask.quantize import quantize_model
 
@@ -35,7 +36,8 @@ def layer_of(kind: str, n_in: int, n_out: int) -> nn.Module:
     if kind.startswith(("int", "w8a8")):
         holder = nn.Sequential(nn.ModuleList([linear]))  # quantize_model takes the block stack's
         quantize_model(holder, kind.split()[0])
-        return holder[0][0]
+        # int4 on the CPU runs as LLM converts it: torch's kernel called directly (unmask.int4call)
+        return Int4Linear(holder[0][0]) if kind == "int4 bfloat16" else holder[0][0]
     return linear
 
 

@@ -43,6 +43,27 @@ def test_block_linears_are_converted_and_weigh_a_byte_each(llm: LLM, folder: Pat
 
 
 @needs_vnni
+def test_converting_while_loading_gives_the_layers_converting_after_does(llm: LLM,
+                                                                         folder: Path) -> None:
+    """The load converts each layer once its weight and bias are read (RowInt8Loader): the same
+    packed layers, and logits, as converting the loaded model."""
+    from unmask.checkpoint import load_model
+
+    after = load_model(folder, "cpu", "bfloat16")
+    quantize_model(after, "w8a8")
+    ids, pos = torch.arange(3, 27).view(2, 12), torch.arange(12).expand(2, -1)  # (2, 12) each
+    with torch.no_grad():
+        assert torch.equal(llm.model(ids, pos), after(ids, pos))
+    during = {n: m for n, m in llm.model.named_modules() if isinstance(m, RowInt8Linear)}
+    want = {n: m for n, m in after.named_modules() if isinstance(m, RowInt8Linear)}
+    assert during.keys() == want.keys() and len(during) == 7 * llm.config.n_layers
+    for name, m in during.items():
+        assert torch.equal(m.weight_scale, want[name].weight_scale), name
+        assert (m.bias is None) == (want[name].bias is None), name
+    assert not any(p.is_meta for p in llm.model.parameters())
+
+
+@needs_vnni
 def test_logits_stay_close_to_bfloat16() -> None:
     """Measured on the embedded model (this prompt, a 96-position canvas, against its float32
     logits): max |diff| 0.51, mean 0.073, top-1 agreement 97.9% (bfloat16 alone: 0.23, 0.028,

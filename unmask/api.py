@@ -35,7 +35,9 @@ from unmask.engine.prefix_store import make_prefix_store
 from unmask.engine.request import useful_length  # noqa: F401  (re-exported for API users)
 from unmask.errors import InputError, lone_surrogate  # noqa: F401  (InputError re-exported)
 from unmask.hub import DEFAULT_NAME, SHIPPED, model_name, resolve_model
-from unmask.packing import pack_linears, slow_bf16_note
+from unmask.int4call import call_int4_directly
+from unmask.memory import resident
+from unmask.packing import PackedLinear, slow_bf16_note
 from unmask.quantize import (
     QUANTIZED_FILE,
     check_quantize,
@@ -277,11 +279,15 @@ class LLM:
             if quantize == ROW_SCHEME:
                 raise InputError(f"quantize {ROW_SCHEME} does not compile (torch.compile fails on "
                                  f"oneDNN's packed int8 product): drop compile, or quantize int8")
-        self.model = load_model(self.path, self.device, dtype, quantize=quantize)
+        # torch.compile packs the weights it freezes its own way: no oneDNN packing for it
+        self.model = load_model(self.path, self.device, dtype, quantize=quantize,
+                                pack=not compile)
         self.load_note = self._quantize_note(quantize)
         if not compile:  # torch.compile packs the weights it freezes its own way
             self.load_note += self._pack()
-        log.info("%s: %s", self.path, self.load_note)
+        self.load_memory = resident()  # what the load left resident, and the peak (None off Linux)
+        log.info("%s: %s%s", self.path, self.load_note,
+                 "" if self.load_memory is None else f"; {self.load_memory.note()}")
         if compile:  # after quantization: the compiled layers trace the weights they will run
             compile_model(self.model)
         self.config = self.model.config
@@ -311,13 +317,17 @@ class LLM:
                 f"({mib(float_bytes(self.model))} before)")
 
     def _pack(self) -> str:
-        """bfloat16 block weights prepacked for oneDNN on the CPU (unmask.packing); a note
-        saying so, or '' when nothing was packed."""
+        """A note on the block weights set up for their CPU kernel: bfloat16 ones prepacked for
+        oneDNN as load_model read them (unmask.packing), int4 ones calling torch's kernel
+        directly (unmask.int4call); '' when neither."""
         slow = slow_bf16_note(self.model)
         if slow is not None:
             warnings.warn(slow, stacklevel=3)
-        # a quantized model's block weights are not plain bfloat16 (w8a8's not nn.Linear at all)
-        n = 0 if quantized_scheme(self.model) else pack_linears(self.model)
+        scheme = quantized_scheme(self.model)
+        if scheme == "int4":  # torch's int4 CPU kernel called without torchao's dispatch
+            n = call_int4_directly(self.model) if self.device.type == "cpu" else 0
+            return f", {n} int4 layers calling torch's kernel directly" if n else ""
+        n = sum(isinstance(m, PackedLinear) for m in self.model.modules())  # packed by the load
         return f", {n} linear layers prepacked for oneDNN" if n else ""
 
     def encode_prompt(self, prompt: str, chat: bool = True) -> list[int]:

@@ -4,7 +4,10 @@ model.safetensors.index.json) and tokenizer files.
 Loading builds the model on the meta device and assigns memory-mapped tensors straight into it,
 one shard at a time, so a checkpoint never needs twice its size in RAM: in the file's dtype on
 the CPU the weights stay mapped; otherwise each tensor is converted as it is read, and the peak
-is about one copy in the target dtype plus the shard being read.
+is about one copy in the target dtype plus the shard being read. A load that quantizes reads
+each tensor into its own buffer instead (safetensors' "pread" backend, `READ_BACKEND`): a mapped
+file's pages stay resident in the process until its last tensor is read, which made a
+single-file load's peak the whole float file plus the quantized weights.
 """
 
 from __future__ import annotations
@@ -23,18 +26,26 @@ from torch import nn
 from unmask.config import TORCH_DTYPES, ConfigError, ModelConfig
 from unmask.errors import CheckpointError  # noqa: F401  (re-exported)
 from unmask.models import build_model
+from unmask.packing import PackedLinear, packs
 from unmask.quantize import (
     QUANTIZED_FILE,
     LoadQuantizer,
     check_saveable,
     load_quantized,
+    load_quantizer,
     quantized_scheme,
     save_quantized,
 )
+from unmask.weights import LayerLoader
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {name: getattr(torch, name) for name in TORCH_DTYPES}
 INDEX = "model.safetensors.index.json"
+# How a load reads a file's tensors: mapped when the tensors are kept as they are read, read
+# into buffers freed once converted (quantized, packed) when they are not (module docstring).
+# Measured on a 640 MiB float32 single file loaded as int8 (scripts/probe/load_memory.py): peak
+# 840 MiB mapped, 240-252 MiB read.
+READ_BACKEND = {False: "mmap", True: "pread"}  # by whether the load converts the weights
 
 
 def save_checkpoint(model: nn.Module, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
@@ -115,14 +126,17 @@ def _split(state: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[s
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None, quantize: str | None = None) -> nn.Module:
+               dtype: str | torch.dtype | None = None, quantize: str | None = None,
+               pack: bool = False) -> nn.Module:
     """The model in folder `path`, weights memory-mapped and moved to `device` in `dtype`.
 
     dtype None means the config's torch_dtype, on every device; bfloat16 or float16 on the CPU
-    warns once, naming the dtype it runs in. quantize: "int8" / "int4" quantizes the block
-    linear weights as each is read (unmask.quantize.LoadQuantizer), so the float weights of at
-    most one file are held at a time; a folder saved quantized loads as saved whatever it says
-    (LLM checks the two agree). Raises CheckpointError naming what is wrong.
+    warns once, naming the dtype it runs in. quantize: "int8" / "int4" / "w8a8" converts the
+    block linear weights as they are read (unmask.quantize.load_quantizer), so the float weights
+    of one tensor (w8a8: one layer) are held at a time; a folder saved quantized loads as saved
+    whatever it says (LLM checks the two agree). pack: a load in bfloat16 on a CPU with oneDNN's
+    bfloat16 kernel packs the block linears for it (unmask.packing) as they are read, a layer at
+    a time (elsewhere, and with quantize, nothing). Raises CheckpointError naming what is wrong.
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -143,27 +157,36 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     try:
         if quantized:
             return load_quantized(folder, model, torch.device(device), dtype)
-        return _load_weights(folder, model, config, device, dtype, quantize)
+        return _load_weights(folder, model, config, device, dtype,
+                             _converter(model, quantize, pack, dtype, torch.device(device)))
     except CheckpointError as e:  # which folder: a command may name several, or a hub id
         if str(folder) in str(e):
             raise
         raise CheckpointError(f"{folder}: {e}") from e
 
 
+def _converter(model: nn.Module, quantize: str | None, pack: bool, dtype: torch.dtype,
+               device: torch.device) -> LoadQuantizer | LayerLoader | None:
+    """What converts the block linear weights as load_model reads them, if anything."""
+    if quantize is not None:
+        return load_quantizer(model, quantize, dtype, device)
+    if pack and packs(dtype, device):
+        return LayerLoader(model, PackedLinear)
+    return None
+
+
 def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
                   device: str | torch.device, dtype: torch.dtype,
-                  quantize: str | None) -> nn.Module:
+                  quantizer: LoadQuantizer | LayerLoader | None) -> nn.Module:
     """`model` (on the meta device) with the folder's safetensors weights assigned, each
     checked against the config's names and shapes (a CheckpointError naming the file or tensor),
-    and its block linear weights quantized as they are read when `quantize` names a scheme."""
+    and its block linear weights converted as they are read by `quantizer`, if any."""
     files = weight_files(folder)
     expected = model.state_dict()
-    quantizer = None if quantize is None else LoadQuantizer(model, quantize, dtype,
-                                                            torch.device(device))
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file, names in files.items():
-        for key, t in _read(file, names):
+        for key, t in _read(file, names, READ_BACKEND[quantizer is not None]):
             if key in origin:
                 raise CheckpointError(f"tensor {key!r} is in both {origin[key]} and {file.name}")
             origin[key] = file.name
@@ -256,10 +279,11 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
     return dict(sorted(files.items()))
 
 
-def _read(file: Path, listed: list[str] | None):
-    """(name, memory-mapped tensor) of one file, checked against the names the index lists."""
+def _read(file: Path, listed: list[str] | None, backend: str):
+    """(name, tensor) of one file, checked against the names the index lists; `backend` is
+    safetensors': "mmap" (views of the mapped file) or "pread" (each tensor in its own buffer)."""
     try:
-        handle = safe_open(str(file), framework="pt", device="cpu")
+        handle = safe_open(str(file), framework="pt", device="cpu", backend=backend)
     except Exception as e:  # safetensors raises its own error type for corrupt files
         raise CheckpointError(f"{file.name} is not a readable safetensors file: {e}") from e
     with handle as f:

@@ -111,7 +111,8 @@ def load_llm(args: argparse.Namespace) -> LLM:
     else:
         n, why = args.threads, "--threads"
     if args.quantize is not None:
-        print(f"note: {llm.load_note}", file=sys.stderr)
+        memory = "" if llm.load_memory is None else f"; {llm.load_memory.note()}"
+        print(f"note: {llm.load_note}{memory}", file=sys.stderr)
     if args.compile:  # the first calls compile, in silence, before any token (unmask/compiling.py)
         print("note: --compile: compiling the model's layers on their first calls (15-30 s on a "
               "CPU) before the first tokens; later calls reuse the compiled code", file=sys.stderr)

@@ -31,6 +31,11 @@ def bf16_kernel() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def packs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model's block linears in `dtype` on `device` are packed (module docstring)."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and bf16_kernel()
+
+
 def slow_bf16_note(model: nn.Module) -> str | None:
     """One line for a bfloat16 model on a CPU where oneDNN has no bfloat16 kernel, saying what
     to use instead; None otherwise."""
@@ -84,7 +89,7 @@ def pack_linears(model: nn.Module) -> int:
     has no bfloat16 kernel."""
     linears = block_linears(model)
     first = next(iter(linears.values())).weight
-    if first.device.type != "cpu" or not bf16_kernel():
+    if not packs(torch.bfloat16, first.device):  # each layer's dtype is checked below
         return 0
     packed = 0
     for name, lin in linears.items():

@@ -51,10 +51,11 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from unmask.errors import CheckpointError, InputError
+from unmask.memory import mib  # noqa: F401  (re-exported: the scripts' sizes)
 from unmask.packing import PackedLinear
 from unmask.rowint8 import SCHEME as ROW_SCHEME
 from unmask.rowint8 import RowInt8Linear, check_device, quantize_rows
-from unmask.weights import block_linears, release_host_memory, trim_heap
+from unmask.weights import LayerLoader, block_linears, release_host_memory, trim_heap
 
 SCHEMES = ("int8", "int4", ROW_SCHEME)  # w8a8: unmask.rowint8 (int8 activations too), opt-in
 INSTALL = "pip install 'unmask[quant]'"
@@ -165,6 +166,16 @@ def quantize_model(model: nn.Module, scheme: str) -> None:
         release_host_memory(model)
 
 
+def load_quantizer(model: nn.Module, scheme: str, dtype: torch.dtype,
+                   device: torch.device) -> LoadQuantizer | LayerLoader:
+    """What converts `model`'s block linear weights to `scheme` as load_model reads them:
+    torchao's schemes a tensor at a time (LoadQuantizer), w8a8 a layer at a time (LayerLoader)."""
+    check_quantize(scheme, device)
+    if scheme == ROW_SCHEME:
+        return LayerLoader(model, RowInt8Linear)
+    return LoadQuantizer(model, scheme, dtype, device)
+
+
 class LoadQuantizer:
     """Quantizes the block linear weights one at a time as load_model reads them, so that a
     load holds the float weights of at most one checkpoint file at a time besides the quantized
@@ -173,22 +184,18 @@ class LoadQuantizer:
 
     def __init__(self, model: nn.Module, scheme: str, dtype: torch.dtype,
                  device: torch.device) -> None:
-        check_quantize(scheme, device)
         linears = block_linears(model)
         self.scheme = scheme
-        self.targets, self.config = {}, None  # w8a8 converts the loaded layers (`finish`)
-        if scheme != ROW_SCHEME:
-            self.targets = {f"{name}.weight": m for name, m in linears.items()}
-            self.config = _torchao_config(scheme, linears, dtype, device)
+        self.targets = {f"{name}.weight": m for name, m in linears.items()}
+        self.config = _torchao_config(scheme, linears, dtype, device)
 
     def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """The tensor load_model assigns for `key`: quantized for a block linear's weight; for
-        another tensor, `t` copied out of the memory-mapped file (so the file's mapping, and its
-        pages, go once the file is read)."""
-        if self.config is None:  # w8a8: the weights stay the file's until `finish` converts them
-            return t
+        """The tensor load_model assigns for `key`: quantized for a block linear's weight, `t`
+        for another. load_model reads a quantizing load's tensors into buffers of their own (not
+        views of a mapped file: unmask.checkpoint.READ_BACKEND), so a float weight's memory
+        goes once it is quantized."""
         if key not in self.targets:
-            return t.clone() if t.device.type == "cpu" else t
+            return t
         from torchao.quantization import quantize_
 
         target = self.targets[key]
@@ -204,10 +211,7 @@ class LoadQuantizer:
         return layer.weight
 
     def finish(self, model: nn.Module) -> None:
-        """After the load: w8a8's layers converted (they hold a packed module, not a tensor);
-        the host memory the quantizing left behind released."""
-        if self.scheme == ROW_SCHEME:
-            quantize_rows(model)
+        """After the load: the host memory the quantizing left behind released."""
         release_host_memory(model)
 
 
@@ -285,10 +289,6 @@ def _tensor_bytes(t: torch.Tensor) -> int:
         names, _ = t.__tensor_flatten__()
         return sum(_tensor_bytes(getattr(t, n)) for n in names)
     return t.numel() * t.element_size()
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 # --- saved quantized folders ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,6 +24,49 @@ def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
         raise InputError(f"{type(model).__name__} has no linear layers in a block stack to "
                          f"quantize")
     return found
+
+
+class LayerLoader:
+    """Converts the block linears one at a time as load_model reads them (`convert`: an
+    nn.Linear to the module that replaces it, e.g. packed or quantized), so that a load holds
+    the float weights of one layer at a time besides the converted ones (converting a loaded
+    model holds them all). A layer converts once its weight (and bias, if it has one) are read;
+    the state dict gets meta placeholders for them, and `finish` puts the converted layers in.
+    The interface of unmask.quantize's LoadQuantizer: called with each tensor read, then finish."""
+
+    def __init__(self, model: nn.Module, convert: Callable[[nn.Linear], nn.Module]) -> None:
+        self.convert = convert
+        self.layers = block_linears(model)
+        self.keys = {f"{name}.{part}": (name, part) for name, m in self.layers.items()
+                     for part, _ in m.named_parameters()}
+        self.read: dict[str, dict[str, torch.Tensor]] = {}
+        self.converted: dict[str, nn.Module] = {}
+
+    def __call__(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` for a tensor not of a block linear; a meta placeholder for one, whose layer is
+        converted once all its tensors are read."""
+        if key not in self.keys:
+            return t
+        name, part = self.keys[key]
+        parts = self.read.setdefault(name, {})
+        parts[part] = t
+        layer = self.layers[name]
+        if len(parts) == len(dict(layer.named_parameters())):
+            with torch.device("meta"):
+                plain = nn.Linear(layer.in_features, layer.out_features, bias="bias" in parts)
+            for n, v in self.read.pop(name).items():
+                setattr(plain, n, nn.Parameter(v, requires_grad=False))
+            self.converted[name] = self.convert(plain)
+            trim_heap()  # the layer's float temporaries (trim_heap)
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    def finish(self, model: nn.Module) -> None:
+        """After the load: the converted layers in place of the block linears; the host memory
+        the converting left behind released."""
+        for name, layer in self.converted.items():
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+        release_host_memory(model)
 
 
 def release_host_memory(model: nn.Module) -> None:

@@ -74,23 +74,37 @@ def int4pack(group: int = 128) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
     return make
 
 
+def quantized_layer(w: torch.Tensor, scheme: str) -> tuple[torch.nn.Module, int]:
+    """A bfloat16 layer of weight `w` quantized by unmask.quantize.quantize_model (torchao's int8
+    / int4, or w8a8), and its bytes."""
+    from unmask.quantize import quantize_model, weight_bytes  # noqa: PLC0415
+
+    class M(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(w.shape[1], w.shape[0], bias=False)])
+
+    m = M().to(torch.bfloat16)
+    with torch.no_grad():
+        m.layers[0].weight.copy_(w)
+    quantize_model(m, scheme)
+    return m.layers[0], weight_bytes(m)
+
+
 def quantized(scheme: str) -> Callable[[torch.Tensor], tuple[Kernel, int]]:
-    """A layer quantized by unmask.quantize.quantize_model (torchao's int8 / int4, or w8a8)."""
+    """A layer quantized by unmask.quantize.quantize_model, called as the model calls it."""
     def make(w: torch.Tensor) -> tuple[Kernel, int]:
-        from unmask.quantize import quantize_model, weight_bytes  # noqa: PLC0415
-
-        class M(torch.nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.layers = torch.nn.ModuleList([torch.nn.Linear(w.shape[1], w.shape[0], bias=False)])
-
-        m = M().to(torch.bfloat16)
-        with torch.no_grad():
-            m.layers[0].weight.copy_(w)
-        quantize_model(m, scheme)
-        lin = m.layers[0]
-        return (lambda x: lin(x.to(torch.bfloat16))), weight_bytes(m)
+        lin, nbytes = quantized_layer(w, scheme)
+        return (lambda x: lin(x.to(torch.bfloat16))), nbytes
     return make
+
+
+def int4_direct(w: torch.Tensor) -> tuple[Kernel, int]:
+    """torchao's int4 weights (as `int4 torchao`), torch's kernel called on them directly."""
+    lin, nbytes = quantized_layer(w, "int4")
+    t = lin.weight
+    return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), t.qdata, t.block_size[1], t.scale_and_zero)), nbytes
 
 
 def dynamic_int8(w: torch.Tensor) -> tuple[Kernel, int]:
@@ -119,8 +133,10 @@ CANDIDATES = {
     "int8pack f32": int8pack(torch.float32),
     "int8 dynamic (fbgemm)": dynamic_int8,
     "int4 torchao": quantized("int4"),
+    "int4 torchao direct": int4_direct,
     "w8a8 per row (oneDNN)": quantized("w8a8"),
     "int4pack bf16": int4pack(),
+    **{f"int4pack bf16 g{g}": int4pack(g) for g in (32, 64, 256)},
 }
 
 

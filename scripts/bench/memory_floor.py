@@ -43,7 +43,7 @@ from unmask.checkpoint import load_model, save_checkpoint
 from unmask.config import ModelConfig
 from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
-from unmask.engine.product_rows import DEFAULT_MIN_ROWS, product_rows
+from unmask.engine.product_rows import DEFAULT_MIN_ROWS, block_products, product_rows
 from unmask.hub import SHIPPED
 from unmask.kv import Frame, PastKV
 from unmask.models import build_model
@@ -58,28 +58,30 @@ SHAPES = {
                       num_key_value_heads=8, head_dim=128, intermediate_size=6144),
 }
 # name -> --quantize; "bfloat16 F.linear" is bfloat16 as loaded before unmask.packing (the plain
-# weights through F.linear), for the side-by-side comparison
+# weights through F.linear), "int4 through torchao" int4 as loaded before unmask.int4call (torchao's
+# dispatch), for the side-by-side comparison: load_model's weights, which LLM then converts
 FORMATS = {"bfloat16": None, "bfloat16 F.linear": "plain", "int8": "int8", "int4": "int4",
-           "w8a8": "w8a8"}
+           "int4 through torchao": "plain int4", "w8a8": "w8a8"}
 
 
 def load(folder: Path, scheme: str | None) -> torch.nn.Module:
-    if scheme == "plain":
-        return load_model(folder, "cpu", "bfloat16")
+    if scheme is not None and scheme.startswith("plain"):
+        return load_model(folder, "cpu", "bfloat16", quantize=scheme.partition(" ")[2] or None)
     return LLM(folder, device="cpu", dtype="bfloat16", quantize=scheme).model
 BANDWIDTH_BYTES = 1 << 30  # 1 GiB of float32: 32x this machine's last-level cache
 
 
-def random_folder(shape: str, root: Path) -> Path:
-    """A random-weight SDAR model of `shape`, saved in bfloat16 with the shipped SDAR tokenizer."""
+def random_folder(shape: str, root: Path, dtype: str = "bfloat16") -> Path:
+    """A random-weight SDAR model of `shape`, saved in `dtype` (one file) with the shipped SDAR
+    tokenizer."""
     shipped = SHIPPED["unmask-sdar"]
     config = json.loads((shipped / "config.json").read_text())
-    config.update(SHAPES[shape], torch_dtype="bfloat16", max_position_embeddings=4096)
+    config.update(SHAPES[shape], torch_dtype=dtype, max_position_embeddings=4096)
     (root / "config.json").write_text(json.dumps(config))
     torch.manual_seed(0)
     model = build_model(ModelConfig.load(root))
     model.init_weights()
-    return save_checkpoint(model.to(torch.bfloat16), root, tokenizer_dir=shipped)
+    return save_checkpoint(model.to(getattr(torch, dtype)), root, tokenizer_dir=shipped)
 
 
 def clock(threads: int) -> Callable[[], float]:
@@ -187,6 +189,39 @@ def profile(models: dict[str, torch.nn.Module], args: argparse.Namespace) -> lis
     return out
 
 
+def components(models: dict[str, torch.nn.Module], bw: float,
+               args: argparse.Namespace) -> list[str]:
+    """Where a 1-row call's time goes beyond its weight read, per format: the call, and its block
+    linear layers alone on the call's rows (one thread, CPU time, interleaved round-robin), each
+    against the floor of the bytes it reads; the rest is attention, norms, rotary embedding, the
+    LM head and the host's per-op time."""
+    fns, floors = {}, {}
+    for name, m in models.items():
+        layers = block_products(m)
+        inputs = {n: torch.randn(1, args.positions, n, dtype=torch.bfloat16)
+                  for n in {lin.in_features for lin in layers}}  # (1, positions, in) each
+
+        def products(layers=layers, inputs=inputs) -> None:
+            with torch.no_grad():
+                for lin in layers:
+                    lin(inputs[lin.in_features])
+        fns[name, "call"], fns[name, "products"] = call(m, 1, args.positions, args.kv), products
+        floors[name] = (bytes_read(m, 1, args.kv), sum(weight_bytes(lin) for lin in layers))
+    secs = timed(fns, 1, args.repeat)
+    out = ["", f"Components of a 1 x {args.positions} call after {args.kv} stored positions, one "
+           f"thread, CPU time, medians of {args.repeat}: the block linears alone (x the floor of "
+           f"their bytes at {bw / 1e9:.1f} GB/s) and the rest of the call:", "",
+           "| weights | call, ms | x floor | block linears, ms | x floor | rest, ms | rest / call |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in models:
+        whole, prods = secs[name, "call"], secs[name, "products"]
+        call_floor, prod_floor = (b / bw for b in floors[name])
+        out.append(f"| {name} | {1e3 * whole:.1f} | {whole / call_floor:.2f} | {1e3 * prods:.1f} "
+                   f"| {prods / prod_floor:.2f} | {1e3 * (whole - prods):.1f} | "
+                   f"{(whole - prods) / whole:.0%} |")
+    return out
+
+
 def memory_of(folder: Path, scheme: str | None) -> dict:
     """In this fresh process: load `folder` quantized as `scheme`; the weights' bytes, and the
     resident memory after and at its peak while loading, above the process's before."""
@@ -262,6 +297,8 @@ def report(folder: Path, args: argparse.Namespace) -> str:
                 lines.append(f"| {label}, {args.kv} | {t} | {name} | "
                              f"{mib(nbytes)} | {1e3 * floor:.1f} | {1e3 * secs[name]:.1f} | "
                              f"{secs[name] / floor:.2f} | {secs[name] / secs['bfloat16']:.2f} |")
+    if args.components:
+        lines += components(models, bw[1] if 1 in bw else bandwidth(1), args)
     if args.profile:
         lines += profile(models, args)
     if args.gen_length:
@@ -290,6 +327,8 @@ def main() -> None:
     ap.add_argument("--gen-length", type=int, default=32, help="decode tokens/s (0: skip)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile a 1-row call per format (torch.profiler, by op)")
+    ap.add_argument("--components", action="store_true",
+                    help="also time a 1-row call's block linears alone against the whole call")
     ap.add_argument("--no-memory", dest="memory", action="store_false",
                     help="skip the load-memory table")
     ap.add_argument("--out", type=Path, default=None, help="also write the report here")

@@ -92,12 +92,19 @@ def product_kind(linear: nn.Module) -> str:
     return dtype if scheme is None else f"{scheme} {dtype}"
 
 
+def block_products(model: nn.Module) -> list[nn.Module]:
+    """The linear layers of the model's block stacks (its nn.ModuleLists) as they run: plain,
+    prepacked or quantized."""
+    return [m for stack in model.modules() if isinstance(stack, nn.ModuleList)
+            for m in stack.modules() if isinstance(m, nn.Linear | PackedLinear | RowInt8Linear)]
+
+
 def block_kinds(model: nn.Module) -> set[str]:
     """The kinds of the products the model's block stacks (its nn.ModuleLists) run: their linear
     layers', and "float32" for any other matrix they hold (LLaDA2's router scores in float32)."""
     inside = [m for stack in model.modules() if isinstance(stack, nn.ModuleList)
               for m in stack.modules()]
-    linears = [m for m in inside if isinstance(m, nn.Linear | PackedLinear | RowInt8Linear)]
+    linears = block_products(model)
     theirs = {id(p) for m in linears for p in m.parameters()}
     others = [p for m in inside for p in m.parameters(recurse=False)
               if p.ndim == 2 and id(p) not in theirs]
