@@ -165,8 +165,9 @@ class Runner:
     # (below) yet: with them a finished block's K/V bits may depend on the call that computed it,
     # so prefix reuse is exact in tokens there, not in bits (docs/engine.md, "Shape buckets").
     bucket_rule: str | None = None
-    # The exact block cache's rows attend block by block (kv.Frame.spans): a finished block's
-    # K/V is then the same bits whichever call computed it (docs/engine.md, "Prefix reuse").
+    # The exact block cache's rows attend by span (kv.Frame.spans, `_spans`: the current block
+    # alone, finished blocks by chunk): a finished block's K/V is then the same bits whichever
+    # call computed it (docs/engine.md, "Prefix reuse").
     block_by_block: bool = True
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
