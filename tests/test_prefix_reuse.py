@@ -201,6 +201,18 @@ def test_eviction_under_pressure_changes_nothing_and_keeps_the_budget() -> None:
     assert max(high) <= store.budget and store.stats.stored_blocks <= 6
 
 
+def test_a_block_two_rows_finish_in_one_step_is_stored_once() -> None:
+    """Identical prompts decoded side by side finish the same blocks in the same steps: each
+    is stored once (nothing evicted, so every block taken in is still held)."""
+    m = model("sdar", torch.float32)
+    store = PrefixStore(BS, 1 << 30)
+    jobs = [(list(range(3, 14)), "static-1", 8)] * 3
+    on = decode_all(m, jobs, store, 3, [0, 0, 0], None)
+    assert_same(decode_all(m, jobs, None, 3, [0, 0, 0], None), on)
+    assert store.stats.evictions == 0
+    assert store.stats.inserted_blocks == store.stats.stored_blocks == (11 + 8) // BS
+
+
 # --- (d) budgets ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("gib", [0, -1, float("nan"), float("inf"), True, "1"])
 def test_bad_budgets_are_refused(gib) -> None:
