@@ -150,10 +150,14 @@ the noise of identical runs:
 
 $(cat benchmarks/ab/prefix-cost.md)
 
-Two identical runs differ by up to 0.84-1.28x in a round here (the last column), so a ratio
-inside that spread is no claim. With the store on against off, the medians are 0.92-1.01x
-and every cell's range overlaps the noise's; against the engine before reuse, with the store
-off, 0.90-1.10x. Every request decodes the same tokens in all three.
+Two identical runs differ by 0.80-1.11x in a round here (the last column), so a ratio inside
+that spread is no claim. With the store on against off, the short prompts' medians are
+0.96-1.01x, inside it; the ~540-token prompts' are 0.93-0.95x, a cost of about 5% that is left
+(hashing and copying ~140 blocks a request into the store; at threshold, 16 at a time, its
+range [0.92, 0.97] stays below 1.0, which the noise's [0.95, 1.04] spans). Against the engine
+before reuse, with the store off, 0.93-1.10x (the long prompts 1.00-1.10x: their prefill attends
+in 64-position chunks, which leave out most of the masked keys one call attends over). Every
+request decodes the same tokens in all three.
 
 ### Reading the numbers
 
