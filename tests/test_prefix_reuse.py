@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
+from unmask.engine import prefix_store as prefix_store_mod
 from unmask.engine import runner as runner_mod
 from unmask.engine.prefix_store import PrefixStore, check_budget, make_prefix_store
 from unmask.errors import InputError
@@ -199,6 +200,40 @@ def test_eviction_under_pressure_changes_nothing_and_keeps_the_budget() -> None:
     assert_same(off, on)
     assert store.stats.evictions > 0 and store.stats.hit_tokens > 0
     assert max(high) <= store.budget and store.stats.stored_blocks <= 6
+
+
+def test_the_pool_reads_back_what_it_wrote_in_any_order_across_segments() -> None:
+    """Entries in segments of 3, written and read in scrambled order (runs cut at segment
+    ends and at gaps)."""
+    kv = torch.zeros(1, 8, 2, 2, 1, 3)  # a K/V store (N, W, L, 2, H, D), blocks of 2
+    pool = prefix_store_mod._Pool(3)
+    while pool.entries < 10:
+        pool.grow(kv, 2, 10)
+    assert [seg.shape[0] for seg in pool.segments] == [3, 3, 3, 1]
+    src = torch.randn(10, 2, 2, 2, 1, 3)
+    order = [9, 2, 3, 4, 5, 0, 1, 8, 7, 6]
+    pool.write(order, src.view(20, 2, 2, 1, 3), torch.arange(20).view(10, 2))
+    out = torch.empty_like(src)
+    pool.read(list(range(10)), out)
+    assert torch.equal(out[order], src)
+
+
+def test_a_pool_of_many_segments_changes_nothing(monkeypatch) -> None:
+    """Segments of two blocks (a prompt's blocks span several; evictions scatter the free
+    entries across them): every step's bits equal reuse off, and the hits were read."""
+    m = model("sdar", torch.float32)
+    one_block = 2 * m.config.n_layers * m.config.n_kv_heads * m.config.head_dim * 4 * BS
+    monkeypatch.setattr(prefix_store_mod, "SEGMENT_BYTES", 2 * one_block)
+    rng = np.random.default_rng(1)
+    stem = rng.integers(3, VOCAB - 3, 16).tolist()
+    jobs = [(stem[: 4 * (1 + i % 4)] + rng.integers(3, VOCAB - 3, 1 + i % 3).tolist(),
+             "threshold,threshold=0.5", 8) for i in range(16)]
+    store = PrefixStore(BS, 9 * one_block)
+    join_at = [i // 2 for i in range(len(jobs))]
+    assert_same(decode_all(m, jobs, None, 4, join_at, None),
+                decode_all(m, jobs, store, 4, join_at, None))
+    assert store.stats.evictions > 0 and store.stats.hit_tokens > 0
+    assert len(store._pool.segments) == 5  # 9 blocks: four of two, one of one
 
 
 def test_a_block_two_rows_finish_in_one_step_is_stored_once() -> None:

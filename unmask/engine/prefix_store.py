@@ -118,14 +118,70 @@ class _Chain:
     limit: int = 0
 
 
+# The pool's segment: large enough that a prompt's blocks fall in one or two, small enough that
+# a segment added for a few blocks holds little memory it does not use (it is written, and so
+# paid for, only as blocks arrive on the CPU; a GPU allocates it whole).
+SEGMENT_BYTES = 32 << 20
+
+
+@dataclass
+class _Pool:
+    """Entries of one block each (block_size, L, 2, H_kv, D), in segments of `per` entries
+    (entry e: segment e // per, row e % per). Growing adds a segment and never copies the
+    blocks held, as a single doubling tensor would at every growth (1-2% of the CPU time of
+    16 unshared ~540-token prompts, most of the store's share: benchmarks/ab/prefix-cost.md)."""
+
+    per: int
+    segments: list[Tensor] = field(default_factory=list)
+
+    @property
+    def entries(self) -> int:
+        return sum(seg.shape[0] for seg in self.segments)
+
+    def grow(self, kv: Tensor, block_size: int, capacity: int) -> int:
+        """Add a segment like the K/V store kv's blocks, at most up to `capacity` entries in
+        all; returns the new count of entries."""
+        held = self.entries
+        self.segments.append(kv.new_empty(min(self.per, capacity - held), block_size,
+                                          *kv.shape[2:]))
+        return held + self.segments[-1].shape[0]
+
+    def write(self, entries: list[int], flat: Tensor, at: Tensor) -> None:
+        """Entry entries[i] := the positions at[i] of flat, a K/V store's (P, L, 2, H_kv, D)
+        (at: (n, block_size)), gathered straight into the entries (no copy in between)."""
+        for seg, row, i, n in self._runs(entries):
+            dst = self.segments[seg][row : row + n]  # (n, block_size, L, 2, H_kv, D)
+            torch.index_select(flat, 0, at[i : i + n].reshape(-1),
+                               out=dst.view(-1, *dst.shape[2:]))
+
+    def read(self, entries: list[int], out: Tensor) -> None:
+        """out[i] := entry entries[i] (out: (n, block_size, L, 2, H_kv, D))."""
+        for seg, row, i, n in self._runs(entries):
+            out[i : i + n] = self.segments[seg][row : row + n]
+
+    def _runs(self, entries: list[int]) -> list[list[int]]:
+        """[segment, first row, first index into entries, count] of each run of consecutive
+        entries within one segment: one copy each (new blocks take consecutive free entries, so
+        a step's or a hit's are mostly one run)."""
+        runs: list[list[int]] = []
+        for i, e in enumerate(entries):
+            seg, row = divmod(e, self.per)
+            if runs and runs[-1][0] == seg and runs[-1][1] + runs[-1][3] == row:
+                runs[-1][3] += 1
+            else:
+                runs.append([seg, row, i, 1])
+        return runs
+
+
 @dataclass
 class PrefixStore:
     """K/V of whole blocks (block_size positions, every layer) by hash-chain key, least recently
     used first, at most `budget` bytes.
 
-    The blocks live in one pool tensor, a block per entry, grown (doubling) up to the budget's
-    count of blocks: a row's newly finished blocks are written with one copy, a request's hits
-    read with one, and an eviction frees an entry for the next block (no allocation per block).
+    The blocks live in a `_Pool` of entries, a block per entry, grown by segments up to the
+    budget's count of blocks: a row's newly finished blocks are written with one copy per run
+    of consecutive entries (most steps: one), a request's hits read likewise, and an eviction
+    frees an entry for the next block (no allocation per block).
     """
 
     block_size: int
@@ -133,7 +189,7 @@ class PrefixStore:
     stats: PrefixStats = field(default_factory=PrefixStats)
     _entry: OrderedDict[bytes, int] = field(default_factory=OrderedDict, repr=False)  # key ->
     # its block's index in _pool, least recently used first
-    _pool: Tensor | None = field(default=None, repr=False)  # (E, block_size, L, 2, H_kv, D)
+    _pool: _Pool | None = field(default=None, repr=False)
     _free: list[int] = field(default_factory=list, repr=False)  # entries of _pool unused
     _chains: dict[str, _Chain] = field(default_factory=dict, repr=False)
     # engines of one LLM (a server's, LLM.generate's) may run on different threads
@@ -183,13 +239,8 @@ class PrefixStore:
                 self._entry.move_to_end(key)
             n = chain.blocks * self.block_size
             row = int(b.store_row[first + i])
-            entries = [e for _, e in hits]
             dst = b.store.kv[row, :n].view(len(hits), self.block_size, *b.store.kv.shape[2:])
-            if entries == list(range(entries[0], entries[0] + len(entries))):
-                dst.copy_(self._pool[entries[0] : entries[0] + len(entries)])  # the common case
-            else:  # (hits, bs, L, 2, H, D)
-                torch.index_select(self._pool, 0, torch.tensor(entries, device=dst.device),
-                                   out=dst)
+            self._pool.read([e for _, e in hits], dst)  # (hits, bs, L, 2, H, D)
             b.store.token[row, :n] = req.prompt_ids[:n]
             req.cached_tokens = n
             self.stats.hit_tokens += n
@@ -236,7 +287,7 @@ class PrefixStore:
 
     def _put(self, kv: Tensor, starts: list[int], keys: list[bytes]) -> None:
         """Store the blocks of a K/V store kv (N, W, L, 2, H, D) that start at flat positions
-        `starts` (row * W + position) under `keys` (none stored yet), in one copy; least
+        `starts` (row * W + position) under `keys` (none stored yet), in one gather; least
         recently used blocks are evicted to make room."""
         bs = self.block_size
         size = bs * kv[0, 0].numel() * kv.element_size()  # bytes a block
@@ -246,14 +297,8 @@ class PrefixStore:
         if len(keys) > capacity:  # more than the budget holds: the last ones are kept
             starts, keys = starts[-capacity:], keys[-capacity:]
         entries = [self._claim(kv, capacity) for _ in keys]
-        at = (np.asarray(starts)[:, None] + np.arange(bs)).reshape(-1)  # (n * bs,) positions
-        flat = kv.view(-1, *kv.shape[2:])  # (N * W, L, 2, H, D)
-        src = flat.index_select(0, torch.from_numpy(at).to(kv.device))
-        src = src.view(len(keys), bs, *kv.shape[2:])
-        if entries == list(range(entries[0], entries[0] + len(entries))):
-            self._pool[entries[0] : entries[0] + len(entries)] = src  # the common case
-        else:
-            self._pool.index_copy_(0, torch.tensor(entries, device=kv.device), src)
+        at = np.asarray(starts)[:, None] + np.arange(bs)  # (n, bs) flat positions
+        self._pool.write(entries, kv.view(-1, *kv.shape[2:]), torch.from_numpy(at).to(kv.device))
         self._entry.update(zip(keys, entries, strict=True))
         self.stats.stored_blocks = len(self._entry)
         self.stats.stored_bytes = len(self._entry) * size
@@ -264,13 +309,12 @@ class PrefixStore:
         one, a new one (the pool grown, at most to `capacity` entries), or the least recently
         used block's."""
         if not self._free:
-            held = 0 if self._pool is None else self._pool.shape[0]
+            if self._pool is None:
+                self._pool = _Pool(max(SEGMENT_BYTES // (kv[0, : self.block_size].numel()
+                                                         * kv.element_size()), 1))
+            held = self._pool.entries
             if held < capacity:
-                grown = min(capacity, max(2 * held, 16))
-                pool = kv.new_empty(grown, self.block_size, *kv.shape[2:])
-                if self._pool is not None:
-                    pool[:held] = self._pool
-                self._pool = pool
+                grown = self._pool.grow(kv, self.block_size, capacity)
                 self._free = list(range(grown - 1, held - 1, -1))
             else:
                 _, old = self._entry.popitem(last=False)
