@@ -75,6 +75,12 @@ PY
 date -u +%Y-%m-%dT%H:%M:%SZ > "$A/prefix-reuse-date.txt"
 }
 if [[ "$SECTION_ONLY" != 1 ]]; then measure; fi
+# when a table's bench-serve run started (a table can be rerun on its own, with its command)
+started() {
+  "$PYTHON" -c 'import datetime, json, sys
+t = json.load(open(sys.argv[1]))["started"]
+print(datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"))' "$1"
+}
 
 {
   cat <<EOF
@@ -89,14 +95,23 @@ default decoder. **prefill fw**: prompt positions the server forwarded (prompt t
 ### A shared system prompt (~540 tokens) + short questions
 
 Command: \`$(sed -n 's/.*"command": "\(.*\)",$/\1/p' "$A/prefix-reuse-shared.json" | sed 's/\\"/"/g')\`
+(started $(started "$A/prefix-reuse-shared.json"))
 
 EOF
   cat "$A/prefix-reuse-shared.md"
   cat <<EOF
 
+The same command twice more on the same tree shortly before, while other work held the cores
+(load average 6-8): TTFT p50 at concurrency 16 2.4x and 2.7x lower, tokens/s 1.71x and 1.82x
+([prefix-reuse-shared-under-load.md](benchmarks/bench/prefix-reuse-shared-under-load.md)); the
+table above ran at load average ~3.5.
+EOF
+  cat <<EOF
+
 ### Prompts that share nothing but their first words (completions endpoint)
 
 Command: \`$(sed -n 's/.*"command": "\(.*\)",$/\1/p' "$A/prefix-reuse-random.json" | sed 's/\\"/"/g')\`
+(started $(started "$A/prefix-reuse-random.json"))
 
 EOF
   cat "$A/prefix-reuse-random.md"
@@ -109,6 +124,7 @@ k - 1 answers (so the "on" server reads the conversation so far from its store: 
 blocks included). $((N / 4)) conversations per cell, every turn measured.
 
 Command: \`$(sed -n 's/.*"command": "\(.*\)",$/\1/p' "$A/prefix-reuse-turns.json" | sed 's/\\"/"/g')\`
+(started $(started "$A/prefix-reuse-turns.json"))
 
 EOF
   cat "$A/prefix-reuse-turns.md"
@@ -144,20 +160,27 @@ EOF
 ### What reuse costs traffic that shares nothing
 
 Prompts that share nothing (short ones, and ~540-token ones whose system prompt's words are
-shuffled for every request), on the engine alone, in CPU time: the engine before prefix reuse
+shuffled for every request), on the engine alone, in CPU time: an earlier engine ("before")
 against this one with the store off and on, and this one's store-off run twice, whose ratio is
 the noise of identical runs:
 
 $(cat benchmarks/ab/prefix-cost.md)
 
-Two identical runs differ by 0.80-1.11x in a round here (the last column), so a ratio inside
-that spread is no claim. With the store on against off, the short prompts' medians are
-0.96-1.01x, inside it; the ~540-token prompts' are 0.93-0.95x, a cost of about 5% that is left
-(hashing and copying ~140 blocks a request into the store; at threshold, 16 at a time, its
-range [0.92, 0.97] stays below 1.0, which the noise's [0.95, 1.04] spans). Against the engine
-before reuse, with the store off, 0.93-1.10x (the long prompts 1.00-1.10x: their prefill attends
-in 64-position chunks, which leave out most of the masked keys one call attends over). Every
-request decodes the same tokens in all three.
+Two identical runs differ by 0.82-1.06x in a round here (the last column; medians 0.94-1.00x),
+so a ratio inside that spread is no claim. With the store on against off the medians are
+0.95-1.02x for the short prompts and 0.92-0.98x for the ~540-token ones, every range reaching
+1.0 and overlapping the noise's. What the store does for a prompt that shares nothing is one
+hash per block and each step's newly finished blocks gathered from the batch's K/V straight
+into the store's pool, whose segments are never copied as it grows; under a profiler
+([prefix-cost-profile.md](benchmarks/probe/prefix-cost-profile.md)) that is 3.6% of 16
+~540-token prompts' CPU time at 16 at a time (4.0% with the doubling pool; mostly the hashes
+and the Python around them) and 4-5% of 16 short ones'. So a cost of a few percent is likely
+real where the A/B hints at it, the ~540-token prompts at threshold 16 at a time (0.97x [0.88,
+1.00] against a noise of 1.00x [0.99, 1.05]), and below what this A/B resolves elsewhere.
+Against main before the
+chunked attention (blocks attending one call each), with the store off: short prompts
+0.91-1.03x (noise), ~540-token ones 1.14-1.19x (their prefill attends in 64-position chunks).
+Every request decodes the same tokens in all three.
 
 ### Reading the numbers
 

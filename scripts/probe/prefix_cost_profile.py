@@ -33,7 +33,7 @@ from unmask.engine import Engine, SchedulerConfig
 SYSTEM = Path(__file__).resolve().parents[2] / "benchmarks/data/shared-system-prompt.txt"
 CELLS = [("short", "threshold", 16, "off"), ("short", "threshold", 16, "on"),
          ("short", "static-1", 1, "off"), ("long", "threshold", 1, "off"),
-         ("long", "threshold", 16, "off")]
+         ("long", "threshold", 16, "off"), ("long", "threshold", 16, "on")]
 
 
 def main() -> None:

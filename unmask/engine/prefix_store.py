@@ -128,8 +128,9 @@ SEGMENT_BYTES = 32 << 20
 class _Pool:
     """Entries of one block each (block_size, L, 2, H_kv, D), in segments of `per` entries
     (entry e: segment e // per, row e % per). Growing adds a segment and never copies the
-    blocks held, as a single doubling tensor would at every growth (1-2% of the CPU time of
-    16 unshared ~540-token prompts, most of the store's share: benchmarks/ab/prefix-cost.md)."""
+    blocks held, as a single doubling tensor did at every growth (with a step's blocks
+    gathered straight into their entries: the store's share of 16 unshared ~540-token
+    prompts' CPU time under a profiler 4.0% -> 3.6%, benchmarks/probe/prefix-cost-profile.md)."""
 
     per: int
     segments: list[Tensor] = field(default_factory=list)
