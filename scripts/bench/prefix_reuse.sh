@@ -172,9 +172,10 @@ so a ratio inside that spread is no claim. With the store on against off the med
 1.0 and overlapping the noise's. What the store does for a prompt that shares nothing is one
 hash per block and each step's newly finished blocks gathered from the batch's K/V straight
 into the store's pool, whose segments are never copied as it grows; under a profiler
-([prefix-cost-profile.md](benchmarks/probe/prefix-cost-profile.md)) that is 3.6% of 16
+([prefix-cost-profile.md](benchmarks/probe/prefix-cost-profile.md)) that is 3.8% of 16
 ~540-token prompts' CPU time at 16 at a time (4.0% with the doubling pool; mostly the hashes
-and the Python around them) and 4-5% of 16 short ones'. So a cost of a few percent is likely
+and the Python around them) and 4-5% of 16 short ones'; timed without a profiler, 1.5% and
+3.9% (a new store each run, its memory touched for the first time). So a cost of a few percent is likely
 real where the A/B hints at it, the ~540-token prompts at threshold 16 at a time (0.97x [0.88,
 1.00] against a noise of 1.00x [0.99, 1.05]), and below what this A/B resolves elsewhere.
 Against main before the

@@ -2,7 +2,8 @@
 scripts/ab/prefix_cost.py once under torch.profiler and once under cProfile, one torch thread,
 and prints one markdown row per workload: attention calls (aten::scaled_dot_product_attention)
 and their CPU time, the share of the decode's CPU time in attention (the kernel with the frame's
-Python around it: `Frame.attend`), and in the prefix store (offer and restore).
+Python around it: `Frame.attend`), and in the prefix store (offer and restore), under cProfile
+and, for the store-on cells, timed once more without a profiler.
 
     PYTHONPATH=TREE .venv/bin/python scripts/probe/prefix_cost_profile.py [--n 16] [--label NAME]
 
@@ -63,8 +64,8 @@ def main() -> None:
                                       {"role": "user", "content": q}])
                  for i, q in enumerate(questions)]}
     print("| tree | workload | attention calls | their CPU ms | CPU s (cProfile) | in "
-          "`Frame.attend` | in the prefix store |")
-    print("|:---|:---|---:|---:|---:|---:|---:|")
+          "`Frame.attend` | in the prefix store | in the store, no profiler |")
+    print("|:---|:---|---:|---:|---:|---:|---:|---:|")
     for work, spec, conc, mode in CELLS:
         if mode == "on" and PrefixStore is None:
             continue
@@ -85,8 +86,9 @@ def main() -> None:
         attend = cumulative(stats, "attend", "unmask/kv.py")
         kept = cumulative(stats, "offer", "prefix_store.py") + cumulative(stats, "restore",
                                                                          "prefix_store.py")
+        alone = "" if mode == "off" else f"{store_share(llm, prompts[work], params, conc, bs):.1%}"
         print(f"| {args.label} | {work} {spec} c={conc} {mode} | {calls} | {ms:.0f} | "
-              f"{total:.2f} | {attend / total:.0%} | {kept / total:.1%} |")
+              f"{total:.2f} | {attend / total:.0%} | {kept / total:.1%} | {alone} |")
 
 
 def decode(llm: LLM, prompts: list[list[int]], params: DecodeParams, conc: int,
@@ -100,6 +102,31 @@ def decode(llm: LLM, prompts: list[list[int]], params: DecodeParams, conc: int,
     for q in timed:
         eng.add_request(q, params)
     eng.run()
+
+
+def store_share(llm: LLM, prompts: list[list[int]], params: DecodeParams, conc: int,
+                bs: int) -> float:
+    """The share of a decode's CPU time spent in the store's offer and restore, timed without a
+    profiler (which slows Python-heavy code more than the model's kernels); a new store, so its
+    pool's memory is touched for the first time as blocks arrive."""
+    from unmask.engine.prefix_store import PrefixStore
+
+    spent = [0.0]
+
+    class Timed(PrefixStore):
+        def offer(self, b) -> None:
+            t = time.process_time()
+            super().offer(b)
+            spent[0] += time.process_time() - t
+
+        def restore(self, b, reqs) -> None:
+            t = time.process_time()
+            super().restore(b, reqs)
+            spent[0] += time.process_time() - t
+
+    t = time.process_time()
+    decode(llm, prompts, params, conc, lambda: Timed(bs, 1 << 30), True)
+    return spent[0] / (time.process_time() - t)
 
 
 def cumulative(stats: dict, name: str, file: str) -> float:

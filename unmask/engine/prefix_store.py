@@ -130,7 +130,7 @@ class _Pool:
     (entry e: segment e // per, row e % per). Growing adds a segment and never copies the
     blocks held, as a single doubling tensor did at every growth (with a step's blocks
     gathered straight into their entries: the store's share of 16 unshared ~540-token
-    prompts' CPU time under a profiler 4.0% -> 3.6%, benchmarks/probe/prefix-cost-profile.md)."""
+    prompts' CPU time under a profiler 4.0% -> 3.8%, benchmarks/probe/prefix-cost-profile.md)."""
 
     per: int
     segments: list[Tensor] = field(default_factory=list)
