@@ -99,8 +99,23 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_bad_budgets_exit_2_in_one_line(folder: Path, value: str, needle: str) -> None:
     r = run_cli("generate", "hi", "--model", str(folder), "--device", "cpu", "--threads", "1",
                 "--prefix-cache-gib", value)
+    assert_one_line(r, needle)
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "1"], ["chat"]])
+@pytest.mark.parametrize("value, needle", [("nan", "positive number of GiB"),
+                                           ("1e9", "exceeds the memory free")])
+def test_serve_and_chat_refuse_bad_budgets_in_one_line(folder: Path, command: list[str],
+                                                       value: str, needle: str) -> None:
+    """Before any port is bound or any turn read: the budget past free memory is refused once
+    the model is loaded (its free memory is what is left then)."""
+    r = run_cli(*command, "--model", str(folder), "--threads", "1", "--prefix-cache-gib", value)
+    assert_one_line(r, needle)
+
+
+def assert_one_line(r: subprocess.CompletedProcess, needle: str) -> None:
     assert r.returncode == 2, r.stderr
-    assert needle in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr
 
 

@@ -2,7 +2,8 @@
 
 (a) reuse on == reuse off, bit for bit: tokens, every step's scores, every step's stored K/V,
     for random shared prefixes, joins, aborts and 1-16 requests at once (hypothesis);
-(b) a finished block's K/V is the same bits whichever call computed it (kv.Frame.spans);
+(b) a finished block's K/V is the same bits whichever call computed it (kv.Frame.spans): a
+    prefill reaching farther, or the decode step after the block finished;
 (c) eviction under pressure while readers run: the store stays under budget, nothing changes;
 (d) budgets: bad ones refused in one line, a prompt longer than the budget runs unstored.
 """
@@ -21,6 +22,8 @@ from hypothesis import strategies as st
 
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
+from unmask.engine import prefix_store as prefix_store_mod
+from unmask.engine import runner as runner_mod
 from unmask.engine.prefix_store import PrefixStore, check_budget, make_prefix_store
 from unmask.errors import InputError
 
@@ -59,9 +62,11 @@ def decode_all(m, jobs, prefix: PrefixStore | None, max_running: int, join_at: l
         for b in eng.batches.values():
             for row, r in enumerate(b.requests):
                 pad = int(b.rows.pad[row])
-                state = [b.x[row, pad:], b.preds.token[row, pad:], b.preds.conf[row, pad:].view(np.int32)]
+                # copies: the batch's arrays change in place at later steps
+                state = [b.x[row, pad:].copy(), b.preds.token[row, pad:].copy(),
+                         b.preds.conf[row, pad:].view(np.int32).copy()]
                 srow = int(b.store_row[row])
-                held = b.store.token[srow, : r.slots]
+                held = b.store.token[srow, : r.slots].copy()
                 state += [held, b.store.kv[srow, : r.slots][torch.from_numpy(held >= 0)].clone()]
                 seen[(label[r.request_id], step)] = state
         assert step < 500
@@ -89,11 +94,19 @@ tokens = st.integers(3, VOCAB - 3)
 @given(data=st.data(), family=st.sampled_from(list(BLOCK_FAMILIES)),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        shared=st.lists(tokens, min_size=0, max_size=14), n=st.integers(1, 16),
-       max_running=st.integers(1, 16), spec=st.sampled_from(SPECS))
-def test_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec) -> None:
+       max_running=st.integers(1, 16), spec=st.sampled_from(SPECS),
+       chunk=st.sampled_from([8, runner_mod.SPAN_CHUNK]))
+def test_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec, chunk) -> None:
     """Requests sharing a prefix (or parts of it), joining at random steps, one aborted: with a
     store (fed by a first round, then by the requests themselves) every step's canvas, scores
-    and stored K/V are the bits of the same requests without one."""
+    and stored K/V are the bits of the same requests without one. Finished blocks attend in
+    chunks of `chunk` positions (8: two blocks, so that short prompts span several)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_mod, "SPAN_CHUNK", chunk)
+        check_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec)
+
+
+def check_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec) -> None:
     m = model(family, dtype)
     jobs = [(shared[: data.draw(st.integers(0, len(shared)))]
              + data.draw(st.lists(tokens, min_size=1, max_size=6)), spec,
@@ -113,20 +126,51 @@ def test_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec)
 
 
 # --- (b) a finished block's K/V does not depend on the call ---------------------------------------
+def first_step_kv(m, prompt: list[int]) -> tuple[np.ndarray, torch.Tensor]:
+    """After a prompt's first step: the tokens its store row holds K/V of, and that K/V."""
+    eng = Engine(m, mask_id=MASK, eos_id=EOS)
+    eng.add_request(prompt, params("static-1", 4, 0))
+    eng.step()
+    b = next(iter(eng.batches.values()))
+    row = int(b.store_row[0])
+    return b.store.token[row].copy(), b.store.kv[row].clone()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("chunk", [8, runner_mod.SPAN_CHUNK])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_finished_blocks_kv_is_the_same_bits_from_any_call(dtype) -> None:
-    """The first block's K/V from prompts of 5 and 21 tokens (calls of 8 and 24 keys): without
-    block-by-block attention the kernel rounds them differently."""
+def test_a_finished_blocks_kv_is_the_same_bits_from_any_call(dtype, chunk) -> None:
+    """Every finished block's K/V from prompts of 5, 13 and 29 tokens (calls of 8, 16 and 32
+    keys; in chunks of two blocks, the calls of the later prompts reach past the first block's
+    chunk): without block-by-block attention the kernel rounds them differently."""
     m = model("sdar", dtype)
-    prefix = [5, 6, 7, 8]
-    kv = []
-    for tail in ([9], list(range(9, 26))):
-        eng = Engine(m, mask_id=MASK, eos_id=EOS)
-        eng.add_request(prefix + tail, params("static-1", 4, 0))
-        eng.step()
-        b = next(iter(eng.batches.values()))
-        kv.append(b.store.kv[int(b.store_row[0]), :BS].clone())
-    assert torch.equal(kv[0].view(torch.uint8), kv[1].view(torch.uint8))
+    prompts = [list(range(5, 5 + k)) for k in (5, 13, 29)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_mod, "SPAN_CHUNK", chunk)
+        kv = [first_step_kv(m, p)[1] for p in prompts]
+    for a, b, n in ((0, 1, 4), (0, 2, 4), (1, 2, 12)):
+        assert same_bits(kv[a][:n], kv[b][:n]), (a, b)
+
+
+@pytest.mark.parametrize("chunk", [8, runner_mod.SPAN_CHUNK])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_answers_blocks_have_the_bits_a_prefill_gives_them(dtype, chunk) -> None:
+    """The K/V of blocks finished while decoding (stored by the step after each finished, as
+    the next turn of a chat reads them) is the K/V a prefill of the same tokens computes."""
+    m = model("sdar", dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_mod, "SPAN_CHUNK", chunk)
+        run = decode_all(m, [([5, 6, 7, 8, 9], "static-1", 24)], None, 1, [0], None)
+        # the store row when it held the most
+        *_, held, kv = max(run["steps"].values(), key=lambda state: int((state[3] >= 0).sum()))
+        n = int((held >= 0).sum())
+        assert n >= 20 and (held[:n] >= 0).all()  # blocks of the answer among them
+        token, again = first_step_kv(m, held[:n].tolist() + [3])
+    assert (token[:n] == held[:n]).all()
+    assert same_bits(kv, again[:n])
 
 
 # --- (c) eviction while readers run ---------------------------------------------------------------
@@ -156,6 +200,52 @@ def test_eviction_under_pressure_changes_nothing_and_keeps_the_budget() -> None:
     assert_same(off, on)
     assert store.stats.evictions > 0 and store.stats.hit_tokens > 0
     assert max(high) <= store.budget and store.stats.stored_blocks <= 6
+
+
+def test_the_pool_reads_back_what_it_wrote_in_any_order_across_segments() -> None:
+    """Entries in segments of 3, written and read in scrambled order (runs cut at segment
+    ends and at gaps)."""
+    kv = torch.zeros(1, 8, 2, 2, 1, 3)  # a K/V store (N, W, L, 2, H, D), blocks of 2
+    pool = prefix_store_mod._Pool(3)
+    while pool.entries < 10:
+        pool.grow(kv, 2, 10)
+    assert [seg.shape[0] for seg in pool.segments] == [3, 3, 3, 1]
+    src = torch.randn(10, 2, 2, 2, 1, 3)
+    order = [9, 2, 3, 4, 5, 0, 1, 8, 7, 6]
+    pool.write(order, src.view(20, 2, 2, 1, 3), torch.arange(20).view(10, 2))
+    out = torch.empty_like(src)
+    pool.read(list(range(10)), out)
+    assert torch.equal(out[order], src)
+
+
+def test_a_pool_of_many_segments_changes_nothing(monkeypatch) -> None:
+    """Segments of two blocks (a prompt's blocks span several; evictions scatter the free
+    entries across them): every step's bits equal reuse off, and the hits were read."""
+    m = model("sdar", torch.float32)
+    one_block = 2 * m.config.n_layers * m.config.n_kv_heads * m.config.head_dim * 4 * BS
+    monkeypatch.setattr(prefix_store_mod, "SEGMENT_BYTES", 2 * one_block)
+    rng = np.random.default_rng(1)
+    stem = rng.integers(3, VOCAB - 3, 16).tolist()
+    jobs = [(stem[: 4 * (1 + i % 4)] + rng.integers(3, VOCAB - 3, 1 + i % 3).tolist(),
+             "threshold,threshold=0.5", 8) for i in range(16)]
+    store = PrefixStore(BS, 9 * one_block)
+    join_at = [i // 2 for i in range(len(jobs))]
+    assert_same(decode_all(m, jobs, None, 4, join_at, None),
+                decode_all(m, jobs, store, 4, join_at, None))
+    assert store.stats.evictions > 0 and store.stats.hit_tokens > 0
+    assert len(store._pool.segments) == 5  # 9 blocks: four of two, one of one
+
+
+def test_a_block_two_rows_finish_in_one_step_is_stored_once() -> None:
+    """Identical prompts decoded side by side finish the same blocks in the same steps: each
+    is stored once (nothing evicted, so every block taken in is still held)."""
+    m = model("sdar", torch.float32)
+    store = PrefixStore(BS, 1 << 30)
+    jobs = [(list(range(3, 14)), "static-1", 8)] * 3
+    on = decode_all(m, jobs, store, 3, [0, 0, 0], None)
+    assert_same(decode_all(m, jobs, None, 3, [0, 0, 0], None), on)
+    assert store.stats.evictions == 0
+    assert store.stats.inserted_blocks == store.stats.stored_blocks == (11 + 8) // BS
 
 
 # --- (d) budgets ---------------------------------------------------------------------------------

@@ -161,6 +161,18 @@ class _Half(Sequence):
 
 
 @dataclass
+class Span:
+    """One attention call of a block-causal row's forwarded tokens [a, b) over its first `keys`
+    keys (stored ones first, then the forwarded: key i is position i), as `Frame.spans` lists
+    them; mask (b - a, keys) bool, which keys each query sees (None: all)."""
+
+    a: int
+    b: int
+    keys: int
+    mask: Tensor | None = None
+
+
+@dataclass
 class RowGroup:
     """Rows of a packed call whose attention runs as one batch (`Frame.groups`): rows of one
     attention shape (`unmask.engine.runner.shape_groups`: by default each row's exact one, else
@@ -205,13 +217,12 @@ class Frame:
         None: bidirectional.
     attn_mask: optional (B, 1, T, K) bool overriding everything (tests use it for causal masks).
     spans: a block-causal model's rows at their exact shapes (keys in position order, no
-        padding; every row of the frame at the same positions): per block of the forwarded
-        tokens, (first token, one past its last, keys it sees), and span_rows the model's block
-        size. Each block then attends alone over exactly the keys up to its end, its queries
-        padded to a whole block (`_by_block`), so the bits of a block's K/V and
-        logits depend on its tokens and those before it only, never on how far the call
-        reaches: the K/V of a finished block is the same bits whichever request computed it
-        (unmask.engine.prefix_store).
+        padding; every row of the frame at the same positions): the attention calls of their
+        forwarded tokens (`Span`), chosen so that the bits of a finished block's K/V depend on
+        its tokens and those before it only, never on how far the call reaches: the K/V of a
+        finished block is the same bits whichever request computed it
+        (unmask.engine.prefix_store; docs/engine.md, "Prefix reuse"). span_rows: the model's
+        block size, the fewest queries a call runs with.
     After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens as attention
     got them: (B, H_kv, T, D), or packed (1, H_kv, N, D).
     """
@@ -225,7 +236,7 @@ class Frame:
     packed: bool = False
     groups: list[RowGroup] | None = None
     extra: int = 0  # packed: tokens after the rows' own, which no group attends with
-    spans: list[tuple[int, int, int]] | None = None
+    spans: list[Span] | None = None
     span_rows: int = 1
     fresh: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     _mask: Tensor | None = field(default=None, repr=False)  # the keys' mask, once built
@@ -276,34 +287,55 @@ class Frame:
     def _attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Unpacked rows: q (B, H, T, D), k/v (B, H_kv, T, D) with the stored keys -> (B, H, T, D)."""
         if self.spans is not None:
-            return self._by_block(q, *self._concat(layer, k, v))
+            width = max(s.keys for s in self.spans)
+            return self._by_block(q, *self._concat(layer, k, v, width))
         k, v, mask = self._keys(layer, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
 
     def _by_block(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """`spans`' blocks one at a time: q (B, H, T, D) over k/v (B, H_kv, K, D) -> (B, H, T, D).
-        A block's queries are padded (with copies of its first) to a whole block, span_rows: the
-        kernel rounds a query's result differently with the number of queries beside it (a
-        lone slot against a block of 4: benchmarks/probe/block-attention-bits.md), so every query
-        runs among a block's count."""
-        out = torch.empty_like(q)
+        """`spans` one call each: q (B, H, T, D) over k/v (B, H_kv, K, D) -> (B, H, T, D). A
+        span of fewer queries than span_rows is padded with copies of its first: the kernel
+        rounds a query's result differently with a lone query or two beside it
+        (benchmarks/probe/block-attention-bits.md). Keys past K that a span counts (its chunk
+        reaches past the forwarded tokens) are zeros, which its mask hides."""
         gqa = q.shape[1] != k.shape[1]
-        for a, b, c in self.spans:
-            qa = q[:, :, a:b]
-            n = b - a
+        t, s0 = q.shape[2], self.spans[0]
+        if (len(self.spans) == 1 and s0.mask is None and s0.a == 0 and s0.b == t
+                and s0.keys == k.shape[2] and t >= self.span_rows):
+            # a decode step's one block over every key: the call as it comes
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        # queries past the last span (a widened call's added places: `Runner._widened`) get
+        # zeros, not whatever empty memory holds: later layers' chunk spans read their keys
+        # (masked), and a NaN masked is still NaN
+        out = torch.empty_like(q) if self.spans[-1].b == t else torch.zeros_like(q)
+        for s in self.spans:
+            qa = q[:, :, s.a : s.b]
+            n = s.b - s.a
             if n < self.span_rows:
                 qa = torch.cat([qa, qa[:, :, :1].expand(-1, -1, self.span_rows - n, -1)], dim=2)
-            o = F.scaled_dot_product_attention(qa, k[:, :, :c], v[:, :, :c], enable_gqa=gqa)
-            out[:, :, a:b] = o[:, :, :n]
+            o = F.scaled_dot_product_attention(qa, k[:, :, : s.keys], v[:, :, : s.keys],
+                                               attn_mask=s.mask, enable_gqa=gqa)
+            out[:, :, s.a : s.b] = o[:, :, :n]
         return out
 
-    def _concat(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """The layer's keys and values, stored ones first: (B, H_kv, K, D) each."""
+    def _concat(self, layer: int, k: Tensor, v: Tensor, width: int = 0,
+                ) -> tuple[Tensor, Tensor]:
+        """The layer's keys and values, stored ones first: (B, H_kv, K, D) each, with zeros after
+        them up to `width` keys."""
+        parts_k, parts_v = [k.transpose(1, 2)], [v.transpose(1, 2)]  # (B, T, H_kv, D)
         if self.past is not None:  # the store is slot-major: (R, K, H_kv, D)
-            k = torch.cat([self.past.k[layer], k.transpose(1, 2)], dim=1).transpose(1, 2)
-            v = torch.cat([self.past.v[layer], v.transpose(1, 2)], dim=1).transpose(1, 2)
-        return k, v
+            parts_k.insert(0, self.past.k[layer])
+            parts_v.insert(0, self.past.v[layer])
+        extra = width - sum(p.shape[1] for p in parts_k)
+        if extra > 0:
+            zeros = parts_k[-1].new_zeros(k.shape[0], extra, *parts_k[-1].shape[2:])
+            parts_k.append(zeros)
+            parts_v.append(zeros)
+        if len(parts_k) == 1:
+            return k, v
+        return (torch.cat(parts_k, dim=1).transpose(1, 2),
+                torch.cat(parts_v, dim=1).transpose(1, 2))
 
     def _keys(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """The layer's keys and values (stored ones first) and the (B,1,T|1,K) mask."""
@@ -352,9 +384,14 @@ class Past:
                     self.n[index], self.shape[index],
                     None if self.blocks is None else self.blocks[index, :k])
 
-    def frame(self, key_mask: Tensor, blocks: Tensor | None) -> Frame:
+    def frame(self, key_mask: Tensor, blocks: Tensor | None, spans: list[Span] | None = None,
+              span_rows: int = 1) -> Frame:
         """An unpacked frame of these rows (key_mask: their (R, T) forwarded tokens; blocks:
-        their blocks, block-causal models only), or of no stored keys when none reads any."""
+        their blocks, block-causal models only), or of no stored keys when none reads any.
+        With spans (`Frame.spans`) the rows attend by span, which reads no mask: none is built."""
+        if spans is not None:
+            past = self.store.gather(self.rows, self.pos) if self.pos.shape[1] else None
+            return Frame(past=past, spans=spans, span_rows=span_rows)
         if self.pos.shape[1] == 0:
             return Frame(key_mask=key_mask, blocks=blocks)
         dev = key_mask.device

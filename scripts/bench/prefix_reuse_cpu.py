@@ -10,8 +10,8 @@ template's first tokens), each after one untimed request of another question (a 
 state: the store has seen an earlier request), "4 turns" (conversations whose turn k resends
 the questions and the answers so far; the turns of all conversations run together, one turn
 after another). Each
-round runs every workload off (no store) then on (a new, empty store), so no round is warmed by
-another; ratios are taken within a round, then their median (range in brackets).
+round runs every workload off (no store) and on (a new, empty store), in turn first, so no round
+is warmed by another; ratios are taken within a round, then their median (range in brackets).
 """
 
 from __future__ import annotations
@@ -88,10 +88,14 @@ def main() -> None:
             "4 turns": lambda s: conversations(llm, turns, params, s)}
     rates: dict = {(w, m): [] for w in runs for m in ("off", "on")}
     same: dict = {w: True for w in runs}
-    for _ in range(args.rounds):
+    for rnd in range(args.rounds):
         for w, run in runs.items():
-            off = run(None)
-            on = run(PrefixStore(bs, 1 << 30))
+            if rnd % 2:  # rotated: neither always runs first
+                on = run(PrefixStore(bs, 1 << 30))
+                off = run(None)
+            else:
+                off = run(None)
+                on = run(PrefixStore(bs, 1 << 30))
             rates[(w, "off")].append(off[1] / off[0])
             rates[(w, "on")].append(on[1] / on[0])
             same[w] &= off[2] == on[2]

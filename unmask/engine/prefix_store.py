@@ -110,21 +110,88 @@ class PrefixStats:
 @dataclass
 class _Chain:
     """A request's progress through the store: how many of its leading blocks the store has
-    been offered (or gave it), and the key of the last."""
+    been offered (or gave it), the key of the last, and how many its canvas holds (0 before it
+    joins)."""
 
     blocks: int = 0
     key: bytes = b""
+    limit: int = 0
+
+
+# The pool's segment: large enough that a prompt's blocks fall in one or two, small enough that
+# a segment added for a few blocks holds little memory it does not use (it is written, and so
+# paid for, only as blocks arrive on the CPU; a GPU allocates it whole).
+SEGMENT_BYTES = 32 << 20
+
+
+@dataclass
+class _Pool:
+    """Entries of one block each (block_size, L, 2, H_kv, D), in segments of `per` entries
+    (entry e: segment e // per, row e % per). Growing adds a segment and never copies the
+    blocks held, as a single doubling tensor did at every growth (with a step's blocks
+    gathered straight into their entries: the store's share of 16 unshared ~540-token
+    prompts' CPU time under a profiler 4.0% -> 3.8%, benchmarks/probe/prefix-cost-profile.md)."""
+
+    per: int
+    segments: list[Tensor] = field(default_factory=list)
+
+    @property
+    def entries(self) -> int:
+        return sum(seg.shape[0] for seg in self.segments)
+
+    def grow(self, kv: Tensor, block_size: int, capacity: int) -> int:
+        """Add a segment like the K/V store kv's blocks, at most up to `capacity` entries in
+        all; returns the new count of entries."""
+        held = self.entries
+        self.segments.append(kv.new_empty(min(self.per, capacity - held), block_size,
+                                          *kv.shape[2:]))
+        return held + self.segments[-1].shape[0]
+
+    def write(self, entries: list[int], flat: Tensor, at: Tensor) -> None:
+        """Entry entries[i] := the positions at[i] of flat, a K/V store's (P, L, 2, H_kv, D)
+        (at: (n, block_size)), gathered straight into the entries (no copy in between)."""
+        for seg, row, i, n in self._runs(entries):
+            dst = self.segments[seg][row : row + n]  # (n, block_size, L, 2, H_kv, D)
+            torch.index_select(flat, 0, at[i : i + n].reshape(-1),
+                               out=dst.view(-1, *dst.shape[2:]))
+
+    def read(self, entries: list[int], out: Tensor) -> None:
+        """out[i] := entry entries[i] (out: (n, block_size, L, 2, H_kv, D))."""
+        for seg, row, i, n in self._runs(entries):
+            out[i : i + n] = self.segments[seg][row : row + n]
+
+    def _runs(self, entries: list[int]) -> list[list[int]]:
+        """[segment, first row, first index into entries, count] of each run of consecutive
+        entries within one segment: one copy each (new blocks take consecutive free entries, so
+        a step's or a hit's are mostly one run)."""
+        runs: list[list[int]] = []
+        for i, e in enumerate(entries):
+            seg, row = divmod(e, self.per)
+            if runs and runs[-1][0] == seg and runs[-1][1] + runs[-1][3] == row:
+                runs[-1][3] += 1
+            else:
+                runs.append([seg, row, i, 1])
+        return runs
 
 
 @dataclass
 class PrefixStore:
     """K/V of whole blocks (block_size positions, every layer) by hash-chain key, least recently
-    used first, at most `budget` bytes."""
+    used first, at most `budget` bytes.
+
+    The blocks live in a `_Pool` of entries, a block per entry, grown by segments up to the
+    budget's count of blocks: a row's newly finished blocks are written with one copy per run
+    of consecutive entries (most steps: one), a request's hits read likewise, and an eviction
+    frees an entry for the next block (no allocation per block).
+    """
 
     block_size: int
     budget: int
     stats: PrefixStats = field(default_factory=PrefixStats)
-    _blocks: OrderedDict[bytes, Tensor] = field(default_factory=OrderedDict, repr=False)
+    _entry: OrderedDict[bytes, int] = field(default_factory=OrderedDict, repr=False)  # key ->
+    # its block's index in _pool, least recently used first
+    _pool: _Pool | None = field(default=None, repr=False)
+    _free: list[int] = field(default_factory=list, repr=False)  # entries of _pool unused
     _chains: dict[str, _Chain] = field(default_factory=dict, repr=False)
     # engines of one LLM (a server's, LLM.generate's) may run on different threads
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -158,21 +225,23 @@ class PrefixStore:
             while chain.blocks < limit:
                 lo = chain.blocks * self.block_size
                 key = self.next_key(chain.key, req.prompt_ids[lo : lo + self.block_size])
-                kv = self._blocks.get(key)
-                if kv is None:
+                entry = self._entry.get(key)
+                if entry is None:
                     break
-                hits.append((key, kv))
+                hits.append((key, entry))
                 chain = _Chain(chain.blocks + 1, key)
             if req.slots * per_position <= self.budget:
                 # else its blocks would only evict each other: it runs without storing
+                chain.limit = req.slots // self.block_size
                 self._chains[req.request_id] = chain
             if not hits:
                 continue
             for key, _ in reversed(hits):  # a chain's first block is its most recently used
-                self._blocks.move_to_end(key)
+                self._entry.move_to_end(key)
             n = chain.blocks * self.block_size
             row = int(b.store_row[first + i])
-            b.store.kv[row, :n] = torch.cat([kv for _, kv in hits])  # (n, L, 2, H, D)
+            dst = b.store.kv[row, :n].view(len(hits), self.block_size, *b.store.kv.shape[2:])
+            self._pool.read([e for _, e in hits], dst)  # (hits, bs, L, 2, H, D)
             b.store.token[row, :n] = req.prompt_ids[:n]
             req.cached_tokens = n
             self.stats.hit_tokens += n
@@ -185,43 +254,71 @@ class PrefixStore:
             self._offer(b)
 
     def _offer(self, b: DecodeBatch) -> None:
-        bs = self.block_size
+        bs, width = self.block_size, b.store.shape[1]
+        starts: list[int] = []  # the new blocks' first positions, flat (row * width + position)
+        keys: dict[bytes, None] = {}  # their keys, in order (a key two rows finish: once)
         for i, req in enumerate(b.requests):
             chain = self._chains.get(req.request_id)
             if chain is None:
                 continue
             row = int(b.store_row[i])
             token = b.store.token[row]  # (W,) position -> token its K/V came from (-1: none)
-            n_pos = min(token.shape[0], req.slots) // bs * bs
-            last = (chain.blocks + 1) * bs - 1  # blocks are stored whole, in order: most steps
-            if last >= n_pos or token[last] < 0:  # finish none, and one look says so
+            j, end = chain.blocks, min(width // bs, chain.limit)
+            # blocks are stored whole, in order: most steps finish none, and one look says so
+            if j >= end or token[(j + 1) * bs - 1] < 0:
                 continue
-            held = token[:n_pos].reshape(-1, bs) >= 0  # (blocks, bs)
-            whole = int(np.argmin(held.all(-1))) if not held.all() else held.shape[0]
+            held = (token[j * bs : end * bs] >= 0).reshape(-1, bs).all(-1)  # (end - j,)
+            whole = j + (int(held.argmin()) if not held.all() else held.size)
             while chain.blocks < whole:
                 lo = chain.blocks * bs
                 key = self.next_key(chain.key, token[lo : lo + bs])  # int64: as a list hashes
-                self._put(key, b.store.kv[row, lo : lo + bs])
+                if key in self._entry:  # stored by another request
+                    self._entry.move_to_end(key)
+                elif key not in keys:
+                    starts.append(row * width + lo)
+                    keys[key] = None
                 chain.blocks, chain.key = chain.blocks + 1, key
+        if keys:
+            self._put(b.store.kv, starts, list(keys))
 
     def forget(self, request_id: str) -> None:
         """A request left: its progress is no longer needed."""
         with self._lock:
             self._chains.pop(request_id, None)
 
-    def _put(self, key: bytes, kv: Tensor) -> None:
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
+    def _put(self, kv: Tensor, starts: list[int], keys: list[bytes]) -> None:
+        """Store the blocks of a K/V store kv (N, W, L, 2, H, D) that start at flat positions
+        `starts` (row * W + position) under `keys` (none stored yet), in one gather; least
+        recently used blocks are evicted to make room."""
+        bs = self.block_size
+        size = bs * kv[0, 0].numel() * kv.element_size()  # bytes a block
+        capacity = self.budget // size
+        if capacity == 0:  # a block larger than the whole budget is never kept
             return
-        size = kv.numel() * kv.element_size()
-        if size > self.budget:  # a block larger than the whole budget is never kept
-            return
-        while self.stats.stored_bytes + size > self.budget:
-            _, old = self._blocks.popitem(last=False)
-            self.stats.stored_bytes -= old.numel() * old.element_size()
-            self.stats.stored_blocks -= 1
-            self.stats.evictions += 1
-        self._blocks[key] = kv.clone()
-        self.stats.stored_bytes += size
-        self.stats.stored_blocks += 1
-        self.stats.inserted_blocks += 1
+        if len(keys) > capacity:  # more than the budget holds: the last ones are kept
+            starts, keys = starts[-capacity:], keys[-capacity:]
+        entries = [self._claim(kv, capacity) for _ in keys]
+        at = np.asarray(starts)[:, None] + np.arange(bs)  # (n, bs) flat positions
+        self._pool.write(entries, kv.view(-1, *kv.shape[2:]), torch.from_numpy(at).to(kv.device))
+        self._entry.update(zip(keys, entries, strict=True))
+        self.stats.stored_blocks = len(self._entry)
+        self.stats.stored_bytes = len(self._entry) * size
+        self.stats.inserted_blocks += len(keys)
+
+    def _claim(self, kv: Tensor, capacity: int) -> int:
+        """A free entry of the pool for one block of the K/V store kv (N, W, L, 2, H, D): a free
+        one, a new one (the pool grown, at most to `capacity` entries), or the least recently
+        used block's."""
+        if not self._free:
+            if self._pool is None:
+                self._pool = _Pool(max(SEGMENT_BYTES // (kv[0, : self.block_size].numel()
+                                                         * kv.element_size()), 1))
+            held = self._pool.entries
+            if held < capacity:
+                grown = self._pool.grow(kv, self.block_size, capacity)
+                self._free = list(range(grown - 1, held - 1, -1))
+            else:
+                _, old = self._entry.popitem(last=False)
+                self.stats.evictions += 1
+                return old
+        return self._free.pop()

@@ -23,7 +23,7 @@ from unmask.decoding.scoring import score
 from unmask.engine.buckets import Buckets, CallRows
 from unmask.engine.graphs import CudaGraphs, capturer
 from unmask.engine.product_rows import ProductRows, product_rows
-from unmask.kv import Frame, KVStore, Past, RowGroup
+from unmask.kv import Frame, KVStore, Past, RowGroup, Span
 from unmask.suffix import SuffixPolicy
 from unmask.syncs import to_host
 
@@ -41,6 +41,9 @@ from unmask.syncs import to_host
 TOKEN_STEP = 16  # canonical: forwarded tokens are padded to a multiple of this
 KEY_STEP = 16  # canonical: stored keys up to KEY_STEP * 4 to a multiple of this, then to 2^j
 # or 1.5 * 2^j
+# Block-by-block attention (`Runner._spans`): a row's finished blocks attend in one call per
+# chunk of at least this many positions (whole blocks), each over the keys up to its chunk's end.
+SPAN_CHUNK = 64
 
 
 def exact(n: np.ndarray) -> np.ndarray:
@@ -164,8 +167,9 @@ class Runner:
     # (below) yet: with them a finished block's K/V bits may depend on the call that computed it,
     # so prefix reuse is exact in tokens there, not in bits (docs/engine.md, "Shape buckets").
     bucket_rule: str | None = None
-    # The exact block cache's rows attend block by block (kv.Frame.spans): a finished block's
-    # K/V is then the same bits whichever call computed it (docs/engine.md, "Prefix reuse").
+    # The exact block cache's rows attend by span (kv.Frame.spans, `_spans`: the current block
+    # alone, finished blocks by chunk): a finished block's K/V is then the same bits whichever
+    # call computed it (docs/engine.md, "Prefix reuse").
     block_by_block: bool = True
     # Calls of fewer places than their products' fewest rows (`self.rows.blocks`) that attend
     # block by block run as rows widened to that many places (`_widened`: the packed call's
@@ -319,12 +323,12 @@ class Runner:
         groups = shape_groups(t_hat, k_hat)
         n = int(n_tokens.sum())
         ok_t = self._to_device(ok)
-        blocks_t = None if blocks is None else self._to_device(blocks)
+        # rows attending by span read no mask, so no blocks (`Frame.spans`)
+        blocks_t = None if blocks is None or self.by_block else self._to_device(blocks)
         if self.widen_small_calls and self.by_block and len(groups) == 1 and r * t < self.rows.blocks:
-            return self._widened(ids, pos, ok_t, embeds, past, blocks, blocks_t, rows, cols)
+            return self._widened(ids, pos, ok_t, embeds, past, blocks, rows, cols)
         if self.unpacked(len(groups), r, t, n):
-            frame = Frame(key_mask=ok_t, blocks=blocks_t) if past is None else past.frame(ok_t, blocks_t)
-            frame.spans, frame.span_rows = self._spans(blocks, 0, t, past), self.block_size or 1
+            frame = self._frame(past, ok_t, blocks_t, self._spans(blocks, 0, t, past))
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=self._at_least(rows, cols))
             return logits[: rows.size], frame.fresh, None
@@ -341,7 +345,7 @@ class Runner:
         return logits[: rows.size], frame.fresh, at
 
     def _widened(self, ids: Tensor, pos: Tensor, ok_t: Tensor, embeds: Tensor | None,
-                 past: Past | None, blocks: np.ndarray, blocks_t: Tensor, rows: np.ndarray,
+                 past: Past | None, blocks: np.ndarray, rows: np.ndarray,
                  cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray]:
         """A call of fewer than `self.rows.blocks` places whose rows attend block by block (one
         shape group, every place real), as rows widened to that many places in all: the products
@@ -356,10 +360,7 @@ class Runner:
         def widened(x: Tensor, fill: int | bool = 0) -> Tensor:  # (R, T, ...) -> (R, W, ...)
             return torch.cat([x, x.new_full((r, w - t, *x.shape[2:]), fill)], dim=1)
 
-        key_mask, blocks_w = widened(ok_t, False), widened(blocks_t, np.iinfo(np.int64).max)
-        frame = (Frame(key_mask=key_mask, blocks=blocks_w) if past is None
-                 else past.frame(key_mask, blocks_w))
-        frame.spans, frame.span_rows = self._spans(blocks, 0, t, past), self.block_size
+        frame = self._frame(past, widened(ok_t, False), None, self._spans(blocks, 0, t, past))
         logits = self.model(widened(ids), widened(pos), frame=frame,
                             embeds=None if embeds is None else widened(embeds),
                             logits_at=self._at_least(rows, cols))
@@ -391,18 +392,47 @@ class Runner:
             t = torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
         return t[None]
 
+    def _frame(self, past: Past | None, key_mask: Tensor, blocks: Tensor | None,
+               spans: list[Span] | None) -> Frame:
+        """An unpacked frame of rows that read `past` (None: no stored keys)."""
+        if past is None:
+            return Frame(key_mask=None if spans is not None else key_mask, blocks=blocks,
+                         spans=spans, span_rows=self.block_size or 1)
+        return past.frame(key_mask, blocks, spans, self.block_size or 1)
+
     def _spans(self, blocks: np.ndarray | None, row: int, t: int,
-               past: Past | None) -> list[tuple[int, int, int]] | None:
+               past: Past | None) -> list[Span] | None:
         """`Frame.spans` of rows at the exact shape of call row `row` (blocks: (R, T) each
         forwarded token's block; t: the rows' token count), None unless they attend by block.
         Their stored keys are the positions before their forwarded tokens (the block cache's
-        finished blocks), so a block's keys are the stored ones and the forwarded up to its end."""
+        finished blocks), so key i is position i.
+
+        The last block (the current one, whose K/V the store never keeps) attends alone over
+        exactly the keys up to its end. The blocks before it are finished: their K/V goes to
+        the store and must be the same bits whichever call computes it (a prompt's prefill, the
+        step after the block finished, another request's prefill). They attend one chunk of
+        `SPAN_CHUNK` positions per call, each block's queries over the keys up to its chunk's
+        end, those past its own block masked: the key count of a block's call is then fixed by
+        its position, and the kernel rounds a query alike whichever queries of its chunk share
+        the call and whatever the masked keys hold (docs/engine.md, "Prefix reuse"). A prefill
+        of n tokens is then n / SPAN_CHUNK calls, not n / block size."""
         if not self.by_block:
             return None
-        own = blocks[row, :t]
-        cut = (np.flatnonzero(own[1:] != own[:-1]) + 1).tolist()
+        own = blocks[row, :t]  # (t,) each forwarded token's block
+        last = int(np.flatnonzero(own != own[-1])[-1]) + 1 if own[0] != own[-1] else 0
         n_past = 0 if past is None else int(past.n[row])
-        return [(a, b, n_past + b) for a, b in zip([0, *cut], [*cut, t], strict=True)]
+        spans = []
+        if last:
+            bs = self.block_size
+            chunk = -(-SPAN_CHUNK // bs) * bs  # positions, whole blocks
+            of = own[:last] * bs // chunk  # (last,) each finished token's chunk
+            cut = (np.flatnonzero(of[1:] != of[:-1]) + 1).tolist()
+            for a, b in zip([0, *cut], [*cut, last], strict=True):
+                end = (int(of[a]) + 1) * chunk
+                sees = np.arange(end)[None, :] < (own[a:b, None] + 1) * bs  # (b - a, end)
+                spans.append(Span(a, b, end, self._to_device(sees)))
+        spans.append(Span(last, t, n_past + t))
+        return spans
 
     def _group(self, g: np.ndarray, whole: bool, at: np.ndarray, ok: np.ndarray,
                t_hat: np.ndarray, ok_t: Tensor, past: Past | None, blocks: np.ndarray | None,
@@ -418,9 +448,7 @@ class Runner:
         blocks_g = None if blocks_t is None else blocks_t[rows, :t_g]
         # a single group's stored keys are already at its attention count
         sub = past if past is None or whole else past.take(g)
-        frame = Frame(key_mask=key_mask, blocks=blocks_g) if sub is None else sub.frame(key_mask,
-                                                                                        blocks_g)
-        frame.spans, frame.span_rows = self._spans(blocks, int(g[0]), t_g, past), self.block_size or 1
+        frame = self._frame(sub, key_mask, blocks_g, self._spans(blocks, int(g[0]), t_g, past))
         return RowGroup(
             grid=self._to_device(grid), shape=(g.size, t_g),
             real=None if real.all() else self._to_device(np.flatnonzero(real)),

@@ -19,6 +19,8 @@ Predictions are unshifted. `LLADA2` (unmask/formats/llada2.py) says what each ke
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -67,6 +69,10 @@ class LLaDA2Gate(nn.Module):
         self.top_k, self.n_group, self.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
         self.scale = c.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(c.num_experts, c.d_model))
+        # drawn as nn.Linear draws its weight (a checkpoint overwrites it): left empty, a
+        # seeded build's router read whatever memory held, so its routing changed from one
+        # process to the next (docs/engine.md, "Prefix reuse")
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         # the load-balancing bias: it shifts which experts are chosen, never their weights
         self.register_buffer("expert_bias", torch.zeros(c.num_experts))
 
@@ -107,10 +113,15 @@ class LLaDA2MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # (N, d)
-        chosen, weights = self.gate(flat)  # (N, K) each
+        n = flat.shape[0]
+        # the router's sigmoid and the shared experts' SiLU run on rows padded to ROW_STEP,
+        # as each routed expert does: at other counts the elementwise kernels' tail rounds
+        # differently, so a token's bits would follow how many tokens share the call
+        padded = F.pad(flat, (0, 0, 0, -n % ROW_STEP))  # (N', d)
+        chosen, weights = (t[:n] for t in self.gate(padded))  # (N, K) each
         y = self.routed(flat, chosen, weights)
         if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(flat)
+            y = y + self.shared_experts(padded)[:n]
         return y.view(shape)
 
     def routed(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
