@@ -254,7 +254,7 @@ class LLaDA2Model(QwenLM):
 
     layer_class = LLaDA2Layer
     embed_name = "word_embeddings"
-    # a call of more tokens reads each MoE layer's expert counts on the host (`fixed_fits`),
+    # a call of more tokens reads each MoE layer's expert counts on the host (`dispatch`),
     # which a CUDA graph cannot hold: its buckets run eagerly (unmask.engine.buckets)
     graph_tokens = FIXED_TOKENS
 
