@@ -12,19 +12,30 @@ the lowest position (a stable sort of the negated confidence).
 
 from __future__ import annotations
 
-from typing import TypeVar
+import sys
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
-from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 NEG_INF = float("-inf")
-A = TypeVar("A", np.ndarray, Tensor)  # host arrays or device tensors, the same in and out
+A = TypeVar("A", np.ndarray, "Tensor")  # host arrays or device tensors, the same in and out
+
+
+def _torch_of(x: Any) -> Any:
+    """torch when x is a tensor, else None. Read from sys.modules: whoever passes a tensor has
+    imported torch, and importing it here would load torch for `unmask --help`
+    (tests/test_hardening.py)."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and isinstance(x, torch.Tensor) else None
 
 
 def _inverse(order: A) -> A:
     """(R, S) each row's inverse permutation of `order` (R, S)."""
-    if isinstance(order, Tensor):
+    torch = _torch_of(order)
+    if torch is not None:
         positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
         return torch.empty_like(order).scatter_(-1, order, positions)
     ranks = np.empty_like(order)
@@ -34,7 +45,8 @@ def _inverse(order: A) -> A:
 
 def rank(conf: A) -> A:
     """Rank (0 = best) of each position of each row (R, S); ties go to the lowest position."""
-    if isinstance(conf, Tensor):
+    torch = _torch_of(conf)
+    if torch is not None:
         return _inverse(torch.argsort(-conf, dim=-1, stable=True))  # NaN last, as numpy
     return _inverse(np.argsort(-conf, axis=-1, kind="stable"))
 
@@ -45,9 +57,10 @@ def candidate_ranks(conf: A, candidates: A) -> A:
     Non-candidates rank after every candidate, even one scored -inf or NaN: they are NaN, which
     a sort puts last, and a candidate's NaN is -inf (fmax ignores NaN); a -inf fill would tie
     with such a candidate and win by position."""
-    xp = torch if isinstance(conf, Tensor) else np
+    torch = _torch_of(conf)
+    xp = torch or np
     neg_inf, nan = np.float32(NEG_INF), np.float32(np.nan)
-    if xp is torch:
+    if torch is not None:
         neg_inf, nan = conf.new_tensor(NEG_INF), conf.new_tensor(float("nan"))
     return rank(xp.where(candidates, xp.fmax(conf, neg_inf), nan))
 
@@ -72,7 +85,8 @@ def threshold_count(conf: A, candidates: A, tau: float | A) -> A:
 
 def larger(a: A, b: A) -> A:
     """The elementwise maximum of two arrays (or two tensors)."""
-    return torch.maximum(a, b) if isinstance(a, Tensor) else np.maximum(a, b)
+    torch = _torch_of(a)
+    return torch.maximum(a, b) if torch is not None else np.maximum(a, b)
 
 
 def static_count(masked_at_block_start: A, steps_per_block: A | int, block_step: A) -> A:
