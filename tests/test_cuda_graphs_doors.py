@@ -50,3 +50,11 @@ def test_the_commands_refuse_on_without_a_device_in_one_line(folder: Path, comma
     lines = [ln for ln in r.stderr.strip().splitlines() if "cuda" in ln.lower()]
     assert len(lines) == 1 and "use --cuda-graphs auto or off" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_clis_modes_are_the_engines() -> None:
+    """The CLI spells the modes itself (the engine's module loads torch); they must agree."""
+    from unmask.cli_args import CUDA_GRAPH_MODES
+    from unmask.engine.graphs import MODES
+
+    assert CUDA_GRAPH_MODES == MODES

@@ -84,10 +84,15 @@ def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
                    help="recompute every prompt from scratch (no reuse across requests)")
 
 
+# unmask.engine.graphs.MODES, spelled here too: that module loads torch, which `unmask --help`
+# must not (tests/test_cuda_graphs_doors.py checks they agree)
+CUDA_GRAPH_MODES = ("auto", "on", "off")
+
+
 def add_graph_arguments(p: argparse.ArgumentParser) -> None:
     """CUDA graphs (docs/engine.md, "CUDA graphs"): the commands that run an engine for long
     (generate, serve)."""
-    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPH_MODES, default="auto",
                    help="replay one CUDA graph per shape bucket of a block-causal model's calls "
                         "(auto: where they can run, a CUDA device; on: refuse to start where "
                         "they cannot; default: auto)")

@@ -43,10 +43,9 @@ from unmask.catalog import (
     meta_model,
     weights_dtype,
 )
+from unmask.cli_args import CUDA_GRAPH_MODES, positive
 from unmask.cli_args import gib as gib_budget
-from unmask.cli_args import positive
 from unmask.decoding.params import DecodeParams
-from unmask.engine.graphs import MODES, CudaGraphs, store_width
 from unmask.errors import InputError
 from unmask.memory import GIB, PREFIX_SHARE, available_ram
 
@@ -68,8 +67,8 @@ class Workload:
     cuda_graphs: str = "auto"  # whether a CUDA device preallocates the K/V store (module docstring)
 
     def __post_init__(self) -> None:
-        if self.cuda_graphs not in MODES:
-            raise InputError(f"cuda_graphs {self.cuda_graphs!r}: valid {', '.join(MODES)}")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise InputError(f"cuda_graphs {self.cuda_graphs!r}: valid {', '.join(CUDA_GRAPH_MODES)}")
         if self.dtype not in WIDTH:
             raise InputError(f"dtype {self.dtype!r}: valid {', '.join(WIDTH)}")
         if self.quantize not in (None, *SCHEMES):
@@ -135,6 +134,8 @@ def graph_store_width(config, work: Workload, device: str) -> int:
     0: a block-causal model on a CUDA device, graphs not off (`CudaGraphs.store_capacity`)."""
     if device == "cpu" or work.cuda_graphs == "off" or config.block_size is None:
         return 0
+    from unmask.engine.graphs import CudaGraphs, store_width  # loads torch: not at `--help`
+
     return store_width(config, CudaGraphs().max_keys)
 
 
@@ -215,7 +216,7 @@ def add_show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-cache-gib", type=gib_budget, default=None, metavar="GIB",
                    help="the prefix store's budget, for a block-causal model (default: "
                         f"{PREFIX_SHARE:.0%} of the RAM available)")
-    p.add_argument("--cuda-graphs", choices=MODES, default="auto",
+    p.add_argument("--cuda-graphs", choices=CUDA_GRAPH_MODES, default="auto",
                    help="size a CUDA device's K/V store as CUDA graphs preallocate it, for a "
                         "block-causal model (auto, on; off: as the canvases need; default: auto)")
     p.add_argument("--json", action="store_true", help="one JSON object")
