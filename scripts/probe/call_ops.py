@@ -122,8 +122,8 @@ def main() -> None:
     lines = [f"# Ops of one {args.positions}-position call after {args.kv} stored positions: "
              f"random-weight {args.shape}, {args.format}", "",
              f"torch {torch.__version__}, one thread, load average {os.getloadavg()[0]:.1f}; "
-             f"torch.profiler's top-level aten ops (no op above them), CPU time with what they "
-             f"called, per call (profiled calls are slower than plain ones)."]
+             f"torch.profiler's top-level torch ops (aten::, mkldnn::; no op above them), CPU "
+             f"time with what they called, per call (profiled calls are slower than plain ones)."]
     frames = {"the engine's frame (`memory_floor.py`'s call: one span, no mask)":
               call(model, 1, args.positions, args.kv),
               "a block-causal mask frame (what `memory_floor.py` timed before)":
