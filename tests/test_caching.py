@@ -34,7 +34,7 @@ from unmask.engine import batch as batch_mod
 from unmask.engine import decode as engine_decode
 from unmask.engine import decoder as decoder_mod
 from unmask.engine import runner as runner_mod
-from unmask.kv import Frame, PastKV
+from unmask.kv import Frame, KVStore, PastKV
 
 
 def tiny_model(kind: str, seed: int = 0, scale: float = 4.0) -> torch.nn.Module:
@@ -486,3 +486,24 @@ def test_masked_block_forwards_fewer_tokens(kind: str, policy: str) -> None:
 def test_block_recompute_is_validated() -> None:
     with pytest.raises(SpecError, match="block_recompute"):
         DecodeParams.parse("threshold,cache=dual,block_recompute=some")
+
+
+@pytest.mark.parametrize("rows, pos", [([1], [[0, 1, 2, 3, 4]]),  # a row's first positions
+                                       ([0, 1], [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]),  # whole rows
+                                       ([2], [[3, 4, 5]])])  # a row's middle positions
+def test_a_store_read_of_consecutive_places_is_a_view_with_the_gathers_values(
+        rows: list[int], pos: list[list[int]]) -> None:
+    """Reading consecutive places of the store (the exact block cache reads a row's positions
+    0..K-1) views them instead of gathering a copy, which the layer's concatenation would copy
+    again; the keys and values are those of a gather at the same places."""
+    store = KVStore.empty(3, 4, 2, 6, 8, torch.float32, torch.device("cpu"))
+    store.kv.normal_(generator=torch.Generator().manual_seed(0))
+    rows_a, pos_a = np.array(rows), np.array(pos)
+    past = store.gather(rows_a, pos_a)
+    scattered = store.gather(np.array([*rows, 3]), np.array([*pos, pos[0]]))  # not consecutive
+    for layer in range(3):
+        for got, want in ((past.k[layer], scattered.k[layer]), (past.v[layer], scattered.v[layer])):
+            assert got.shape == (len(rows), len(pos[0]), 2, 8)
+            assert torch.equal(got, want[: len(rows)])
+            assert got.untyped_storage().data_ptr() == store.kv.untyped_storage().data_ptr()
+    assert scattered.k[0].untyped_storage().data_ptr() != store.kv.untyped_storage().data_ptr()

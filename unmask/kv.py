@@ -63,13 +63,17 @@ class KVStore:
         no copy of the whole store is ever made, at most one layer's reads are held at a time,
         and attention runs over what a row can see, not over the store's width."""
         w = self.shape[1]
-        flat = torch.from_numpy((rows[:, None] * w + pos).reshape(-1)).to(self.kv.device)  # (R*K,)
-        return self.read(flat, pos.shape)
+        at = (rows[:, None] * w + pos).reshape(-1)  # (R*K,) flat (row * width + position)
+        if at.size and (np.diff(at) == 1).all():
+            # consecutive places (a row's positions 0..K-1, the exact block cache's reads): a
+            # view of the store, which the layer's concatenation copies once, not twice
+            return self.read(slice(int(at[0]), int(at[-1]) + 1), pos.shape)
+        return self.read(torch.from_numpy(at).to(self.kv.device), pos.shape)
 
-    def read(self, flat: Tensor, shape: tuple[int, int]) -> PastKV:
+    def read(self, flat: Tensor | slice, shape: tuple[int, int]) -> PastKV:
         """`gather` at flat (row * width + position) indices (R*K,) on the device, already
-        made: (R, K) = shape. A caller that keeps the indices in a buffer of its own reads the
-        store without building them (unmask.engine.buckets)."""
+        made, or a slice of them: (R, K) = shape. A caller that keeps the indices in a buffer of
+        its own reads the store without building them (unmask.engine.buckets)."""
         n, w = self.shape
         layers = _LayerReads(self.kv.view(n * w, *self.kv.shape[2:]), flat, shape)
         return PastKV(_Half(layers, 0), _Half(layers, 1))
@@ -133,16 +137,18 @@ class KVStore:
 
 class _LayerReads:
     """A call's reads of the store (N*W, L, 2, H, D), one layer at a time: `get(layer)` gathers
-    that layer's keys and values at the flat (row, position) indices in one copy, (R, K, 2, H, D),
-    and keeps only the last layer's (attention asks for keys, then values)."""
+    that layer's keys and values at the flat (row, position) indices in one copy, or views them
+    where `flat` is a slice, (R, K, 2, H, D), and keeps only the last layer's (attention asks for
+    keys, then values)."""
 
-    def __init__(self, kv: Tensor, flat: Tensor, shape: tuple[int, ...]) -> None:
+    def __init__(self, kv: Tensor, flat: Tensor | slice, shape: tuple[int, ...]) -> None:
         self.kv, self.flat, self.shape = kv, flat, shape
         self._layer, self._seen = -1, None
 
     def get(self, layer: int) -> Tensor:
         if layer != self._layer:
-            seen = self.kv.select(1, layer).index_select(0, self.flat)  # (R*K, 2, H, D)
+            kv = self.kv.select(1, layer)
+            seen = kv[self.flat] if isinstance(self.flat, slice) else kv.index_select(0, self.flat)
             self._layer, self._seen = layer, seen.view(*self.shape, *seen.shape[1:])
         return self._seen
 

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from unmask import LLM
@@ -45,7 +46,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
 from unmask.engine.product_rows import DEFAULT_MIN_ROWS, block_products, product_rows
 from unmask.hub import SHIPPED
-from unmask.kv import Frame, PastKV
+from unmask.kv import KVStore, Past, Span
 from unmask.models import build_model
 from unmask.quantize import mib, weight_bytes
 
@@ -113,19 +114,22 @@ def bytes_read(model: torch.nn.Module, rows: int, kv: int) -> int:
 
 
 def call(model: torch.nn.Module, rows: int, positions: int, kv: int) -> Callable[[], object]:
-    """One forward of `rows` x `positions` tokens after `kv` stored positions (block-causal)."""
+    """One forward of `rows` x `positions` tokens after `kv` stored positions, framed as the
+    engine's exact block cache frames a decode step (`Runner._spans`): the stored K/V read from
+    a `KVStore` row each, the forwarded block one span over every key, no mask."""
     c = model.config
     ids = torch.randint(3, c.vocab_size, (rows, positions))
     pos = torch.arange(kv, kv + positions).expand(rows, -1)
-    shape = (rows, kv, c.n_kv_heads, c.head_dim)
-    past = PastKV([torch.randn(shape, dtype=torch.bfloat16) for _ in range(c.n_layers)],
-                  [torch.randn(shape, dtype=torch.bfloat16) for _ in range(c.n_layers)])
-    mask = torch.ones(rows, kv, dtype=torch.bool)
-    block = c.block_size or positions
-    blocks, past_blocks = pos // block, torch.arange(kv).expand(rows, -1) // block
+    store = KVStore.empty(c.n_layers, rows, c.n_kv_heads, kv + positions, c.head_dim,
+                          torch.bfloat16, torch.device("cpu"))
+    store.kv.normal_()
+    full = np.full(rows, kv)
+    past = Past(store, np.arange(rows), np.tile(np.arange(kv), (rows, 1)),
+                np.ones((rows, kv), dtype=bool), full, full, None)
+    spans = [Span(0, positions, kv + positions)]
 
     def run() -> object:
-        frame = Frame(past=past, past_mask=mask, blocks=blocks, past_blocks=past_blocks)
+        frame = past.frame(None, None, spans, c.block_size or positions)
         with torch.no_grad():
             return model(ids, pos, frame, logits_at=None)
     return run

@@ -37,6 +37,26 @@ def rms_kernel(device: torch.device) -> Callable[..., Tensor]:
     return fused_rms if device.type in FUSED_RMS_EXACT else reference_rms
 
 
+# The dtypes torch's rms_norm computes in float32 (its opmath type) and rounds back from once.
+RMS_IN_FLOAT32 = frozenset({torch.bfloat16, torch.float16, torch.float32})
+
+
+def rms_rounded(x: Tensor, eps: float, weight: Tensor | None = None) -> Tensor:
+    """`reference_rms` of x (..., D) with x and weight (D,) upcast to float32 (exactly), rounded
+    once to x's dtype: the references' ``(x.float() * rstd * weight.float()).to(x.dtype)``.
+
+    On the devices of FUSED_RMS_EXACT torch's rms_norm does that upcast and that one rounding
+    itself when x and weight share a dtype (it computes in float32 for bfloat16 and float16
+    inputs and returns the input's dtype: tests/test_models.py pins the bits; a float64 input
+    it would keep in float64, where the references compute in float32), so a norm there
+    is one torch call instead of three or four, ~50 of a small model's call
+    (benchmarks/probe/call-ops-sdar-170m.md)."""
+    if (x.device.type in FUSED_RMS_EXACT and x.dtype in RMS_IN_FLOAT32
+            and (weight is None or weight.dtype == x.dtype)):
+        return fused_rms(x, eps, weight)
+    return rms_kernel(x.device)(x.float(), eps, None if weight is None else weight.float()).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -45,10 +65,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # Normalise in float32 like the reference implementations, then cast back, then scale.
-        rms = rms_kernel(x.device)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return rms(x, self.eps, self.weight)
-        return self.weight * rms(x.float(), self.eps).to(x.dtype)
+            return rms_kernel(x.device)(x, self.eps, self.weight)
+        return self.weight * rms_rounded(x, self.eps)
 
 
 @functools.lru_cache(maxsize=16)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from unmask.config import ModelConfig
-from unmask.models.layers import RMSNorm, rms_kernel
+from unmask.models.layers import RMSNorm, rms_rounded
 from unmask.models.qwen import QwenLayer, QwenLM
 
 
@@ -31,9 +31,7 @@ class FusedRMSNorm(RMSNorm):
     and Qwen do; in float32 the two are the same."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return super().forward(x)
-        return rms_kernel(x.device)(x.float(), self.eps, self.weight.float()).to(x.dtype)
+        return rms_rounded(x, self.eps, self.weight)
 
 
 def block_causal_mask(position_ids: Tensor, block_size: int) -> Tensor:
