@@ -37,24 +37,27 @@ CONCURRENCY = (1, 16)
 MODES = ("off", "off again", "on")
 
 
-def measure(n: int) -> dict:
-    """In the tree on PYTHONPATH: {cell: {mode: [tokens per CPU-s, token lists]}}; a tree
-    without a prefix store measures "off" only."""
+def load() -> tuple:
+    """The shipped SDAR model on one thread with no store of its own, and the tree's
+    PrefixStore class (None in a tree from before reuse)."""
     import torch
 
     from unmask.api import LLM
-    from unmask.bench.tasks import load_task
-    from unmask.decoding.params import DecodeParams
-    from unmask.engine import Engine, SchedulerConfig
     try:
         from unmask.engine.prefix_store import PrefixStore
     except ImportError:  # the engine before reuse
         PrefixStore = None  # noqa: N806
-
     torch.set_num_threads(1)
     llm = LLM("unmask-sdar", device="cpu", **({} if PrefixStore is None else
                                                {"prefix_cache": False}))
-    bs = llm.config.block_size
+    return llm, PrefixStore
+
+
+def unshared_prompts(llm, n: int) -> dict[str, list[list[int]]]:
+    """The workloads' n + 1 prompts each (the module's docstring): "short", the questions in
+    the chat template; "long", each after the system prompt with its words shuffled anew."""
+    from unmask.bench.tasks import load_task
+
     questions = [ex.prompt for ex in load_task("math", n + 1, seed=0).examples]
     words = SYSTEM.read_text().split()
 
@@ -63,11 +66,22 @@ def measure(n: int) -> dict:
         random.Random(seed).shuffle(w)
         return " ".join(w)
 
-    workloads = {
+    return {
         "short": [llm.encode_messages([{"role": "user", "content": q}]) for q in questions],
         "long": [llm.encode_messages([{"role": "system", "content": shuffled(i)},
                                       {"role": "user", "content": q}])
                  for i, q in enumerate(questions)]}
+
+
+def measure(n: int) -> dict:
+    """In the tree on PYTHONPATH: {cell: {mode: [tokens per CPU-s, token lists]}}; a tree
+    without a prefix store measures "off" only."""
+    from unmask.decoding.params import DecodeParams
+    from unmask.engine import Engine, SchedulerConfig
+
+    llm, PrefixStore = load()  # noqa: N806
+    bs = llm.config.block_size
+    workloads = unshared_prompts(llm, n)
     modes = MODES if PrefixStore is not None else ("off",)
     out: dict = {}
     for work, prompts in workloads.items():

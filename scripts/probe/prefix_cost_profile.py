@@ -18,20 +18,20 @@ import argparse
 import cProfile
 import functools
 import pstats
-import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from unmask.api import LLM
-from unmask.bench.tasks import load_task
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
 
-SYSTEM = Path(__file__).resolve().parents[2] / "benchmarks/data/shared-system-prompt.txt"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ab"))
+from prefix_cost import load, unshared_prompts  # noqa: E402  (the A/B's workloads, one definition)
+
 CELLS = [("short", "threshold", 16, "off"), ("short", "threshold", 16, "on"),
          ("short", "static-1", 1, "off"), ("long", "threshold", 1, "off"),
          ("long", "threshold", 16, "off"), ("long", "threshold", 16, "on")]
@@ -42,27 +42,9 @@ def main() -> None:
     p.add_argument("--n", type=int, default=16)
     p.add_argument("--label", default="this tree")
     args = p.parse_args()
-    try:
-        from unmask.engine.prefix_store import PrefixStore
-    except ImportError:  # the engine before reuse
-        PrefixStore = None  # noqa: N806
-    torch.set_num_threads(1)
-    llm = LLM("unmask-sdar", device="cpu", **({} if PrefixStore is None else
-                                               {"prefix_cache": False}))
+    llm, PrefixStore = load()  # noqa: N806
     bs = llm.config.block_size
-    questions = [ex.prompt for ex in load_task("math", args.n + 1, seed=0).examples]
-    words = SYSTEM.read_text().split()
-
-    def shuffled(seed: int) -> str:
-        w = list(words)
-        random.Random(seed).shuffle(w)
-        return " ".join(w)
-
-    prompts = {
-        "short": [llm.encode_messages([{"role": "user", "content": q}]) for q in questions],
-        "long": [llm.encode_messages([{"role": "system", "content": shuffled(i)},
-                                      {"role": "user", "content": q}])
-                 for i, q in enumerate(questions)]}
+    prompts = unshared_prompts(llm, args.n)  # the A/B's workloads
     print("| tree | workload | attention calls | their CPU ms | CPU s (cProfile) | in "
           "`Frame.attend` | in the prefix store | in the store, no profiler |")
     print("|:---|:---|---:|---:|---:|---:|---:|---:|")
