@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from unmask.weights import block_linears
+from unmask.weights import block_linears, put_module
 
 OPAQUE = "Int4OpaqueTensor"  # torchao's CPU int4 weight (unmask.quantize.TENSOR_SCHEMES)
 
@@ -65,7 +65,6 @@ def call_int4_directly(model: nn.Module) -> int:
     for name, lin in block_linears(model).items():
         if type(lin) is not nn.Linear or not direct(lin.weight):
             continue
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, Int4Linear(lin))
+        put_module(model, name, Int4Linear(lin))
         replaced += 1
     return replaced

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from unmask.weights import block_linears, release_host_memory
+from unmask.weights import block_linears, put_module, release_host_memory
 
 # oneDNN picks the packed layout for a batch size hint; any small one gives the same layout here
 _PACK_HINT = 4
@@ -96,8 +96,7 @@ def pack_linears(model: nn.Module) -> int:
         if type(lin) is not nn.Linear or type(lin.weight) is not nn.Parameter \
                 or lin.weight.dtype != torch.bfloat16:
             continue
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, PackedLinear(lin))
+        put_module(model, name, PackedLinear(lin))
         packed += 1
     if packed:  # the plain weights were views of the mapped checkpoint, whose pages stay resident
         release_host_memory(model)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from unmask.errors import InputError
-from unmask.weights import block_linears, release_host_memory, trim_heap
+from unmask.weights import block_linears, put_module, release_host_memory, trim_heap
 
 SCHEME = "w8a8"
 _PACK_HINT = 4  # oneDNN's batch-size hint for the packed layout (any small one: the same)
@@ -83,8 +83,7 @@ def quantize_rows(model: nn.Module) -> int:
     linears = block_linears(model)
     check_device(next(iter(linears.values())).weight.device)
     for name, lin in linears.items():
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, RowInt8Linear(lin))
+        put_module(model, name, RowInt8Linear(lin))
         trim_heap()  # the layer's float32 temporaries, which glibc would keep (weights.trim_heap)
     release_host_memory(model)  # the float weights were views of the mapped checkpoint
     return len(linears)

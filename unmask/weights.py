@@ -26,6 +26,12 @@ def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return found
 
 
+def put_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` in `model` in place of the submodule named `name` (dotted)."""
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
 class LayerLoader:
     """Converts the block linears one at a time as load_model reads them (`convert`: an
     nn.Linear to the module that replaces it, e.g. packed or quantized), so that a load holds
@@ -64,8 +70,7 @@ class LayerLoader:
         """After the load: the converted layers in place of the block linears; the host memory
         the converting left behind released."""
         for name, layer in self.converted.items():
-            parent, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+            put_module(model, name, layer)
         release_host_memory(model)
 
 
