@@ -25,11 +25,10 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
-from worktree import ROOT, checkout, python_in
+from worktree import ROOT, rounds
 
 SYSTEM = ROOT / "benchmarks/data/shared-system-prompt.txt"
 DECODERS = ("threshold", "static-1")
@@ -117,14 +116,8 @@ def main() -> None:
         return
     if args.rev is None:
         p.error("give REV, the commit to compare with")
-    runs: dict[str, list] = {"before": [], "after": []}
-    with checkout(args.rev) as old:
-        trees = [("before", old), ("after", ROOT)]
-        for rnd in range(args.rounds):
-            for name, tree in trees if rnd % 2 == 0 else trees[::-1]:
-                print(f"round {rnd + 1}/{args.rounds}: {name}", file=sys.stderr)
-                runs[name].append(json.loads(python_in(
-                    tree, [str(Path(__file__)), "--measure", "--n", str(args.n)])))
+    # the side that runs first rotates (worktree.rounds)
+    runs = rounds(args.rev, str(Path(__file__)), ["--measure", "--n", str(args.n)], args.rounds)
     print(report(args, runs))
 
 
