@@ -22,13 +22,12 @@ Requests whose tokens differ are counted against this tree's store-off run.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
-from worktree import ROOT, rounds
+from worktree import ROOT, rev_rounds
 
 SYSTEM = ROOT / "benchmarks/data/shared-system-prompt.txt"
 DECODERS = ("threshold", "static-1")
@@ -105,19 +104,10 @@ def measure(n: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("rev", nargs="?")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--n", type=int, default=16)
-    p.add_argument("--measure", action="store_true", help="measure the tree on PYTHONPATH")
-    args = p.parse_args()
-    if args.measure:
-        print(json.dumps(measure(args.n)))
+    got = rev_rounds(str(Path(__file__)), __doc__, measure, default_rounds=7)
+    if got is None:  # --measure: this process measured one tree
         return
-    if args.rev is None:
-        p.error("give REV, the commit to compare with")
-    # the side that runs first rotates (worktree.rounds)
-    runs = rounds(args.rev, str(Path(__file__)), ["--measure", "--n", str(args.n)], args.rounds)
+    args, runs = got
     print(report(args, runs))
 
 

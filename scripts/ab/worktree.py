@@ -54,6 +54,24 @@ def rounds(before: str, script: str, args: list[str], n_rounds: int) -> dict[str
     return runs
 
 
+def rev_rounds(script: str, doc: str, measure, default_rounds: int):
+    """The command line of a before/after script given REV as its argument: `REV [--rounds R]
+    [--n N]`, or `--measure [--n N]` (the script measuring the tree on PYTHONPATH: prints
+    measure(n) as JSON, returns None). Returns (args, `rounds`' runs)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("rev", nargs="?")
+    p.add_argument("--rounds", type=int, default=default_rounds)
+    p.add_argument("--n", type=int, default=16)
+    p.add_argument("--measure", action="store_true", help="measure the tree on PYTHONPATH")
+    args = p.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.n)))
+        return None
+    if args.rev is None:
+        p.error("give REV, the commit to compare with")
+    return args, rounds(args.rev, script, ["--measure", "--n", str(args.n)], args.rounds)
+
+
 def ab_main(script: str, doc: str, out: str, child, write) -> int:
     """The command line of a before/after script measured in rounds: `--before REV [--n N]
     [--rounds R] [--out FILE]`; child(n) -> a JSON-able dict measures one side (the script
