@@ -26,22 +26,31 @@ VOCAB, MASK, EOS = 64, 63, 1
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [20]]
 
 
-def decoded(kind: str, spec: str, rule: str | None, monkeypatch, batch: int):
+def decoded(kind: str, spec: str, rule: str | None, monkeypatch, batch: int,
+            shapes: str | None = None, bucketed: list[int] | None = None):
     """Each request's outcome and every model call's logits, with the runner's bucket rule
     (without it: the calls as they come, attending in one call per shape as the buckets do, not
-    block by block)."""
+    block by block) and attention shapes (None: the cache policy's). bucketed: gets one entry
+    per call that went through the buckets."""
     model = peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)
     seen: list[torch.Tensor] = []
-    real_score = runner_mod.score
+    real_score, real_call = runner_mod.score, Buckets.call
 
     def spy(logits, *a, **k):
         seen.append(logits.detach().clone())
         return real_score(logits, *a, **k)
 
+    def counted(self, *a, **k):
+        if bucketed is not None:
+            bucketed.append(1)
+        return real_call(self, *a, **k)
+
     with monkeypatch.context() as mp:
         mp.setattr(runner_mod.Runner, "bucket_rule", rule)
+        mp.setattr(runner_mod.Runner, "attention_shapes", shapes)
         mp.setattr(runner_mod.Runner, "block_by_block", False)
         mp.setattr(runner_mod, "score", spy)
+        mp.setattr(Buckets, "call", counted)
         params = DecodeParams.parse(spec, gen_length=16, block_length=4)
         reqs = decode(model, params, PROMPTS, mask_id=MASK, eos_id=EOS, max_running=batch)
     return [(r.token_ids, r.nfe, r.token_forwards) for r in reqs], seen
@@ -64,6 +73,35 @@ def test_bucketed_calls_give_todays_tokens_and_bits(kind: str, spec: str, rule: 
                 assert torch.equal(a, b)
             else:
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llada", "Dream"])
+@pytest.mark.parametrize("spec", ["threshold,threshold=0.7", "static-1", "freedave++,threshold=0.7",
+                                  "threshold,threshold=0.7,cache=dual", "fast"])
+@pytest.mark.parametrize("rule", ["exact", "pow2"])
+def test_bidirectional_calls_in_buckets_give_todays_tokens_and_bits(kind: str, spec: str,
+                                                                    rule: str, monkeypatch) -> None:
+    """A bidirectional canvas (LLaDA, Dream; no cache, or prompt K/V read from the store)
+    padded to a bucket: its padding keys are masked out and its padding queries dropped, so
+    with the rows' exact shapes the calls give today's bits (at the attention shapes the buckets
+    take, each row's own), and with power-of-two buckets today's tokens whatever the cache's
+    shapes."""
+    for batch in (1, 4):
+        want, want_logits = decoded(kind, spec, None, monkeypatch, batch, shapes="exact")
+        bucketed: list[int] = []
+        got, got_logits = decoded(kind, spec, rule, monkeypatch, batch, shapes="exact",
+                                  bucketed=bucketed)
+        assert bucketed  # the calls went through the buckets
+        assert got == want
+        assert len(got_logits) == len(want_logits)
+        for a, b in zip(got_logits, want_logits, strict=True):
+            if rule == "exact":
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+        if rule == "pow2":  # and today's tokens at the cache's own (maybe canonical) shapes
+            assert decoded(kind, spec, rule, monkeypatch, batch)[0] == \
+                decoded(kind, spec, None, monkeypatch, batch)[0]
 
 
 def test_a_rows_bucket_is_its_own() -> None:

@@ -36,7 +36,9 @@ from unmask.syncs import SyncCounter
 
 VOCAB, MASK, EOS = 64, 63, 1
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [20]]
-GRAPH_FAMILIES = ["sdar", "Fast_dLLM_Qwen"]  # block-causal, nothing read on the host
+# nothing read on the host: block-causal, and bidirectional (padding keys masked out)
+GRAPH_FAMILIES = ["sdar", "Fast_dLLM_Qwen", "llada", "Dream"]
+BIDIRECTIONAL = ("llada", "Dream")
 
 
 def random_inputs(g: torch.Generator, b: Bucket, store_rows: int, width: int,
@@ -59,11 +61,13 @@ def random_inputs(g: torch.Generator, b: Bucket, store_rows: int, width: int,
     }
 
 
-def eager_forward(model, store: KVStore, b: Bucket, a: dict[str, np.ndarray]) -> CallOut:
+def eager_forward(model, store: KVStore, b: Bucket, a: dict[str, np.ndarray],
+                  block_causal: bool) -> CallOut:
     """The same call built from fresh tensors, as a call outside the buckets is."""
     t = {n: torch.from_numpy(v) for n, v in a.items()}
+    blocks = (t["blocks"], t["past_blocks"]) if block_causal else (None, None)
     frame = Frame(key_mask=t["key_mask"], past=store.read(t["flat"], (b.rows, b.keys)),
-                  past_mask=t["past_mask"], blocks=t["blocks"], past_blocks=t["past_blocks"])
+                  past_mask=t["past_mask"], blocks=blocks[0], past_blocks=blocks[1])
     with torch.no_grad():
         logits = model(t["ids"], t["pos"], frame=frame, logits_at=(t["at_rows"], t["at_cols"]))
     return logits, frame.fresh
@@ -79,7 +83,8 @@ def test_a_bucket_call_replays_from_its_buffers(kind: str) -> None:
     store.kv.copy_(torch.randn(store.kv.shape, generator=g))
     b = Bucket(rows=4, tokens=4, keys=16)
     buckets = Buckets("pow2", torch.device("cpu"), min_rows=16)
-    call = buckets.bucket_call(model, b, store, block_causal=True)
+    block_causal = kind not in BIDIRECTIONAL
+    call = buckets.bucket_call(model, b, store, block_causal=block_causal)
     buf = buckets.buffers[b]
     addresses = {n: t.data_ptr() for n, t in vars(buf).items()}
     store_at = store.kv.data_ptr()
@@ -89,13 +94,13 @@ def test_a_bucket_call_replays_from_its_buffers(kind: str) -> None:
         with SyncCounter(cpu_is_device=True).counting() as reads:
             logits, fresh = call()
         assert reads.total == 0, dict(reads.counts)
-        want_logits, want_fresh = eager_forward(model, store, b, a)
+        want_logits, want_fresh = eager_forward(model, store, b, a, block_causal)
         assert torch.equal(logits, want_logits)
         for got, want in zip(fresh, want_fresh, strict=True):
             assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
         assert {n: t.data_ptr() for n, t in vars(buf).items()} == addresses
         assert store.kv.data_ptr() == store_at
-    assert buckets.bucket_call(model, b, store, block_causal=True) is call  # made once
+    assert buckets.bucket_call(model, b, store, block_causal=block_causal) is call  # made once
 
 
 def replaying(call):
@@ -142,8 +147,14 @@ def graphs_decode(kind: str, spec: str, monkeypatch, batch: int, graphs: bool):
     return [(r.token_ids, r.nfe, r.token_forwards) for r in reqs], seen, stores
 
 
-@pytest.mark.parametrize("kind", GRAPH_FAMILIES)
-@pytest.mark.parametrize("spec", ["threshold,threshold=0.7", "static-1", "freedave++,threshold=0.7"])
+BLOCK_SPECS = ["threshold,threshold=0.7", "static-1", "freedave++,threshold=0.7"]
+# a bidirectional model's caches: the prompt's K/V (prefix), and the suffix's (dual, entropy)
+CACHED_SPECS = ["static-1,cache=prefix", "threshold,threshold=0.7,cache=dual", "fast"]
+
+
+@pytest.mark.parametrize(("kind", "spec"), [
+    *((k, s) for k in GRAPH_FAMILIES if k not in BIDIRECTIONAL for s in BLOCK_SPECS),
+    *((k, s) for k in BIDIRECTIONAL for s in CACHED_SPECS)])
 def test_graphs_on_give_todays_tokens_from_a_store_that_never_moves(kind: str, spec: str,
                                                                     monkeypatch) -> None:
     for batch in (1, 2):  # 2: requests join and leave a batch of 4 prompts
@@ -199,6 +210,24 @@ def test_auto_runs_eagerly_and_says_why_once(caplog) -> None:
         "CUDA graphs off: they need a CUDA device, and the model is on cpu"]
 
 
+@pytest.mark.parametrize(("kind", "padding"), [
+    ("llada", "a bidirectional canvas's padding keys masked"),
+    ("sdar", "keys past a token's block masked")])
+def test_the_start_up_log_says_the_buckets_once(kind: str, padding: str, monkeypatch,
+                                                caplog) -> None:
+    model = peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)
+    monkeypatch.setattr(graphs_mod, "unsupported", lambda model: None)
+    graphs_mod._logged.clear()
+    with caplog.at_level(logging.INFO, logger="unmask.engine"):
+        for _ in range(2):
+            Engine(model, SchedulerConfig(max_running=3), MASK, EOS, graphs=CudaGraphs("on"))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"CUDA graphs on: {type(model).__name__}'s calls in power-of-two buckets of rows x "
+        f"forwarded tokens x stored keys ({padding}, padding queries dropped), each captured at "
+        "its first call; calls reading more than 4096 stored keys run eagerly; K/V store "
+        "preallocated, 3 rows x 128 positions"]
+
+
 def test_what_a_graph_cannot_hold_is_named(monkeypatch) -> None:
     llada = peaky_model("llada", 0, 4.0, VOCAB, MASK, EOS)
     moe = peaky_model("llada2_moe", 0, 4.0, VOCAB, MASK, EOS)
@@ -206,7 +235,7 @@ def test_what_a_graph_cannot_hold_is_named(monkeypatch) -> None:
     with monkeypatch.context() as mp:
         mp.setattr(graphs_mod, "_device", lambda model: cuda)
         mp.setattr(torch.cuda, "is_available", lambda: True)
-        assert "only block-causal models" in graphs_mod.unsupported(llada)
+        assert graphs_mod.unsupported(llada) is None  # padding keys masked out
         assert graphs_mod.unsupported(moe) is None  # its calls up to graph_tokens are held
         mp.setattr(torch.cuda, "is_available", lambda: False)
         assert "no CUDA" in graphs_mod.unsupported(llada)

@@ -7,6 +7,7 @@ NFE and token-forwards) never depend on who else is in the batch, when it joined
 from __future__ import annotations
 
 import functools
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, QueueFull, SchedulerConfig, decode
 from unmask.engine import decoder as decoder_mod
+from unmask.engine import runner as runner_mod
 from unmask.errors import InputError
 
 METHODS = ["static,steps=8", "static-1", "threshold,threshold=0.5", "freedave,draft_steps=3",
@@ -66,8 +68,28 @@ def test_batch_invariance(kind, method, cache, suffix, early_exit, temperature, 
     """A request decoded alone == decoded in a batch == admitted at step k of other running
     requests == with another request aborted mid-way (same decoder, other prompts and lengths;
     plus one request of another decoder, which runs interleaved)."""
-    m = model(kind)
     spec = f"{method},cache={cache},suffix={suffix},early_exit={early_exit},temperature={temperature}"
+    check_batch_invariance(model(kind), spec, target, others, join_at, abort_at)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(["llada", "Dream"]), method=st.sampled_from(METHODS),
+       cache=st.sampled_from(CACHES), temperature=st.sampled_from([0.0, 0.8]),
+       target=prompts, others=st.lists(st.tuples(prompts, st.sampled_from([8, 16, 32])),
+                                      min_size=1, max_size=3),
+       join_at=st.integers(0, 6), abort_at=st.integers(1, 8))
+def test_batch_invariance_in_shape_buckets(kind, method, cache, temperature, target, others,
+                                           join_at, abort_at) -> None:
+    """The same with every call cut into power-of-two shape buckets, as CUDA graphs run them
+    (unmask/engine/buckets.py): a bidirectional row's bucket is its own counts', whoever shares
+    the call."""
+    spec = f"{method},cache={cache},temperature={temperature}"
+    with mock.patch.object(runner_mod.Runner, "bucket_rule", "pow2"):
+        check_batch_invariance(model(kind), spec, target, others, join_at, abort_at)
+
+
+def check_batch_invariance(m, spec: str, target: list[int], others: list[tuple[list[int], int]],
+                           join_at: int, abort_at: int) -> None:
     p = params(spec, seed=3)
     want = alone(m, p, target)
 

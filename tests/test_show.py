@@ -18,7 +18,7 @@ from unmask.api import DEFAULT_MODEL
 from unmask.checkpoint import load_model
 from unmask.cli import main
 from unmask.config import ModelConfig
-from unmask.engine.graphs import CudaGraphs
+from unmask.engine.graphs import CudaGraphs, store_width
 from unmask.hub import SHIPPED
 from unmask.quantize import quantize_model, weight_bytes
 from unmask.show import Workload, estimate, verdict
@@ -105,7 +105,7 @@ def test_the_verdict_shrinks_the_batch_before_the_weights() -> None:
 
 
 def test_a_cuda_device_counts_the_k_v_store_cuda_graphs_preallocate(capsys, monkeypatch) -> None:
-    """With CUDA graphs (auto or on) a block-causal model's K/V store holds every row at its
+    """With CUDA graphs (auto or on) a model's K/V store holds every row at its
     full width on a CUDA device (CudaGraphs.store_capacity): the estimate and the verdict
     there count it; the CPU's, and a CUDA device's with graphs off, count the canvases."""
     sdar = SHIPPED["unmask-sdar"]
@@ -119,8 +119,11 @@ def test_a_cuda_device_counts_the_k_v_store_cuda_graphs_preallocate(capsys, monk
     assert estimate(config, work, "cuda:0").kv == 3 * width * per_position
     assert estimate(config, replace(work, cuda_graphs="off"), "cuda:0") == canvas
     assert estimate(config, replace(work, batch=1), "cuda:0").kv == width * per_position
-    llada = ModelConfig.load(DEFAULT_MODEL)  # bidirectional: no graphs, no preallocation
-    assert estimate(llada, work, "cuda:0") == estimate(llada, work)
+    llada = ModelConfig.load(DEFAULT_MODEL)  # bidirectional: its buckets read the same store
+    llada_width = store_width(llada, CudaGraphs().max_keys)
+    llada_position = llada.n_layers * 2 * llada.n_kv_heads * llada.head_dim * 4
+    assert llada_width > 128
+    assert estimate(llada, work, "cuda:0").kv == 3 * llada_width * llada_position
     need = estimate(config, work, "cuda:0").total
     assert verdict(config, work, need, "cuda:0") == "fits"
     assert verdict(config, work, need - 1, "cuda:0").startswith("does not fit, try --batch 2")
@@ -136,7 +139,8 @@ def test_a_cuda_device_counts_the_k_v_store_cuda_graphs_preallocate(capsys, monk
     assert fits["cpu"]["total"] == estimate(config, work).total
     assert fits["cpu"]["graph_store_width"] == 0
     assert main(["show", str(sdar), "--batch", "3", "--dtype", "float32"]) == 0
-    assert "CUDA graphs: the K/V store preallocated, 3 rows x 2,048 positions" in \
+    assert ("CUDA graphs, calls in power-of-two shape buckets: the K/V store preallocated, "
+            "3 rows x 2,048 positions") in \
         capsys.readouterr().out
     assert main(["show", str(sdar), "--cuda-graphs", "off", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fits"]["cuda:0"]["graph_store_width"] == 0

@@ -17,8 +17,9 @@ batch (``KVStore``: 2 x layers x K/V heads x head width, in the dtype), the logi
 every generated position in the dtype plus the float32 copy scoring makes (`unmask/decoding/scoring.py`),
 and one layer's activations are the MLP's three hidden-width tensors per position. A
 block-causal model adds its prefix store's budget (`--prefix-cache-gib`, default PREFIX_SHARE of
-the RAM available: unmask.engine.prefix_store), which it may fill. On a CUDA device a
-block-causal model's calls replay CUDA graphs (`--cuda-graphs auto`, the default), which read a
+the RAM available: unmask.engine.prefix_store), which it may fill. On a CUDA device every
+family's calls replay CUDA graphs (`--cuda-graphs auto`, the default; power-of-two shape buckets,
+a bidirectional canvas's padding keys masked: unmask.engine.buckets), which read a
 K/V store allocated once for every row at its full width (unmask.engine.graphs,
 `store_width`): there the K/V term is the batch's rows at that width (the canvas's own where it
 is longer). The graphs' own memory is one pool holding one call's activations (the activations
@@ -131,8 +132,8 @@ def estimate(config, work: Workload, device: str = "cpu") -> MemoryEstimate:
 
 def graph_store_width(config, work: Workload, device: str) -> int:
     """Positions a row of the K/V store takes when CUDA graphs preallocate it on `device`, else
-    0: a block-causal model on a CUDA device, graphs not off (`CudaGraphs.store_capacity`)."""
-    if device == "cpu" or work.cuda_graphs == "off" or config.block_size is None:
+    0: a CUDA device, graphs not off (`CudaGraphs.store_capacity`)."""
+    if device == "cpu" or work.cuda_graphs == "off":
         return 0
     from unmask.engine.graphs import CudaGraphs, store_width  # loads torch: not at `--help`
 
@@ -295,7 +296,8 @@ def print_report(r: dict) -> None:
     ]
     for dev, f in r["fits"].items():
         what = "RAM available" if dev == "cpu" else "free"
-        store = (f" (CUDA graphs: the K/V store preallocated, {w['batch']} rows x "
+        store = (f" (CUDA graphs, calls in power-of-two shape buckets: the K/V store "
+                 f"preallocated, {w['batch']} rows x "
                  f"{f['graph_store_width']:,} positions; {gib(f['total'])} in all)"
                  if f["graph_store_width"] else "")
         lines.append(f"{dev:<12} {gib(f['free'])} {what}{store}: {f['verdict']}")

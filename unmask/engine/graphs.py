@@ -35,7 +35,7 @@ class CudaGraphs:
     """Whether an engine's calls replay CUDA graphs, and the K/V store they then need.
 
     mode: "on" (refused where graphs cannot run), "auto" (on where they can: a CUDA device and a
-    block-causal model whose forward reads nothing from the host), "off".
+    build with CUDA; every family's bucketed forward reads nothing from the host), "off".
     rows: the store rows preallocated per decoder batch (the engine's max_running).
     max_keys: the most stored keys a captured bucket reads; a call past it runs eagerly (the
     log says so once): a bucket's buffers and graph grow with its keys."""
@@ -58,12 +58,23 @@ class CudaGraphs:
             return False
         why = unsupported(model) or self.too_big(model)
         if why is None:
+            _once(logging.INFO, self.plan(model))
             return True
         if self.mode == "on":
             raise InputError(f"--cuda-graphs on: {why}; use --cuda-graphs auto or off (eager "
                              "calls, the same tokens)")
         _once(logging.INFO, f"CUDA graphs off: {why}")  # auto
         return False
+
+    def plan(self, model: nn.Module) -> str:
+        """The start-up log's line on what graphs hold: the buckets, and the store they read."""
+        rows, width = self.store_capacity(model)
+        padding = ("keys past a token's block masked" if getattr(model.config, "block_size", None)
+                   else "a bidirectional canvas's padding keys masked")
+        return (f"CUDA graphs on: {type(model).__name__}'s calls in power-of-two buckets of rows x "
+                f"forwarded tokens x stored keys ({padding}, padding queries dropped), each "
+                f"captured at its first call; calls reading more than {self.max_keys} stored keys "
+                f"run eagerly; K/V store preallocated, {rows} rows x {width} positions")
 
     def too_big(self, model: nn.Module) -> str | None:
         """Why one batch's preallocated K/V store would not fit the device's free memory, or
@@ -100,9 +111,6 @@ def unsupported(model: nn.Module) -> str | None:
         return f"they need a CUDA device, and the model is on {device.type}"
     if not torch.cuda.is_available():
         return "this torch build has no CUDA"
-    if getattr(model.config, "block_size", None) is None:
-        return ("only block-causal models (SDAR, LLaDA2, Fast-dLLM v2) have shape buckets "
-                "yet; a bidirectional canvas changes with padding")
     return None
 
 

@@ -161,11 +161,12 @@ class Runner:
     # keys, the plain forward's bits) or "canonical" (padded; docs/engine.md, "Batch invariance").
     # None: by the cache policy, canonical for one that reads stale K/V, exact otherwise.
     attention_shapes: str | None = None
-    # Calls of a block-causal model cut into shape buckets run from persistent buffers
-    # (unmask/engine/buckets.py: the forward a CUDA graph can hold), by this rule of
-    # `BUCKET_RULES`; None: the calls as they come. The buckets do not attend block by block
-    # (below) yet: with them a finished block's K/V bits may depend on the call that computed it,
-    # so prefix reuse is exact in tokens there, not in bits (docs/engine.md, "Shape buckets").
+    # Calls cut into shape buckets run from persistent buffers (unmask/engine/buckets.py: the
+    # forward a CUDA graph can hold, for every family: a bidirectional canvas's padding keys
+    # are masked out), by this rule of `BUCKET_RULES`; None: the calls as they come. The
+    # buckets do not attend block by block (below) yet: with them a finished block's K/V bits
+    # may depend on the call that computed it, so prefix reuse is exact in tokens there, not
+    # in bits (docs/engine.md, "Shape buckets").
     bucket_rule: str | None = None
     # The exact block cache's rows attend by span (kv.Frame.spans, `_spans`: the current block
     # alone, finished blocks by chunk): a finished block's K/V is then the same bits whichever
@@ -189,7 +190,7 @@ class Runner:
         stale = entry("cache", params.cache).facts.stale_keys
         self.shapes = self.attention_shapes or ("canonical" if stale else "exact")
         self.block_size: int | None = getattr(model.config, "block_size", None)
-        self.captures = self.block_size is not None and graphs is not None
+        self.captures = graphs is not None
         self.buckets = self._buckets(graphs)
         self.by_block = (self.block_by_block and self.buckets is None
                          and self.block_size is not None and self.shapes == "exact" and not stale)
@@ -203,10 +204,8 @@ class Runner:
         self.shift = int(getattr(model, "logit_shift", 0))
 
     def _buckets(self, graphs: CudaGraphs | None) -> Buckets | None:
-        """A block-causal model's bucketed forward: captured in CUDA graphs where `graphs` is
-        active (power-of-two buckets: few shapes, so few graphs), else by `bucket_rule`."""
-        if self.block_size is None:
-            return None
+        """The bucketed forward: captured in CUDA graphs where `graphs` is active
+        (power-of-two buckets: few shapes, so few graphs), else by `bucket_rule`."""
         if self.captures:
             return Buckets("pow2", self.device, self.rows.blocks, wrap=capturer(),
                            max_keys=graphs.max_keys)
