@@ -39,21 +39,24 @@ numbers, not accuracy.
    invariance` row per model and variant: the first prompt's tokens decoded alone against the
    same prompt as the first row of the batch-16 decode (on --tiny: of 2), identical or the
    first position that differs. The `graphs` variant (`--cuda-graphs on`: one CUDA graph per
-   shape bucket, docs/engine.md "CUDA graphs") runs for every block-causal model listed, at
-   every batch of the eager variant: `model ms/call` is then a bucket call that replays a
+   shape bucket, docs/engine.md "CUDA graphs") runs for every model listed, with the family's
+   main decoders (`WIDE`: LLaDA and Dream `threshold` and `fast`, whose bidirectional canvas
+   is bucketed with its padding keys masked; SDAR `threshold`) at every batch of the eager
+   variant: `model ms/call` is then a bucket call that replays a
    graph (inputs copied into its buffers included, captures taken out), `graphs` and `capture
    s` the captures a cell made and their time, `tokens vs eager` the first prompt's tokens
-   against the eager cell's. Elsewhere (a bidirectional model, no CUDA device) a skipped row
-   gives the reason; an error in a graphs cell is reported in its row and the rest still runs.
+   against the eager cell's. Without a CUDA device (`--tiny` on the CPU) a skipped row gives
+   the reason; an error in a graphs cell is reported in its row and the rest still runs.
 
 The graphs check in one command, under 6 minutes on one H100 or H200 (`--budget` skips the
 cells that would start past 300 s; LLaDA2-mini's shape, last, runs in what is left):
 
-    python scripts/gpu_check.py --out benchmarks/gpu/DATE-graphs --models sdar,llada,llada2 \
+    python scripts/gpu_check.py --out benchmarks/gpu/DATE-graphs --models sdar,llada,dream,llada2 \
         --variants eager,graphs --sections norm,rule,decode --budget 300
 
-It reports, besides the decode table (`host syncs/step` per cell: 1 for `threshold` on SDAR, and
-on LLaDA2 in calls of up to 128 tokens), the `norm` section (torch's fused rms_norm against
+It reports, besides the decode table (`host syncs/step` per cell: at most 1 for `threshold`,
+`static-1` and `static`, whose rule runs on the device and reads the scores with its counts,
+unmask/engine/commit.py), the `norm` section (torch's fused rms_norm against
 the references' formula on the device, and whether the models' norm gives the formula's bits)
 and the `rule` section (a step's commit rule on the host and on the device: microseconds and
 device reads, unmask/decoding/rules.py), which decide whether the rule belongs in the graph.
@@ -605,11 +608,9 @@ def invariance(alone: list[int], inside: list[int]) -> str:
     return f"differ from position {first}"
 
 
-def graphs_skip(family: str, device: torch.device, tiny: bool) -> str | None:
+def graphs_skip(device: torch.device) -> str | None:
     """Why the graphs variant cannot run here, known before the model is built, or None (once
     built, graphs.unsupported says the rest: an error row)."""
-    if published_config(family, tiny).block_size is None:
-        return "only block-causal models have shape buckets (docs/engine.md, \"CUDA graphs\")"
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device; this run is on {device.type}"
     return None
@@ -622,7 +623,7 @@ def section_decode(report: Report, clock: Clock, family: str, device: torch.devi
     for variant in variants:
         head = {"model": family, "variant": variant}
         graphs = variant == "graphs"
-        why = graphs_skip(family, device, tiny) if graphs else None
+        why = graphs_skip(device) if graphs else None
         if why is not None:
             report.add("decode", {**head, "skipped": why})
             continue
@@ -647,7 +648,9 @@ def section_decode(report: Report, clock: Clock, family: str, device: torch.devi
                 / report.meta["copy GB/s"] / 1e9
         if row is None or "error" in row:
             continue
-        cells = [(b, spec) for b in sz.batches for spec in (WIDE[family] if block else DECODERS)]
+        # graphs: the main decoders only, to keep the run within its budget
+        cells = [(b, spec) for b in sz.batches
+                 for spec in (WIDE[family] if block or graphs else DECODERS)]
         if variant in ("eager", "graphs"):  # (compiled, each new batch would compile again)
             cells += [(b, spec) for b in sz.wide_batches for spec in WIDE[family]]
         tokens: dict[tuple[int, str], list[int]] = {}
@@ -742,7 +745,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="decode variants for the first model (the others run eager only): eager, "
                         "int8, int4, compile[:MODE] (torch.compile mode, e.g. max-autotune-no-cudagraphs; "
                         "CUDA-graph modes are refused, an error row), graphs (--cuda-graphs on: "
-                        "block-causal models, every model listed; a skipped row elsewhere, with "
+                        "every model listed, its main decoders; a skipped row without CUDA, with "
                         "the reason)")
     p.add_argument("--sections", default="norm,rule,logits,forward,decode,load",
                    help=f"comma-separated, run in this order: {', '.join(SECTIONS)}")
@@ -769,7 +772,7 @@ def run_section(section: str, report: Report, clock: Clock, family: str, device:
         free(device)
     elif section == "decode":
         asked = args.variants.split(",")
-        # graphs run for every model (each block-causal one has a row), the rest on the first
+        # graphs run for every model, the rest on the first
         variants = asked if first else ["eager"] + [v for v in asked if v == "graphs"]
         section_decode(report, clock, family, device, sz, variants, args.tiny)
 

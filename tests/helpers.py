@@ -322,3 +322,18 @@ def math_choice_wins(lm: Any, n: int) -> tuple[int, int, float]:
                                                 for i, a in enumerate(args)])]
     wins = sum(all(scores[g[0]] > scores[j] for j in g[1:]) for g in groups)
     return wins, n, sum(1 / len(g) for g in groups) / n
+
+
+def reads_per_model_step(eng) -> list[int]:
+    """Device reads (unmask.syncs.SyncCounter, the CPU standing for a device) of each step of
+    `eng` that called the model, run until its requests finish."""
+    from unmask.syncs import SyncCounter
+
+    counts = []
+    while eng.has_unfinished:
+        calls = eng.model_calls
+        with SyncCounter(cpu_is_device=True).counting() as c:
+            eng.step()
+        if eng.model_calls > calls:
+            counts.append(c.total)
+    return counts

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from unmask.engine import Engine  # noqa: F401  (the script drives it; fail here first if it moved)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,9 +31,8 @@ def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
     # every cell ran but the graphs variant (every model's), which says why not
     skipped = {(r["model"], r["variant"]): r["skipped"] for r in rows if "skipped" in r}
     assert set(skipped) == {("llada", "graphs"), ("dream", "graphs"), ("sdar", "graphs")}
-    assert "only block-causal models" in skipped["llada", "graphs"]
-    assert "only block-causal models" in skipped["dream", "graphs"]
-    assert "need a CUDA device; this run is on cpu" in skipped["sdar", "graphs"]
+    for family in ("llada", "dream", "sdar"):  # bidirectional ones too: only CUDA is missing
+        assert "need a CUDA device; this run is on cpu" in skipped[family, "graphs"]
     # the norm computes the references' formula (on the CPU through the fused op, which gives it)
     assert {(r["RMSNorm is the formula"], r["kernel"]) for r in sections["norm"]} == {
         (True, "fused_rms")}
@@ -68,10 +69,13 @@ def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
     assert "## decode" in md and "| llada | eager | fast | 2 |" in md
 
 
-def test_the_graphs_cells_measure_bucket_calls_and_compare_tokens(monkeypatch) -> None:
+@pytest.mark.parametrize(("family", "spec"), [("sdar", "threshold"), ("llada", "threshold"),
+                                              ("llada", "fast"), ("dream", "threshold")])
+def test_the_graphs_cells_measure_bucket_calls_and_compare_tokens(family: str, spec: str,
+                                                                   monkeypatch) -> None:
     """The graphs variant's decode, on the CPU with the capture replaced by the stand-in of
     tests/test_buckets_replay.py (a GPU runs the real one): bucket calls timed, the same tokens
-    as the eager cell."""
+    as the eager cell, for the block-causal and the bidirectional families."""
     import torch
     from test_buckets_replay import replaying
 
@@ -84,9 +88,9 @@ def test_the_graphs_cells_measure_bucket_calls_and_compare_tokens(monkeypatch) -
     monkeypatch.setattr(graphs_mod, "unsupported", lambda model: None)
     monkeypatch.setattr(runner_mod, "capturer", lambda: replaying)
     sz, cpu = gpu_check.Sizes.of(True), torch.device("cpu")
-    model, _ = gpu_check.variant_model("sdar", "eager", cpu, sz, True)
-    eager, eager_tokens = gpu_check.run_decode(model, "threshold", 2, sz, cpu)
-    graphs, graphs_tokens = gpu_check.run_decode(model, "threshold", 2, sz, cpu, graphs=True)
+    model, _ = gpu_check.variant_model(family, "eager", cpu, sz, True)
+    eager, eager_tokens = gpu_check.run_decode(model, spec, 2, sz, cpu)
+    graphs, graphs_tokens = gpu_check.run_decode(model, spec, 2, sz, cpu, graphs=True)
     assert graphs_tokens == eager_tokens
     assert graphs["model ms/call"] > 0 and graphs["nfe"] == eager["nfe"]
     assert graphs["graphs"] == 0 and graphs["capture s"] == 0  # the stand-in captures nothing

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import peaky_model
+from helpers import peaky_model, reads_per_model_step
 
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
@@ -57,14 +57,7 @@ def syncs_per_call(kind: str, spec: str, concurrency: int) -> list[int]:
     eng = Engine(model, SchedulerConfig(), mask_id=MASK, eos_id=EOS)
     for p in PROMPTS[:concurrency]:
         eng.add_request(p, params)
-    counts = []
-    while eng.has_unfinished:
-        calls = eng.model_calls
-        with SyncCounter(cpu_is_device=True).counting() as c:
-            eng.step()
-        if eng.model_calls > calls:
-            counts.append(c.total)
-    return counts
+    return reads_per_model_step(eng)
 
 
 @pytest.mark.parametrize(("kind", "spec"), list(EXPECTED))
@@ -116,7 +109,7 @@ def test_to_host_is_one_read_and_exact() -> None:
         out = to_host(token, conf, ent)
     assert c.total == 1
     # the device path: one packed float64 copy, unpacked to each dtype bit for bit
-    packed = torch.stack([t.double() for t in (token, conf, ent)])
+    packed = torch.cat([t.double() for t in (token, conf, ent)])
     for got in (out, unpack(packed, (token, conf, ent))):
         for a, want in zip(got, (token, conf, ent), strict=True):
             assert a.dtype == want.numpy().dtype

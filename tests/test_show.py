@@ -139,7 +139,7 @@ def test_a_cuda_device_counts_the_k_v_store_cuda_graphs_preallocate(capsys, monk
     assert fits["cpu"]["total"] == estimate(config, work).total
     assert fits["cpu"]["graph_store_width"] == 0
     assert main(["show", str(sdar), "--batch", "3", "--dtype", "float32"]) == 0
-    assert ("CUDA graphs, calls in power-of-two shape buckets: the K/V store preallocated, "
+    assert ("CUDA graphs, calls in shape buckets: the K/V store preallocated, "
             "3 rows x 2,048 positions") in \
         capsys.readouterr().out
     assert main(["show", str(sdar), "--cuda-graphs", "off", "--json"]) == 0

@@ -67,7 +67,9 @@ class Spy:
             forwarded[r_idx, o_idx[r_idx, t_idx]] = True
             spy.calls.append(dict(x=x.clone(), pad=pad.clone(), visible=visible.clone(),
                                   refresh=refresh.clone(), fresh=as_torch(out.fresh).clone(),
-                                  token=as_torch(out.token).clone(), forwarded=forwarded,
+                                  # shared, not cloned: the decoder's commit reads the
+                                  # scores into it after the call (unmask.engine.commit)
+                                  token=as_torch(out.token), forwarded=forwarded,
                                   ok=o_ok.clone(), model=spy.model_calls[-1]))
             return out
 

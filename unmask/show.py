@@ -18,8 +18,8 @@ every generated position in the dtype plus the float32 copy scoring makes (`unma
 and one layer's activations are the MLP's three hidden-width tensors per position. A
 block-causal model adds its prefix store's budget (`--prefix-cache-gib`, default PREFIX_SHARE of
 the RAM available: unmask.engine.prefix_store), which it may fill. On a CUDA device every
-family's calls replay CUDA graphs (`--cuda-graphs auto`, the default; power-of-two shape buckets,
-a bidirectional canvas's padding keys masked: unmask.engine.buckets), which read a
+family's calls replay CUDA graphs (`--cuda-graphs auto`, the default; shape buckets, a
+bidirectional canvas's padding keys masked: unmask.engine.buckets), which read a
 K/V store allocated once for every row at its full width (unmask.engine.graphs,
 `store_width`): there the K/V term is the batch's rows at that width (the canvas's own where it
 is longer). The graphs' own memory is one pool holding one call's activations (the activations
@@ -296,7 +296,7 @@ def print_report(r: dict) -> None:
     ]
     for dev, f in r["fits"].items():
         what = "RAM available" if dev == "cpu" else "free"
-        store = (f" (CUDA graphs, calls in power-of-two shape buckets: the K/V store "
+        store = (f" (CUDA graphs, calls in shape buckets: the K/V store "
                  f"preallocated, {w['batch']} rows x "
                  f"{f['graph_store_width']:,} positions; {gib(f['total'])} in all)"
                  if f["graph_store_width"] else "")

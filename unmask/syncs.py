@@ -40,23 +40,27 @@ def cpu_only(fn: F) -> F:
 
 @cpu_only
 def to_host(*tensors: Tensor) -> list[np.ndarray]:
-    """Tensors of one device (each (N,): int64 below 2^53, float32 or bool) as numpy arrays, in
-    one device-to-host copy: on a device they are packed into one float64 (k, N) tensor, which
-    holds each of those values exactly, and unpacked on the host. CPU tensors are read in place."""
+    """Tensors of one device (each 1-D, of any lengths: int64 below 2^53, float32 or bool) as
+    numpy arrays, in one device-to-host copy: on a device they are packed into one float64
+    tensor, which holds each of those values exactly, and unpacked on the host. CPU tensors are
+    read in place."""
     if tensors[0].device.type == "cpu":
         for c in _counters:
             c.note("to_host")  # the one copy a device would make
         return [t.numpy() for t in tensors]
-    return unpack(torch.stack([t.double() for t in tensors]).cpu(), tensors)
+    return unpack(torch.cat([t.double() for t in tensors]).cpu(), tensors)
 
 
 NUMPY_DTYPE = {torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
 
 
 def unpack(packed: Tensor, like: tuple[Tensor, ...]) -> list[np.ndarray]:
-    """(k, N) float64 host tensor -> k arrays of the dtypes of `like`."""
-    rows = packed.numpy()
-    return [rows[i].astype(NUMPY_DTYPE[t.dtype]) for i, t in enumerate(like)]
+    """float64 host tensor of `like`'s values one after another -> arrays of their lengths and
+    dtypes."""
+    flat = packed.numpy()
+    ends = np.cumsum([t.shape[0] for t in like]).tolist()
+    return [flat[end - t.shape[0] : end].astype(NUMPY_DTYPE[t.dtype])
+            for end, t in zip(ends, like, strict=True)]
 
 
 def _in_cpu_only(frame: FrameType | None) -> bool:

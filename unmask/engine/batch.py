@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from unmask.decoding.params import row_knobs
 from unmask.engine.request import Request
@@ -43,6 +44,38 @@ class Predictions:
     conf: np.ndarray  # (R, S) float
     entropy: np.ndarray  # (R, S) float
     fresh: np.ndarray  # (R, S) bool
+
+
+@dataclass
+class Pending:
+    """A forward's scores left on the device until the next rule step reads them
+    (unmask.engine.commit.DeviceCommit): N scored (row, slot) places of the batch."""
+
+    rows: np.ndarray  # (N,) batch row
+    slots: np.ndarray  # (N,) canvas slot
+    token: Tensor  # (N,) int64, on the device
+    conf: Tensor  # (N,) float32
+    entropy: Tensor  # (N,) float32
+
+    def keep(self, which: np.ndarray, rows: np.ndarray, slots: np.ndarray) -> Pending:
+        """The places `which` (N,) bool, now at batch rows `rows` and slots `slots` (N,)."""
+        index = torch.from_numpy(np.flatnonzero(which)).to(self.token.device)
+        return Pending(rows[which], slots[which],
+                       *(t.index_select(0, index) for t in (self.token, self.conf, self.entropy)))
+
+    def taken(self, idx: np.ndarray) -> Pending:
+        """After the batch kept its rows `idx` (in that order)."""
+        size = max(int(self.rows.max(initial=-1)), int(idx.max(initial=-1))) + 1
+        new_row = np.full(size, -1, dtype=np.int64)  # old batch row -> new (-1: left)
+        new_row[idx] = np.arange(idx.size)
+        moved = new_row[self.rows]
+        return self.keep(moved >= 0, moved, self.slots)
+
+    def shifted(self, front: int, width: int) -> Pending:
+        """After `front` slots were added (dropped, when negative) before every row of a canvas
+        now `width` slots wide."""
+        slots = self.slots + front
+        return self.keep((slots >= 0) & (slots < width), self.rows, slots)
 
 
 @dataclass
@@ -119,6 +152,9 @@ class DecodeBatch:
         self.rows = Rows.joining([], 0)
         self.preds = Predictions(np.empty((0, 0), dtype=np.int64), np.empty((0, 0), dtype=np.float32),
                                  np.empty((0, 0), dtype=np.float32), np.empty((0, 0), dtype=bool))
+        # scores of preds left on the device until the next rule step reads them
+        # (unmask.engine.commit.DeviceCommit; None: every score is in preds)
+        self.pending: Pending | None = None
         self.store: KVStore | None = None
         self.store_row = np.empty(0, dtype=np.int64)  # (R,) the row's store row
         self._free: list[int] = []  # store rows no batch row holds
@@ -179,6 +215,8 @@ class DecodeBatch:
         self.x, self.commit_step = self.x[idx], self.commit_step[idx]
         pr = self.preds
         self.preds = Predictions(pr.token[idx], pr.conf[idx], pr.entropy[idx], pr.fresh[idx])
+        if self.pending is not None:
+            self.pending = self.pending.taken(idx)
         if self.store is not None:
             gone = self.store_row[~np.array(keep)]
             self.store.invalidate(gone)
@@ -231,6 +269,8 @@ class DecodeBatch:
         pr = self.preds
         self.preds = Predictions(pad(pr.token, self.mask_id), pad(pr.conf, float("-inf")),
                                  pad(pr.entropy, 0.0), pad(pr.fresh, False))
+        if self.pending is not None:
+            self.pending = self.pending.shifted(front, self.x.shape[1])
         self.rows = self.rows.shifted(front)
         self.P += front
         self.S += front + back

@@ -132,14 +132,18 @@ class Buckets:
     min_rows: a bucket's calls give every matrix product at least this many rows (the runner's
     `ProductRows.blocks`: fewer can round differently). wrap: what a bucket's call becomes
     (unmask.engine.graphs: `eager`, or `capture` for a CUDA graph); max_keys: calls reading
-    more stored keys run eagerly, unwrapped (None: no limit)."""
+    more stored keys run eagerly, unwrapped (None: no limit). shapes: the (tokens, keys)
+    rounding of each row's counts in place of the rule's, which then rounds the rows only (the
+    runner gives a bidirectional model its eager calls' attention shapes: see there)."""
 
     def __init__(self, rule: str, device: torch.device, min_rows: int,
                  wrap: Callable[[BucketCall], Callable[[], CallOut]] = eager,
-                 max_keys: int | None = None) -> None:
+                 max_keys: int | None = None,
+                 shapes: tuple[Callable[[np.ndarray], np.ndarray], ...] | None = None) -> None:
         if rule not in BUCKET_RULES:
             raise ValueError(f"unknown bucket rule {rule!r}; valid: {', '.join(BUCKET_RULES)}")
         self.round, self.device, self.min_rows = BUCKET_RULES[rule], device, min_rows
+        self.shapes = shapes or (self.round, self.round)
         self.wrap, self.max_keys = wrap, max_keys
         self.buffers: dict[Bucket, BucketBuffers] = {}
         # each bucket's call and the store it reads (a call reads the store's tensor where it
@@ -148,7 +152,8 @@ class Buckets:
 
     def buckets(self, n_tokens: np.ndarray, n_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(R,) each row's bucket tokens and keys, from its own counts."""
-        return np.maximum(self.round(n_tokens), 1), self.round(n_keys)
+        tokens, keys = self.shapes
+        return np.maximum(tokens(n_tokens), 1), keys(n_keys)
 
     def call(self, model: nn.Module, c: CallRows, past: Past | None,
              ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:

@@ -24,6 +24,7 @@ from unmask.decoding.methods import BlockSchedule, make_method
 from unmask.decoding.params import DecodeParams, batch_params
 from unmask.decoding.rules import candidate_ranks, select_top
 from unmask.engine.batch import DecodeBatch
+from unmask.engine.commit import make_commit
 from unmask.engine.graphs import CudaGraphs
 from unmask.engine.layout import make_layout
 from unmask.engine.runner import Forwarded, ForwardPlan, Runner, StoreRead
@@ -87,6 +88,8 @@ class Decoder:
         self.suffix = make_suffix_policy(params)
         self.runner = Runner(model, params, mask_id, eos_id, self.suffix, graphs)
         self.device = self.runner.device
+        # where the rule runs, and so when a forward's scores are read (unmask.engine.commit)
+        self.commit = make_commit(self.device, self.method)
         self.store_capacity = graphs.store_capacity(model) if self.runner.captures else None
 
     def new_batch(self) -> DecodeBatch:
@@ -121,6 +124,8 @@ class Decoder:
             exit_ready = self._exit_ready(b, drafts.x, draft_masked, draft_pad) & early[drafts.parent]
             need &= ~exit_ready
         fw = self._forward(b, drafts, need, draft_start, cons)
+        if fw is not None:
+            self.commit.scored(b, fw)
         self._count(b, drafts, fw, need)
         chosen = self._verify(b, drafts, fw, need, draft_start, exit_ready, cons)
         first = np.arange(len(b))  # each row's first draft: the rule's step
@@ -178,7 +183,7 @@ class Decoder:
         conf = pr.conf
         cand = self._candidates(b, x, start, pr.fresh, hp) & hp[:, None]
         schedule = self._schedule(b, start, cand) if self.method.uses_schedule else None
-        n0 = np.where(hp, self.method.count(conf, cand, schedule, b.rows.knobs, pr.entropy), 0)
+        n0 = np.where(hp, self.commit.count(b, self.method, cand, schedule), 0)
         rows = np.arange(len(b))
         # Drafts past the block's end would repeat; drafts adding unconfident positions are
         # unlikely to pass verification. draft_conf 0 filters nothing, whatever the ranking
@@ -426,6 +431,7 @@ class Decoder:
         pr.conf[rows] = np.where(keep_old, np.float32(-np.inf), fw.conf[fi])
         pr.entropy[rows] = fw.entropy[fi]
         pr.fresh[rows] = fw.fresh[fi]
+        self.commit.accepted(b, fw, rows, fi)
         b.rows.has_preds[rows] = True
         if b.store is not None:
             refreshed = fw.refresh[fi]

@@ -69,12 +69,15 @@ class CudaGraphs:
     def plan(self, model: nn.Module) -> str:
         """The start-up log's line on what graphs hold: the buckets, and the store they read."""
         rows, width = self.store_capacity(model)
-        padding = ("keys past a token's block masked" if getattr(model.config, "block_size", None)
-                   else "a bidirectional canvas's padding keys masked")
-        return (f"CUDA graphs on: {type(model).__name__}'s calls in power-of-two buckets of rows x "
-                f"forwarded tokens x stored keys ({padding}, padding queries dropped), each "
-                f"captured at its first call; calls reading more than {self.max_keys} stored keys "
-                f"run eagerly; K/V store preallocated, {rows} rows x {width} positions")
+        if getattr(model.config, "block_size", None):
+            shape = "power-of-two buckets of rows x forwarded tokens x stored keys"
+        else:  # unmask.engine.runner, Runner._buckets
+            shape = ("buckets of power-of-two rows x forwarded tokens x stored keys at the eager "
+                     "call's attention shapes (a bidirectional canvas's padding keys masked)")
+        return (f"CUDA graphs on: {type(model).__name__}'s calls in {shape}, padding queries "
+                f"dropped, each captured at its first call; calls reading more than "
+                f"{self.max_keys} stored keys run eagerly; K/V store preallocated, {rows} rows x "
+                f"{width} positions")
 
     def too_big(self, model: nn.Module) -> str | None:
         """Why one batch's preallocated K/V store would not fit the device's free memory, or

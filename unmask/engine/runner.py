@@ -4,7 +4,8 @@ for the other visible slots, and score the positions the decoder needs.
 This is the only place that turns a canvas into model inputs, so every decoder, cache policy and
 suffix policy shares it. It is also where the host meets the device: the rows come in as host
 arrays (unmask.engine.batch), the model's inputs go to its device in one copy each, and the
-scores come back in one copy (token, confidence and entropy packed: unmask.syncs.to_host).
+scores stay there (`Scores`) until the decoder's commit reads them in one copy
+(unmask.engine.commit).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from unmask.engine.graphs import CudaGraphs, capturer
 from unmask.engine.product_rows import ProductRows, product_rows
 from unmask.kv import Frame, KVStore, Past, RowGroup, Span
 from unmask.suffix import SuffixPolicy
-from unmask.syncs import to_host
 
 # A row's shape in a model call depends on the row alone, whoever shares the call, because the
 # CPU kernels round a row's results differently with the shapes around it (BENCHMARKS.md,
@@ -133,11 +133,23 @@ class ForwardPlan:
 
 
 @dataclass
+class Scores:
+    """A forward's scores on the model's device, at N (row, slot) places of its rows."""
+
+    rows: np.ndarray  # (N,) forward row
+    slots: np.ndarray  # (N,) canvas slot
+    token: Tensor  # (N,) int64
+    conf: Tensor  # (N,) float32
+    entropy: Tensor  # (N,) float32
+
+
+@dataclass
 class Forwarded:
     """Result of one forward of R rows, scattered back to canvas slots (host arrays, but for
-    the K/V, which stays on the model's device until the store takes it)."""
+    the K/V, which stays on the model's device until the store takes it, and `scores`, which
+    fill token, conf and entropy once the decoder's commit reads them: unmask.engine.commit)."""
 
-    token: np.ndarray  # (R, S) int64  predicted token per slot (valid where `fresh`)
+    token: np.ndarray  # (R, S) int64  predicted token per slot (valid where `fresh`, once read)
     conf: np.ndarray  # (R, S) float32 confidence
     entropy: np.ndarray  # (R, S) float32 entropy of the predictive distribution
     fresh: np.ndarray  # (R, S) bool  slots scored by this forward
@@ -149,6 +161,7 @@ class Forwarded:
     refresh: np.ndarray  # (R,) bool, the row was a full forward
     visible: np.ndarray  # (R, S) bool, slots that took part (forwarded or read from the store)
     n_tokens: np.ndarray  # (R,) token-forwards per row (ok's count)
+    scores: Scores  # on the device
 
 
 class Runner:
@@ -207,8 +220,14 @@ class Runner:
         """The bucketed forward: captured in CUDA graphs where `graphs` is active
         (power-of-two buckets: few shapes, so few graphs), else by `bucket_rule`."""
         if self.captures:
+            # A bidirectional row's bucket is the attention shape its eager call has (exact, or
+            # canonical for a cache that reads stale keys: `self.shapes`), its rows a power of
+            # two: its canvas's keys padded to a power of two change bfloat16 bits, and with
+            # random weights' near ties the tokens (scripts/gpu_check.py --tiny), where the
+            # eager shapes give eager's bits. A block-causal row forwards a block: pow2.
+            shapes = None if self.block_size is not None else ATTENTION_SHAPES[self.shapes]
             return Buckets("pow2", self.device, self.rows.blocks, wrap=capturer(),
-                           max_keys=graphs.max_keys)
+                           max_keys=graphs.max_keys, shapes=shapes)
         if self.bucket_rule is not None:
             return Buckets(self.bucket_rule, self.device, self.rows.blocks)
         return None
@@ -279,12 +298,9 @@ class Runner:
         conf = np.full((r, s), -np.inf, dtype=np.float32)
         ent = np.zeros((r, s), dtype=np.float32)
         fresh = np.zeros((r, s), dtype=bool)
-        # the step's one read of the device (unmask/syncs.py)
-        token[rows, tslots], conf[rows, tslots], ent[rows, tslots] = to_host(
-            sc.token, sc.conf, sc.entropy)
         fresh[rows, tslots] = True
         return Forwarded(token, conf, ent, fresh, kv, kv_at, idx, ids, ok, plan.refresh, visible,
-                         n_tokens)
+                         n_tokens, Scores(rows, tslots, sc.token, sc.conf, sc.entropy))
 
     @staticmethod
     def _past(cached: np.ndarray, read: StoreRead | None, block_size: int | None,
