@@ -17,7 +17,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig, decode
 from unmask.engine import commit as commit_mod
 from unmask.engine import decoder as decoder_mod
-from unmask.engine.batch import Pending
+from unmask.engine.batch import Scores
 
 VOCAB, MASK, EOS = 64, 63, 1
 # lengths that make a later request widen the canvas at the front while others are pending
@@ -93,7 +93,7 @@ def test_drafts_and_the_cpu_keep_the_rule_on_the_host() -> None:
 
 
 def test_pending_scores_follow_their_rows_and_slots() -> None:
-    p = Pending(np.array([0, 1, 2, 2]), np.array([3, 0, 5, 7]), torch.tensor([10, 11, 12, 13]),
+    p = Scores(np.array([0, 1, 2, 2]), np.array([3, 0, 5, 7]), torch.tensor([10, 11, 12, 13]),
                 torch.tensor([0.1, 0.2, 0.3, 0.4]), torch.zeros(4))
     kept = p.taken(np.array([2, 0]))  # row 1 left; rows 2 and 0 are now 0 and 1
     assert kept.rows.tolist() == [1, 0, 0] and kept.slots.tolist() == [3, 5, 7]

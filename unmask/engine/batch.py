@@ -47,23 +47,24 @@ class Predictions:
 
 
 @dataclass
-class Pending:
-    """A forward's scores left on the device until the next rule step reads them
-    (unmask.engine.commit.DeviceCommit): N scored (row, slot) places of the batch."""
+class Scores:
+    """A forward's scores on the model's device at N (row, slot) places: the forward's rows as
+    the runner returns them, the batch's rows once accepted and left there until the next rule
+    step reads them (unmask.engine.commit.DeviceCommit)."""
 
-    rows: np.ndarray  # (N,) batch row
+    rows: np.ndarray  # (N,) row
     slots: np.ndarray  # (N,) canvas slot
     token: Tensor  # (N,) int64, on the device
     conf: Tensor  # (N,) float32
     entropy: Tensor  # (N,) float32
 
-    def keep(self, which: np.ndarray, rows: np.ndarray, slots: np.ndarray) -> Pending:
+    def keep(self, which: np.ndarray, rows: np.ndarray, slots: np.ndarray) -> Scores:
         """The places `which` (N,) bool, now at batch rows `rows` and slots `slots` (N,)."""
         index = torch.from_numpy(np.flatnonzero(which)).to(self.token.device)
-        return Pending(rows[which], slots[which],
+        return Scores(rows[which], slots[which],
                        *(t.index_select(0, index) for t in (self.token, self.conf, self.entropy)))
 
-    def taken(self, idx: np.ndarray) -> Pending:
+    def taken(self, idx: np.ndarray) -> Scores:
         """After the batch kept its rows `idx` (in that order)."""
         size = max(int(self.rows.max(initial=-1)), int(idx.max(initial=-1))) + 1
         new_row = np.full(size, -1, dtype=np.int64)  # old batch row -> new (-1: left)
@@ -71,7 +72,7 @@ class Pending:
         moved = new_row[self.rows]
         return self.keep(moved >= 0, moved, self.slots)
 
-    def shifted(self, front: int, width: int) -> Pending:
+    def shifted(self, front: int, width: int) -> Scores:
         """After `front` slots were added (dropped, when negative) before every row of a canvas
         now `width` slots wide."""
         slots = self.slots + front
@@ -154,7 +155,7 @@ class DecodeBatch:
                                  np.empty((0, 0), dtype=np.float32), np.empty((0, 0), dtype=bool))
         # scores of preds left on the device until the next rule step reads them
         # (unmask.engine.commit.DeviceCommit; None: every score is in preds)
-        self.pending: Pending | None = None
+        self.pending: Scores | None = None
         self.store: KVStore | None = None
         self.store_row = np.empty(0, dtype=np.int64)  # (R,) the row's store row
         self._free: list[int] = []  # store rows no batch row holds

@@ -6,7 +6,7 @@ per decoder, chosen by the model's device (`make_commit`).
   numpy. On the CPU the "read" waits for nothing and numpy's rule costs a third of the same
   rule on tensors (BENCHMARKS.md, "Host overhead"), so the CPU stays here.
 - `DeviceCommit` (a GPU, for `static`, `static-1` and `threshold`): the scores stay on the
-  device (unmask.engine.batch.Pending) until the next step's rule, which runs on them there
+  device (`DecodeBatch.pending`) until the next step's rule, which runs on them there
   (unmask/decoding/rules.py on tensors) and reads the scores and its counts in one copy. The
   host's bookkeeping after a forward (accepting the commits, writing the K/V store, finishing
   rows, the engine's events) then runs while the device computes the forward, instead of
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from unmask.decoding.methods import BlockSchedule, Method
-from unmask.engine.batch import DecodeBatch, Pending
+from unmask.engine.batch import DecodeBatch
 from unmask.engine.runner import Forwarded
 from unmask.syncs import to_host
 
@@ -64,7 +64,7 @@ class DeviceCommit(HostCommit):
         row_of = np.full(fw.fresh.shape[0], -1, dtype=np.int64)  # forward row -> batch row
         row_of[fi] = rows
         to = row_of[s.rows]
-        b.pending = Pending(s.rows, s.slots, s.token, s.conf, s.entropy).keep(to >= 0, to, s.slots)
+        b.pending = s.keep(to >= 0, to, s.slots)
 
     def count(self, b: DecodeBatch, method: Method, cand: np.ndarray,
               schedule: BlockSchedule | None) -> np.ndarray:
@@ -79,7 +79,9 @@ class DeviceCommit(HostCommit):
 
         flat = on(p.rows * pr.conf.shape[1] + p.slots)
         conf = on(pr.conf).view(-1).index_copy(0, flat, p.conf).view(pr.conf.shape)  # (R, S)
-        entropy = on(pr.entropy).view(-1).index_copy(0, flat, p.entropy).view(pr.conf.shape)
+        entropy = None  # the rules that run on the device read no entropy
+        if method.reads_entropy:
+            entropy = on(pr.entropy).view(-1).index_copy(0, flat, p.entropy).view(pr.conf.shape)
         knobs = _Knobs(b.rows.knobs, on)
         sched = None if schedule is None else BlockSchedule(
             on(schedule.masked_at_start), on(schedule.step), on(schedule.steps_per_block))

@@ -21,6 +21,7 @@ from unmask.decoding.grammar import TokenMasks
 from unmask.decoding.knobs import entry
 from unmask.decoding.params import DecodeParams
 from unmask.decoding.scoring import score
+from unmask.engine.batch import Scores
 from unmask.engine.buckets import Buckets, CallRows
 from unmask.engine.graphs import CudaGraphs, capturer
 from unmask.engine.product_rows import ProductRows, product_rows
@@ -133,17 +134,6 @@ class ForwardPlan:
 
 
 @dataclass
-class Scores:
-    """A forward's scores on the model's device, at N (row, slot) places of its rows."""
-
-    rows: np.ndarray  # (N,) forward row
-    slots: np.ndarray  # (N,) canvas slot
-    token: Tensor  # (N,) int64
-    conf: Tensor  # (N,) float32
-    entropy: Tensor  # (N,) float32
-
-
-@dataclass
 class Forwarded:
     """Result of one forward of R rows, scattered back to canvas slots (host arrays, but for
     the K/V, which stays on the model's device until the store takes it, and `scores`, which
@@ -161,7 +151,7 @@ class Forwarded:
     refresh: np.ndarray  # (R,) bool, the row was a full forward
     visible: np.ndarray  # (R, S) bool, slots that took part (forwarded or read from the store)
     n_tokens: np.ndarray  # (R,) token-forwards per row (ok's count)
-    scores: Scores  # on the device
+    scores: Scores  # on the device, at the forward's rows
 
 
 class Runner:
