@@ -35,6 +35,8 @@ numbers, not accuracy.
    a device-to-device copy, per second), the least time a call that reads every weight once can
    take; `x floor` = model ms/call over it; `host syncs/step` = device-to-host reads per engine
    step (`unmask.syncs.SyncCounter`; on the CPU, the reads the same step would make on a GPU);
+   `rule on` = where the commit rule ran (`device` for `static`, `static-1` and `threshold`
+   off the CPU, unmask/engine/commit.py; else `host`);
    `peak GiB` = peak device memory allocated during the decode (CUDA only). A `batch
    invariance` row per model and variant: the first prompt's tokens decoded alone against the
    same prompt as the first row of the batch-16 decode (on --tiny: of 2), identical or the
@@ -568,7 +570,11 @@ def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch
            "nfe": statistics.mean(r.nfe for r in reqs), "steps": steps,
            "host ms/step": (wall - timer.seconds) / steps * 1e3,
            "model ms/call": (timer.seconds - capture_timer.seconds) / max(timer.calls, 1) * 1e3,
-           "host syncs/step": syncs.total / steps}
+           "host syncs/step": syncs.total / steps,
+           # where the commit rule ran (unmask.engine.commit: the device's for static,
+           # static-1 and threshold off the CPU)
+           "rule on": ",".join(sorted({type(d.commit).__name__.removesuffix("Commit").lower()
+                                       for d in engine.decoders.values()}))}
     if graphs:
         row |= {"graphs": capture_timer.calls, "capture s": capture_timer.seconds}
     if device.type == "cuda":

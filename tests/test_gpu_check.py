@@ -59,6 +59,7 @@ def test_gpu_check_tiny_runs_every_cell(tmp_path: Path) -> None:
             assert r["floor ms"] > 0 and r["x floor"] > 0
             # the scores are read once a step (tests/test_host_syncs.py pins each decoder's count)
             assert 0 < r["host syncs/step"] <= 1
+            assert r["rule on"] == "host"  # the CPU keeps the numpy rule
     invariance = [r for r in sections["decode"] if "batch invariance" in r]
     assert {(r["model"], r["variant"], r["decoder"]) for r in invariance} >= {
         ("llada", "eager", "threshold"), ("llada", "eager", "fast"), ("sdar", "eager", "threshold")}

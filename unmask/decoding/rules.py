@@ -1,9 +1,9 @@
 """The commit rules: which masked positions of the current block to commit, over the decode
-state's (R, S) arrays. The engine runs them on the host (numpy; unmask.engine.batch says why);
-each function here takes torch tensors too and then runs on their device with the same results
-(tests/test_device_rules.py), the rule of a step that never leaves the device
-(docs/engine.md, "Host syncs"). Scoring a position (token and confidence) runs on the model's
-device: unmask.decoding.scoring.
+state's (R, S) arrays. On the CPU the engine runs them on the host (numpy; unmask.engine.batch
+says why); each function here takes torch tensors too and then runs on their device with the
+same results (tests/test_device_rules.py), as a GPU's engine runs `static`, `static-1` and
+`threshold` (unmask.engine.commit; docs/engine.md, "Host syncs"). Scoring a position (token
+and confidence) runs on the model's device: unmask.decoding.scoring.
 
 Ties (docs/design.md § Exactness and ties), one rule used everywhere: argmax over the vocabulary keeps
 the lowest token id (torch.argmax returns the first maximum) and rankings over positions keep

@@ -19,8 +19,9 @@ row takes a free store row, a leaving row frees its own (KVStore).
 The decode state lives on the host, as numpy arrays, whatever the model's device: a step's
 bookkeeping (drafts, blocks, cache and suffix plans, verification) is a few hundred operations
 on arrays of a few hundred entries, where a numpy call costs ~1 us and a torch call 3-5 us
-(BENCHMARKS.md, "Host overhead"). Only the K/V store's tensors are on the model's device; a
-model call copies its inputs there and its scores back (unmask.engine.runner).
+(BENCHMARKS.md, "Host overhead"). Only the K/V store's tensors are on the model's device,
+and on a GPU the last forward's scores until the next rule step reads them (`pending`,
+unmask.engine.commit); a model call copies its inputs there (unmask.engine.runner).
 """
 
 from __future__ import annotations
