@@ -543,8 +543,11 @@ def run_decode(model: nn.Module, spec: str, batch: int, sz: Sizes, device: torch
     g = torch.Generator().manual_seed(seed)
     high = min(c.vocab_size, c.mask_token_id)
     prompts = [torch.randint(0, high, (sz.prompt,), generator=g).tolist() for _ in range(batch)]
+    # graphs preallocate the K/V store: as wide as the canvas, not the model's context (4,096
+    # positions of LLaDA-8B's 32 K/V heads for 64 rows would be 137 GB)
     engine = Engine(model, SchedulerConfig(max_running=batch),
-                    graphs=CudaGraphs("on") if graphs else None)
+                    graphs=CudaGraphs("on", max_keys=sz.prompt + params.gen_length)
+                    if graphs else None)
     timer = CallTimer(Buckets, "call", device) if graphs else CallTimer(model, "forward", device)
     capture_timer = CallTimer(graphs_mod, "capture", device)
     if device.type == "cuda":
