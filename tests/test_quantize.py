@@ -12,12 +12,15 @@ import pytest
 import torch
 from helpers import tiny_model, tiny_model_dir
 
+from unmask import weights
 from unmask.api import LLM, InputError
 from unmask.checkpoint import CheckpointError, save_checkpoint
 from unmask.cli import main
 from unmask.decoding.params import DecodeParams
 from unmask.quantize import (
+    INT4_CPU_ROW_BLOCK,
     QUANTIZED_FILE,
+    LoadQuantizer,
     block_linears,
     check_quantize,
     quantize_model,
@@ -110,6 +113,77 @@ def test_quantizing_while_loading_gives_the_weights_quantizing_after_does(folder
         assert type(t) is type(want[key]), key
         assert all(torch.equal(a, b) for a, b in zip(_parts(t), _parts(want[key]), strict=True)), key
     assert weight_bytes(during) == weight_bytes(after)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_weight_is_quantized_a_slice_of_rows_at_a_time(tmp_path: Path, monkeypatch,
+                                                         scheme: str) -> None:
+    """On the CPU a load quantizes a block linear's weight a slice of rows at a time, so it holds
+    one slice's float temporaries, not the whole weight's; the slices joined are the bytes that
+    quantizing the whole weight after the load gives (int4 slices start on torch's 64-row
+    packing blocks: slices of 32 or 96 rows pack to other bytes). MLP rows 352: five slices of
+    64 and a tail of 32."""
+    from unmask.checkpoint import load_model
+
+    folder = tiny_model_dir(tmp_path, "llada", d_model=128, mlp_hidden_size=352)
+    dtype = DTYPE[scheme]
+    after = load_model(folder, "cpu", dtype)
+    quantize_model(after, scheme)
+    monkeypatch.setattr(weights, "SLICE_BYTES", 1)  # the fewest rows a slice may have
+    rows: list[int] = []
+    whole = LoadQuantizer._quantize
+    monkeypatch.setattr(LoadQuantizer, "_quantize",
+                        lambda self, key, t: rows.append(t.shape[0]) or whole(self, key, t))
+    during = load_model(folder, "cpu", dtype, quantize=scheme)
+    assert max(rows) == INT4_CPU_ROW_BLOCK and 32 in rows
+    assert len(rows) > len(block_linears(during))
+    want = after.state_dict()
+    for key, t in during.state_dict().items():
+        assert type(t) is type(want[key]) and t.shape == want[key].shape, key
+        assert all(torch.equal(a, b) for a, b in zip(_parts(t), _parts(want[key]), strict=True)), key
+
+
+def test_a_quantized_weights_float_tensor_is_freed_before_the_next_is_read(folders,
+                                                                           monkeypatch) -> None:
+    """A load that quantizes lets go of each float weight once it is quantized: none is still
+    held (by the loop or the reader) while the next tensor is read."""
+    import weakref
+
+    from unmask import checkpoint
+
+    floats: list[weakref.ref] = []
+    held: list[int] = []
+    quantize = LoadQuantizer.__call__
+
+    def recording(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        if key in self.targets:
+            floats.append(weakref.ref(t))
+        return quantize(self, key, t)
+
+    class Reader:  # safetensors' file, counting the float weights alive at each read
+        def __init__(self, handle) -> None:
+            self.handle = handle
+
+        def __enter__(self) -> Reader:
+            self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return self.handle.keys()
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            held.append(sum(ref() is not None for ref in floats))
+            return self.handle.get_tensor(name)
+
+    real = checkpoint.safe_open
+    monkeypatch.setattr(LoadQuantizer, "__call__", recording)
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: Reader(real(*a, **k)))
+    checkpoint.load_model(folders["llada"], "cpu", quantize="int8")
+    assert floats
+    assert max(held) == 0, held
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor]:

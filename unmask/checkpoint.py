@@ -210,6 +210,7 @@ def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
                                       f"(in {dtype}); the checkpoint is damaged")
             if quantizer is not None:
                 state[key] = quantizer(key, state[key])
+            del t  # a converted tensor's float original goes now, not once the next is read
     missing = [k for k in expected if k not in state]
     if missing:
         raise CheckpointError(f"missing tensor {missing[0]!r}"
@@ -306,6 +307,7 @@ def _read(file: Path, listed: list[str] | None, backend: str):
                 raise CheckpointError(f"{file.name}: tensor {name!r} cannot be read"
                                       f"{_dtype_note(f, name)}: {e}") from None
             yield name, tensor
+            del tensor  # nor held here while the next is read (the caller may have converted it)
 
 
 def _dtype_note(f, name: str) -> str:

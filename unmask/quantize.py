@@ -55,13 +55,19 @@ from unmask.memory import mib  # noqa: F401  (re-exported: the scripts' sizes)
 from unmask.packing import PackedLinear
 from unmask.rowint8 import SCHEME as ROW_SCHEME
 from unmask.rowint8 import RowInt8Linear, check_device, quantize_rows
-from unmask.weights import LayerLoader, block_linears, release_host_memory, trim_heap
+from unmask.weights import LayerLoader, block_linears, release_host_memory, row_slices, trim_heap
 
 SCHEMES = ("int8", "int4", ROW_SCHEME)  # w8a8: unmask.rowint8 (int8 activations too), opt-in
 INSTALL = "pip install 'unmask[quant]'"
 MIN_TORCHAO = (0, 18)  # PrototypeInt4WeightOnlyConfig (0.17 names it otherwise)
 INT4_GROUP_SIZES = (128, 64, 32)  # what both int4 packings accept, largest first
 QUANTIZED_FILE = "model.torchao.pt"
+# torch's int4 CPU packing (_convert_weight_to_int4pack_for_cpu) lays rows out in blocks of 64:
+# slices of 32 or 96 rows pack to other bytes than the whole weight, slices of 64k rows to the same
+INT4_CPU_ROW_BLOCK = 64
+# Inner tensors of torchao's CPU tensors whose rows (the weight's output rows) are not dim 0:
+# Int4OpaqueTensor's scale_and_zero is (in / group, out, 2).
+_ROW_DIMS = {"Int4OpaqueTensor": {"scale_and_zero": 1}}
 
 # The torchao tensor types this module creates, by class name (no torchao import needed to ask).
 TENSOR_SCHEMES = {"Int8Tensor": "int8", "Int4OpaqueTensor": "int4",
@@ -193,21 +199,32 @@ class LoadQuantizer:
         """The tensor load_model assigns for `key`: quantized for a block linear's weight, `t`
         for another. load_model reads a quantizing load's tensors into buffers of their own (not
         views of a mapped file: unmask.checkpoint.READ_BACKEND), so a float weight's memory
-        goes once it is quantized."""
+        goes once it is quantized. On the CPU a weight is quantized a slice of rows at a time
+        (unmask.weights.row_slices; the same bytes: join_rows)."""
         if key not in self.targets:
             return t
+        if t.device.type != "cpu":
+            return self._quantize(key, t)
+        parts = []
+        for rows in row_slices(t, INT4_CPU_ROW_BLOCK):
+            parts.append(self._quantize(key, rows))
+            trim_heap()  # the slice's float temporaries, which glibc would keep (trim_heap)
+        weight = join_rows(parts, t.shape)
+        parts.clear()  # the slices' own copies, now joined
+        trim_heap()
+        return weight
+
+    def _quantize(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` (out, in) as torchao's tensor for this scheme."""
         from torchao.quantization import quantize_
 
-        target = self.targets[key]
         with torch.device("meta"):
-            layer = nn.Linear(target.in_features, target.out_features, bias=False)
+            layer = nn.Linear(t.shape[1], t.shape[0], bias=False)
         layer.weight = nn.Parameter(t, requires_grad=False)
         quantize_(layer, self.config)
         if not _is_torchao(layer.weight):  # torchao leaves a layer it cannot quantize as it was
             raise InputError(f"torchao left {key} unquantized ({self.scheme}); its weight is "
-                             f"{tuple(t.shape)}")
-        if t.device.type == "cpu":  # torchao's float temporaries, freed into glibc's heap
-            trim_heap()
+                             f"{tuple(self.targets[key].weight.shape)}")
         return layer.weight
 
     def finish(self, model: nn.Module) -> None:
@@ -217,6 +234,21 @@ class LoadQuantizer:
 
 
 
+
+
+def join_rows(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """One torchao CPU tensor of `shape` from those of its consecutive row slices, made of
+    their inner tensors concatenated (the same bytes as quantizing the whole weight: each row's
+    scales are its own, and int4 slices start at a multiple of INT4_CPU_ROW_BLOCK rows:
+    tests/test_quantize.py)."""
+    if len(parts) == 1:
+        return parts[0]
+    names, attributes = parts[0].__tensor_flatten__()
+    dims = _ROW_DIMS.get(type(parts[0]).__name__, {})
+    inner = {n: torch.cat([getattr(p, n) for p in parts], dim=dims.get(n, 0)) for n in names}
+    if "shape" in attributes:  # Int4OpaqueTensor holds its logical shape
+        attributes = {**attributes, "shape": shape}
+    return type(parts[0]).__tensor_unflatten__(inner, attributes, shape, None)
 
 
 def _torchao_config(scheme: str, linears: dict[str, nn.Linear], dtype: torch.dtype,

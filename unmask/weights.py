@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from unmask.errors import InputError
+
+# A weight is converted a slice of rows at a time where its rows convert independently (each
+# output row's scale is its own): the float temporaries of converting a slice are a few times
+# SLICE_BYTES, where converting the whole weight at once held a few times the weight (~170M in
+# float32: 12 MiB, 36-50 MiB of temporaries at the load's peak; BENCHMARKS.md "Memory-bound calls").
+SLICE_BYTES = 1 << 20
 
 
 def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -24,6 +30,14 @@ def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
         raise InputError(f"{type(model).__name__} has no linear layers in a block stack to "
                          f"quantize")
     return found
+
+
+def row_slices(t: torch.Tensor, align: int = 1) -> Iterator[torch.Tensor]:
+    """Views of consecutive rows of 2-D `t`, each of about SLICE_BYTES (at least `align` rows,
+    and a multiple of `align` rows but the last)."""
+    rows = max(align, SLICE_BYTES // max(1, t.shape[1] * t.element_size()) // align * align)
+    for start in range(0, t.shape[0], rows):
+        yield t[start:start + rows]
 
 
 def put_module(model: nn.Module, name: str, module: nn.Module) -> None:
