@@ -143,47 +143,78 @@ def test_a_weight_is_quantized_a_slice_of_rows_at_a_time(tmp_path: Path, monkeyp
         assert all(torch.equal(a, b) for a, b in zip(_parts(t), _parts(want[key]), strict=True)), key
 
 
-def test_a_quantized_weights_float_tensor_is_freed_before_the_next_is_read(folders,
-                                                                           monkeypatch) -> None:
-    """A load that quantizes lets go of each float weight once it is quantized: none is still
-    held (by the loop or the reader) while the next tensor is read."""
-    import weakref
+class _Reader:
+    """safetensors' open file, recording the tensors read whole (name: the buffer's address)."""
 
+    def __init__(self, handle, whole: dict[str, int]) -> None:
+        self.handle, self.whole = handle, whole
+
+    def __enter__(self) -> _Reader:
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self.handle.keys()
+
+    def get_slice(self, name: str):  # for its shape: reading a slice through it reads the whole
+        return self.handle.get_slice(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        t = self.handle.get_tensor(name)
+        self.whole[name] = t.data_ptr()
+        return t
+
+
+def _recording(monkeypatch) -> dict[str, int]:
+    """What load_model reads whole from here on (_Reader)."""
     from unmask import checkpoint
 
-    floats: list[weakref.ref] = []
-    held: list[int] = []
-    quantize = LoadQuantizer.__call__
-
-    def recording(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        if key in self.targets:
-            floats.append(weakref.ref(t))
-        return quantize(self, key, t)
-
-    class Reader:  # safetensors' file, counting the float weights alive at each read
-        def __init__(self, handle) -> None:
-            self.handle = handle
-
-        def __enter__(self) -> Reader:
-            self.handle.__enter__()
-            return self
-
-        def __exit__(self, *exc) -> None:
-            self.handle.__exit__(*exc)
-
-        def keys(self) -> list[str]:
-            return self.handle.keys()
-
-        def get_tensor(self, name: str) -> torch.Tensor:
-            held.append(sum(ref() is not None for ref in floats))
-            return self.handle.get_tensor(name)
-
+    whole: dict[str, int] = {}
     real = checkpoint.safe_open
-    monkeypatch.setattr(LoadQuantizer, "__call__", recording)
-    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: Reader(real(*a, **k)))
-    checkpoint.load_model(folders["llada"], "cpu", quantize="int8")
-    assert floats
-    assert max(held) == 0, held
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: _Reader(real(*a, **k), whole))
+    return whole
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_block_weight_is_never_read_whole(tmp_path: Path, monkeypatch, scheme: str) -> None:
+    """A load that quantizes on the CPU reads each block linear weight from its file a slice of
+    rows at a time, each slice quantized before the next is read: no float copy of a whole
+    weight is made, nor a buffer of one (the other tensors are read whole)."""
+    import os
+
+    from unmask.checkpoint import load_model
+
+    folder = tiny_model_dir(tmp_path, "llada", d_model=128, mlp_hidden_size=352)
+    monkeypatch.setattr(weights, "SLICE_BYTES", 1)
+    whole = _recording(monkeypatch)
+    reads: list[int] = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0]))
+                        or preadv(fd, bufs, at))
+    model = load_model(folder, "cpu", DTYPE[scheme], quantize=scheme)
+    targets = {f"{name}.weight": m for name, m in block_linears(model).items()}
+    assert whole.keys() == model.state_dict().keys() - targets.keys()
+    slices = sum(-(-m.out_features // INT4_CPU_ROW_BLOCK) for m in targets.values())
+    assert len(reads) == slices  # 64 rows a read
+    assert max(reads) == INT4_CPU_ROW_BLOCK * 352 * 4  # float32 rows of ff_out's 352 inputs
+
+
+@pytest.mark.parametrize("scheme", ["int8", pytest.param("w8a8", marks=pytest.mark.skipif(
+    not torch.cpu._is_vnni_supported(), reason="no VNNI here"))])
+def test_a_converting_load_keeps_the_other_tensors_as_read(folders, monkeypatch,
+                                                           scheme: str) -> None:
+    """The tensors a quantizing load keeps as they are (embeddings, norms, head) are the buffers
+    it read them into: not copied after the load (a copy of each on the load's peak), since
+    they are not views of a mapped file."""
+    from unmask.checkpoint import load_model
+
+    whole = _recording(monkeypatch)
+    model = load_model(folders["llada"], "cpu", quantize=scheme)
+    kept = {k: t for k, t in model.state_dict().items() if type(t) is torch.Tensor}
+    assert kept and all(t.data_ptr() == whole[k] for k, t in kept.items())
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor]:

@@ -43,7 +43,7 @@ import contextlib
 import logging
 import platform
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,7 +55,14 @@ from unmask.memory import mib  # noqa: F401  (re-exported: the scripts' sizes)
 from unmask.packing import PackedLinear
 from unmask.rowint8 import SCHEME as ROW_SCHEME
 from unmask.rowint8 import RowInt8Linear, check_device, quantize_rows
-from unmask.weights import LayerLoader, block_linears, release_host_memory, row_slices, trim_heap
+from unmask.weights import (
+    LayerLoader,
+    block_linears,
+    release_host_memory,
+    row_slices,
+    slice_rows,
+    trim_heap,
+)
 
 SCHEMES = ("int8", "int4", ROW_SCHEME)  # w8a8: unmask.rowint8 (int8 activations too), opt-in
 INSTALL = "pip install 'unmask[quant]'"
@@ -199,17 +206,31 @@ class LoadQuantizer:
         """The tensor load_model assigns for `key`: quantized for a block linear's weight, `t`
         for another. load_model reads a quantizing load's tensors into buffers of their own (not
         views of a mapped file: unmask.checkpoint.READ_BACKEND), so a float weight's memory
-        goes once it is quantized. On the CPU a weight is quantized a slice of rows at a time
-        (unmask.weights.row_slices; the same bytes: join_rows)."""
+        goes once it is quantized."""
         if key not in self.targets:
             return t
         if t.device.type != "cpu":
             return self._quantize(key, t)
+        return self.join(key, row_slices(t, INT4_CPU_ROW_BLOCK))
+
+    def slice_rows(self, key: str, dtype: torch.dtype, device: torch.device) -> int | None:
+        """How many rows at a time load_model may hand `key` over in (to `join`), None to hand
+        it whole (to `__call__`): a block linear's weight on the CPU comes in slices of about
+        unmask.weights.SLICE_BYTES in `dtype`, so that no float copy of the whole weight is
+        made (torch's CUDA int4 packing takes a whole weight)."""
+        if key not in self.targets or torch.device(device).type != "cpu":
+            return None
+        return slice_rows(self.targets[key].in_features, dtype.itemsize, INT4_CPU_ROW_BLOCK)
+
+    def join(self, key: str, slices: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Block linear weight `key` quantized from its consecutive row slices, each quantized
+        as it comes and its float temporaries released before the next (the same bytes as
+        quantizing the whole weight: join_rows)."""
         parts = []
-        for rows in row_slices(t, INT4_CPU_ROW_BLOCK):
+        for rows in slices:
             parts.append(self._quantize(key, rows))
             trim_heap()  # the slice's float temporaries, which glibc would keep (trim_heap)
-        weight = join_rows(parts, t.shape)
+        weight = join_rows(parts, self.targets[key].weight.shape)
         parts.clear()  # the slices' own copies, now joined
         trim_heap()
         return weight
@@ -228,8 +249,11 @@ class LoadQuantizer:
         return layer.weight
 
     def finish(self, model: nn.Module) -> None:
-        """After the load: the host memory the quantizing left behind released."""
-        release_host_memory(model)
+        """After the load: the host memory the quantizing left behind released. The tensors kept
+        as read are in buffers of their own already (unmask.checkpoint.READ_BACKEND), not views
+        of a mapped file: copying them, as release_host_memory does, would only add a copy of
+        each to the load's peak (~170M: the 16 MiB float32 embedding and head)."""
+        trim_heap()
 
 
 
