@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from memory_floor import bandwidth
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -193,9 +194,12 @@ def main() -> None:
                 print(f"{name}{tag}: cannot run ({type(e).__name__}: {str(e)[:120]})")
                 continue
             stacks[name + tag] = ([f for f, _ in made], sum(b for _, b in made))
+    read = bandwidth(args.threads) / 1e9  # this run's reading speed, to read the GB/s against
+    torch.set_num_threads(args.threads)
     print(f"K {args.k} -> N {args.n}, {args.layers} layers, {args.threads} thread(s), "
           f"{args.clock} clock, load average {os.getloadavg()[0]:.1f}; ms per pass "
-          f"(weight GB/s), median of {args.repeat}\n")
+          f"(weight GB/s), median of {args.repeat}; read bandwidth {read:.1f} GB/s "
+          f"(scripts/bench/memory_floor.py)\n")
     rows = [int(r) for r in args.rows.split(",")]
     print("| kernel | MiB | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("|:---|---:|" + "---:|" * len(rows))
