@@ -7,7 +7,9 @@ the CPU the weights stay mapped; otherwise each tensor is converted as it is rea
 is about one copy in the target dtype plus the shard being read. A load that quantizes reads
 each tensor into its own buffer instead (safetensors' "pread" backend, `READ_BACKEND`): a mapped
 file's pages stay resident in the process until its last tensor is read, which made a
-single-file load's peak the whole float file plus the quantized weights.
+single-file load's peak the whole float file plus the quantized weights; on the CPU it reads a
+block linear's weight a slice of rows at a time (`Stored.slices`), each quantized before the next
+is read, so that no float copy of a whole weight is made.
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     dtype None means the config's torch_dtype, on every device; bfloat16 or float16 on the CPU
     warns once, naming the dtype it runs in. quantize: "int8" / "int4" / "w8a8" converts the
     block linear weights as they are read (unmask.quantize.load_quantizer), so the float weights
-    of one tensor (w8a8: one layer) are held at a time; a folder saved quantized loads as saved
+    of one tensor (on the CPU: a slice of its rows; w8a8: one layer) are held at a time; a folder
+    saved quantized loads as saved
     whatever it says (LLM checks the two agree). pack: a load in bfloat16 on a CPU with oneDNN's
     bfloat16 kernel packs the block linears for it (unmask.packing) as they are read, a layer at
     a time (elsewhere, and with quantize, nothing). Raises CheckpointError naming what is wrong.

@@ -190,10 +190,11 @@ def load_quantizer(model: nn.Module, scheme: str, dtype: torch.dtype,
 
 
 class LoadQuantizer:
-    """Quantizes the block linear weights one at a time as load_model reads them, so that a
-    load holds the float weights of at most one checkpoint file at a time besides the quantized
-    ones (quantize_model on a loaded model holds them all). `model` is the model load_model
-    builds on the meta device; the weights come in `dtype` on `device`."""
+    """Quantizes the block linear weights one at a time as load_model reads them, on the CPU a
+    slice of rows at a time (`slice_rows`, `join`), so that a load holds the float rows of one
+    slice besides the quantized weights (quantize_model on a loaded model holds them all).
+    `model` is the model load_model builds on the meta device; the weights come in `dtype` on
+    `device`."""
 
     def __init__(self, model: nn.Module, scheme: str, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -252,12 +253,8 @@ class LoadQuantizer:
         """After the load: the host memory the quantizing left behind released. The tensors kept
         as read are in buffers of their own already (unmask.checkpoint.READ_BACKEND), not views
         of a mapped file: copying them, as release_host_memory does, would only add a copy of
-        each to the load's peak (~170M: the 16 MiB float32 embedding and head)."""
+        each to the load's peak (~170M: the float32 embedding and head, 8 MiB each)."""
         trim_heap()
-
-
-
-
 
 
 def join_rows(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:

@@ -16,7 +16,7 @@ from unmask.errors import InputError
 # A weight is converted a slice of rows at a time where its rows convert independently (each
 # output row's scale is its own): the float temporaries of converting a slice are a few times
 # SLICE_BYTES, where converting the whole weight at once held a few times the weight (~170M in
-# float32: 12 MiB, 36-50 MiB of temporaries at the load's peak; BENCHMARKS.md "Memory-bound calls").
+# float32: 24-39 MiB of temporaries for a 12 MiB weight; BENCHMARKS.md "Memory-bound calls").
 SLICE_BYTES = 1 << 20
 
 
