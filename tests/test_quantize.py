@@ -120,7 +120,8 @@ def test_a_weight_is_quantized_a_slice_of_rows_at_a_time(tmp_path: Path, monkeyp
                                                          scheme: str) -> None:
     """On the CPU a load quantizes a block linear's weight a slice of rows at a time, so it holds
     one slice's float temporaries, not the whole weight's; the slices joined are the bytes that
-    quantizing the whole weight after the load gives (int4 slices start on torch's 64-row
+    quantizing the whole weight after the load gives, and save to the same file (int4 slices
+    start on torch's 64-row
     packing blocks: slices of 32 or 96 rows pack to other bytes). MLP rows 352: five slices of
     64 and a tail of 32."""
     from unmask.checkpoint import load_model
@@ -141,6 +142,9 @@ def test_a_weight_is_quantized_a_slice_of_rows_at_a_time(tmp_path: Path, monkeyp
     for key, t in during.state_dict().items():
         assert type(t) is type(want[key]) and t.shape == want[key].shape, key
         assert all(torch.equal(a, b) for a, b in zip(_parts(t), _parts(want[key]), strict=True)), key
+    saved = [save_checkpoint(m, tmp_path / name) / QUANTIZED_FILE
+             for name, m in (("during", during), ("after", after))]
+    assert saved[0].read_bytes() == saved[1].read_bytes()
 
 
 class _Reader:
