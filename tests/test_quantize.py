@@ -121,9 +121,8 @@ def test_a_weight_is_quantized_a_slice_of_rows_at_a_time(tmp_path: Path, monkeyp
     """On the CPU a load quantizes a block linear's weight a slice of rows at a time, so it holds
     one slice's float temporaries, not the whole weight's; the slices joined are the bytes that
     quantizing the whole weight after the load gives, and save to the same file (int4 slices
-    start on torch's 64-row
-    packing blocks: slices of 32 or 96 rows pack to other bytes). MLP rows 352: five slices of
-    64 and a tail of 32."""
+    start on torch's 64-row packing blocks: slices of 32 or 96 rows pack to other bytes). MLP
+    rows 352: five slices of 64 and a tail of 32."""
     from unmask.checkpoint import load_model
 
     folder = tiny_model_dir(tmp_path, "llada", d_model=128, mlp_hidden_size=352)
