@@ -12,12 +12,15 @@ import pytest
 import torch
 from helpers import tiny_model, tiny_model_dir
 
+from unmask import weights
 from unmask.api import LLM, InputError
 from unmask.checkpoint import CheckpointError, save_checkpoint
 from unmask.cli import main
 from unmask.decoding.params import DecodeParams
 from unmask.quantize import (
+    INT4_CPU_ROW_BLOCK,
     QUANTIZED_FILE,
+    LoadQuantizer,
     block_linears,
     check_quantize,
     quantize_model,
@@ -110,6 +113,111 @@ def test_quantizing_while_loading_gives_the_weights_quantizing_after_does(folder
         assert type(t) is type(want[key]), key
         assert all(torch.equal(a, b) for a, b in zip(_parts(t), _parts(want[key]), strict=True)), key
     assert weight_bytes(during) == weight_bytes(after)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_weight_is_quantized_a_slice_of_rows_at_a_time(tmp_path: Path, monkeypatch,
+                                                         scheme: str) -> None:
+    """On the CPU a load quantizes a block linear's weight a slice of rows at a time, so it holds
+    one slice's float temporaries, not the whole weight's; the slices joined are the bytes that
+    quantizing the whole weight after the load gives, and save to the same file (int4 slices
+    start on torch's 64-row packing blocks: slices of 32 or 96 rows pack to other bytes). MLP
+    rows 352: five slices of 64 and a tail of 32."""
+    from unmask.checkpoint import load_model
+
+    folder = tiny_model_dir(tmp_path, "llada", d_model=128, mlp_hidden_size=352)
+    dtype = DTYPE[scheme]
+    after = load_model(folder, "cpu", dtype)
+    quantize_model(after, scheme)
+    monkeypatch.setattr(weights, "SLICE_BYTES", 1)  # the fewest rows a slice may have
+    rows: list[int] = []
+    whole = LoadQuantizer._quantize
+    monkeypatch.setattr(LoadQuantizer, "_quantize",
+                        lambda self, key, t: rows.append(t.shape[0]) or whole(self, key, t))
+    during = load_model(folder, "cpu", dtype, quantize=scheme)
+    assert max(rows) == INT4_CPU_ROW_BLOCK and 32 in rows
+    assert len(rows) > len(block_linears(during))
+    want = after.state_dict()
+    for key, t in during.state_dict().items():
+        assert type(t) is type(want[key]) and t.shape == want[key].shape, key
+        assert all(torch.equal(a, b) for a, b in zip(_parts(t), _parts(want[key]), strict=True)), key
+    saved = [save_checkpoint(m, tmp_path / name) / QUANTIZED_FILE
+             for name, m in (("during", during), ("after", after))]
+    assert saved[0].read_bytes() == saved[1].read_bytes()
+
+
+class _Reader:
+    """safetensors' open file, recording the tensors read whole (name: the buffer's address)."""
+
+    def __init__(self, handle, whole: dict[str, int]) -> None:
+        self.handle, self.whole = handle, whole
+
+    def __enter__(self) -> _Reader:
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.__exit__(*exc)
+
+    def keys(self) -> list[str]:
+        return self.handle.keys()
+
+    def get_slice(self, name: str):  # for its shape: reading a slice through it reads the whole
+        return self.handle.get_slice(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        t = self.handle.get_tensor(name)
+        self.whole[name] = t.data_ptr()
+        return t
+
+
+def _recording(monkeypatch) -> dict[str, int]:
+    """What load_model reads whole from here on (_Reader)."""
+    from unmask import checkpoint
+
+    whole: dict[str, int] = {}
+    real = checkpoint.safe_open
+    monkeypatch.setattr(checkpoint, "safe_open", lambda *a, **k: _Reader(real(*a, **k), whole))
+    return whole
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_block_weight_is_never_read_whole(tmp_path: Path, monkeypatch, scheme: str) -> None:
+    """A load that quantizes on the CPU reads each block linear weight from its file a slice of
+    rows at a time, each slice quantized before the next is read: no float copy of a whole
+    weight is made, nor a buffer of one (the other tensors are read whole)."""
+    import os
+
+    from unmask.checkpoint import load_model
+
+    folder = tiny_model_dir(tmp_path, "llada", d_model=128, mlp_hidden_size=352)
+    monkeypatch.setattr(weights, "SLICE_BYTES", 1)
+    whole = _recording(monkeypatch)
+    reads: list[int] = []
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append(len(bufs[0]))
+                        or preadv(fd, bufs, at))
+    model = load_model(folder, "cpu", DTYPE[scheme], quantize=scheme)
+    targets = {f"{name}.weight": m for name, m in block_linears(model).items()}
+    assert whole.keys() == model.state_dict().keys() - targets.keys()
+    slices = sum(-(-m.out_features // INT4_CPU_ROW_BLOCK) for m in targets.values())
+    assert len(reads) == slices  # 64 rows a read
+    assert max(reads) == INT4_CPU_ROW_BLOCK * 352 * 4  # float32 rows of ff_out's 352 inputs
+
+
+@pytest.mark.parametrize("scheme", ["int8", pytest.param("w8a8", marks=pytest.mark.skipif(
+    not torch.cpu._is_vnni_supported(), reason="no VNNI here"))])
+def test_a_converting_load_keeps_the_other_tensors_as_read(folders, monkeypatch,
+                                                           scheme: str) -> None:
+    """The tensors a quantizing load keeps as they are (embeddings, norms, head) are the buffers
+    it read them into: not copied after the load (a copy of each on the load's peak), since
+    they are not views of a mapped file."""
+    from unmask.checkpoint import load_model
+
+    whole = _recording(monkeypatch)
+    model = load_model(folders["llada"], "cpu", quantize=scheme)
+    kept = {k: t for k, t in model.state_dict().items() if type(t) is torch.Tensor}
+    assert kept and all(t.data_ptr() == whole[k] for k, t in kept.items())
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor]:

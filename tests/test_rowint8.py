@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import tiny_model_dir
 
+from unmask import rowint8, weights
 from unmask.api import LLM, InputError
 from unmask.checkpoint import CheckpointError, save_checkpoint
 from unmask.cli import main
@@ -61,6 +62,26 @@ def test_converting_while_loading_gives_the_layers_converting_after_does(llm: LL
         assert torch.equal(m.weight_scale, want[name].weight_scale), name
         assert (m.bias is None) == (want[name].bias is None), name
     assert not any(p.is_meta for p in llm.model.parameters())
+
+
+@needs_vnni
+def test_a_layer_is_quantized_a_slice_of_rows_at_a_time(monkeypatch) -> None:
+    """A layer's int8 weights and scales are computed a slice of rows at a time (so converting
+    holds a slice's float temporaries, not the weight's): the same scales, packed weights and
+    outputs as computing them over the whole weight at once."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 200).to(torch.bfloat16)  # (out, in) = (200, 64)
+    whole = RowInt8Linear(linear)
+    monkeypatch.setattr(weights, "SLICE_BYTES", 64 * 2 * 48)  # 48 rows of bfloat16
+    rows: list[int] = []
+    quantize = rowint8.quantize_int8_rows
+    monkeypatch.setattr(rowint8, "quantize_int8_rows",
+                        lambda w: rows.append(w.shape[0]) or quantize(w))
+    sliced = RowInt8Linear(linear)
+    assert rows == [48, 48, 48, 48, 8]
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert torch.equal(sliced.weight_scale, whole.weight_scale)
+    assert torch.equal(sliced(x), whole(x))
 
 
 @needs_vnni

@@ -7,15 +7,21 @@ the CPU the weights stay mapped; otherwise each tensor is converted as it is rea
 is about one copy in the target dtype plus the shard being read. A load that quantizes reads
 each tensor into its own buffer instead (safetensors' "pread" backend, `READ_BACKEND`): a mapped
 file's pages stay resident in the process until its last tensor is read, which made a
-single-file load's peak the whole float file plus the quantized weights.
+single-file load's peak the whole float file plus the quantized weights; on the CPU it reads a
+block linear's weight a slice of rows at a time (`Stored.slices`), each quantized before the next
+is read, so that no float copy of a whole weight is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
+import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -133,7 +139,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     dtype None means the config's torch_dtype, on every device; bfloat16 or float16 on the CPU
     warns once, naming the dtype it runs in. quantize: "int8" / "int4" / "w8a8" converts the
     block linear weights as they are read (unmask.quantize.load_quantizer), so the float weights
-    of one tensor (w8a8: one layer) are held at a time; a folder saved quantized loads as saved
+    of one tensor (on the CPU: a slice of its rows; w8a8: one layer) are held at a time; a folder
+    saved quantized loads as saved
     whatever it says (LLM checks the two agree). pack: a load in bfloat16 on a CPU with oneDNN's
     bfloat16 kernel packs the block linears for it (unmask.packing) as they are read, a layer at
     a time (elsewhere, and with quantize, nothing). Raises CheckpointError naming what is wrong.
@@ -186,28 +193,22 @@ def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
     state: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}
     for file, names in files.items():
-        for key, t in _read(file, names, READ_BACKEND[quantizer is not None]):
+        for key, stored in _read(file, names, READ_BACKEND[quantizer is not None]):
             if key in origin:
                 raise CheckpointError(f"tensor {key!r} is in both {origin[key]} and {file.name}")
             origin[key] = file.name
             if key not in expected:
                 raise CheckpointError(f"{file.name}: unexpected tensor {key!r} for "
                                       f"model_type {config.model_type}")
-            if tuple(t.shape) != tuple(expected[key].shape):
-                raise CheckpointError(f"tensor {key!r} has shape {tuple(t.shape)}, config "
+            if stored.shape != tuple(expected[key].shape):
+                raise CheckpointError(f"tensor {key!r} has shape {stored.shape}, config "
                                       f"expects {tuple(expected[key].shape)}")
-            if not t.is_floating_point():  # casting int/bool/complex weights gives silent garbage
-                raise CheckpointError(f"{file.name}: tensor {key!r} has dtype {t.dtype}; weights "
-                                      "must be floating point (float32, bfloat16, float16, ...)")
-            state[key] = t.to(device=device, dtype=dtype)
-            if not _finite(state[key]):
-                if t.dtype != dtype and _finite(t):
-                    raise CheckpointError(
-                        f"{file.name}: tensor {key!r} holds values that overflow {dtype} (its "
-                        f"largest magnitude is {t.abs().max().item():.4g} in {t.dtype}); load it "
-                        "in a dtype with a wider range")
-                raise CheckpointError(f"{file.name}: tensor {key!r} holds NaN or infinite values "
-                                      f"(in {dtype}); the checkpoint is damaged")
+            rows = None if quantizer is None else quantizer.slice_rows(key, dtype, device)
+            if rows is not None:  # never read whole: converted a slice of rows at a time
+                state[key] = quantizer.join(key, (_convert(file, key, t, device, dtype)
+                                                  for t in stored.slices(rows)))
+                continue
+            state[key] = _convert(file, key, stored.read(), device, dtype)
             if quantizer is not None:
                 state[key] = quantizer(key, state[key])
     missing = [k for k in expected if k not in state]
@@ -218,6 +219,25 @@ def _load_weights(folder: Path, model: nn.Module, config: ModelConfig,
     if quantizer is not None:
         quantizer.finish(model)
     return model.eval()
+
+
+def _convert(file: Path, key: str, t: torch.Tensor, device: str | torch.device,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Tensor `key` of `file` (or a slice of its rows) on `device` in `dtype`; CheckpointError
+    for a dtype that is not floating point, and for values not finite in `dtype`."""
+    if not t.is_floating_point():  # casting int/bool/complex weights gives silent garbage
+        raise CheckpointError(f"{file.name}: tensor {key!r} has dtype {t.dtype}; weights "
+                              "must be floating point (float32, bfloat16, float16, ...)")
+    out = t.to(device=device, dtype=dtype)
+    if not _finite(out):
+        if t.dtype != dtype and _finite(t):
+            raise CheckpointError(
+                f"{file.name}: tensor {key!r} holds values that overflow {dtype} (as large as "
+                f"{t.abs().max().item():.4g} in {t.dtype}); load it in a dtype with a wider "
+                "range")
+        raise CheckpointError(f"{file.name}: tensor {key!r} holds NaN or infinite values "
+                              f"(in {dtype}); the checkpoint is damaged")
+    return out
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -280,7 +300,7 @@ def weight_files(folder: Path) -> dict[Path, list[str] | None]:
 
 
 def _read(file: Path, listed: list[str] | None, backend: str):
-    """(name, tensor) of one file, checked against the names the index lists; `backend` is
+    """(name, Stored) of one file, checked against the names the index lists; `backend` is
     safetensors': "mmap" (views of the mapped file) or "pread" (each tensor in its own buffer)."""
     try:
         handle = safe_open(str(file), framework="pt", device="cpu", backend=backend)
@@ -298,14 +318,71 @@ def _read(file: Path, listed: list[str] | None, backend: str):
                 raise CheckpointError(f"{INDEX} lists tensor {absent[0]!r} in {file.name}, "
                                       "which does not hold it")
         for name in names:
-            try:
-                tensor = f.get_tensor(name)
-            # safetensors' own error type: a dtype this safetensors/torch build cannot hold
-            # (FP6/FP4 formats), or data past the file's end
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{file.name}: tensor {name!r} cannot be read"
-                                      f"{_dtype_note(f, name)}: {e}") from None
-            yield name, tensor
+            yield name, Stored(f, file, name)
+
+
+# The dtypes of safetensors' format (its header's names) a block weight is read in slices of
+# rows in (Stored.slices); a weight in another is read whole.
+FILE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+               "BF16": torch.bfloat16}
+
+
+class Stored:
+    """One tensor of an open safetensors file, read whole or a slice of rows at a time; a read
+    that fails is a CheckpointError naming the file and tensor."""
+
+    def __init__(self, handle, file: Path, name: str) -> None:
+        self.handle, self.file, self.name = handle, file, name
+
+    @functools.cached_property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._reading(lambda: self.handle.get_slice(self.name).get_shape()))
+
+    def read(self) -> torch.Tensor:
+        return self._reading(lambda: self.handle.get_tensor(self.name))
+
+    def slices(self, rows: int) -> Iterator[torch.Tensor]:
+        """The tensor's rows (dim 0), `rows` at a time, each read from the file on its own.
+        Not through safetensors' get_slice, which reads the whole tensor into a buffer to take
+        a slice of it (its pread backend: a 64-row slice of a 12 MiB weight peaked at 13 MiB):
+        each slice is read at its offset in the file (the format: an 8-byte little-endian
+        header size, a JSON header giving each tensor's dtype, shape and data_offsets from the
+        header's end; the data row-major). Whole, in one slice, where that is not possible."""
+        start, entry = _layout(self.file)
+        dtype = FILE_DTYPES.get(entry[self.name]["dtype"])
+        if dtype is None or not hasattr(os, "preadv"):
+            yield self.read()
+            return
+        n, rest = self.shape[0], self.shape[1:]
+        row_bytes = math.prod(rest) * dtype.itemsize
+        offset = start + entry[self.name]["data_offsets"][0]
+        with open(self.file, "rb", buffering=0) as f:
+            for first in range(0, n, rows):
+                t = torch.empty((min(rows, n - first), *rest), dtype=dtype)
+                want = t.numel() * dtype.itemsize
+                got = os.preadv(f.fileno(), [t.view(-1).view(torch.uint8).numpy()],
+                                offset + first * row_bytes)
+                if got != want:
+                    raise CheckpointError(f"{self.file.name}: tensor {self.name!r} cannot be "
+                                          f"read: its data ends past the file's end")
+                yield t
+
+    def _reading(self, read):
+        try:
+            return read()
+        # safetensors' own error type: a dtype this safetensors/torch build cannot hold
+        # (FP6/FP4 formats), or data past the file's end
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{self.file.name}: tensor {self.name!r} cannot be read"
+                                  f"{_dtype_note(self.handle, self.name)}: {e}") from None
+
+
+def _layout(file: Path) -> tuple[int, dict]:
+    """(where the data starts, the header by tensor name) of safetensors file `file`, whose
+    header safe_open has read and checked already."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        return 8 + size, json.loads(f.read(size))
 
 
 def _dtype_note(f, name: str) -> str:

@@ -43,7 +43,7 @@ import contextlib
 import logging
 import platform
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -55,13 +55,26 @@ from unmask.memory import mib  # noqa: F401  (re-exported: the scripts' sizes)
 from unmask.packing import PackedLinear
 from unmask.rowint8 import SCHEME as ROW_SCHEME
 from unmask.rowint8 import RowInt8Linear, check_device, quantize_rows
-from unmask.weights import LayerLoader, block_linears, release_host_memory, trim_heap
+from unmask.weights import (
+    LayerLoader,
+    block_linears,
+    release_host_memory,
+    row_slices,
+    slice_rows,
+    trim_heap,
+)
 
 SCHEMES = ("int8", "int4", ROW_SCHEME)  # w8a8: unmask.rowint8 (int8 activations too), opt-in
 INSTALL = "pip install 'unmask[quant]'"
 MIN_TORCHAO = (0, 18)  # PrototypeInt4WeightOnlyConfig (0.17 names it otherwise)
 INT4_GROUP_SIZES = (128, 64, 32)  # what both int4 packings accept, largest first
 QUANTIZED_FILE = "model.torchao.pt"
+# torch's int4 CPU packing (_convert_weight_to_int4pack_for_cpu) lays rows out in blocks of 64:
+# slices of 32 or 96 rows pack to other bytes than the whole weight, slices of 64k rows to the same
+INT4_CPU_ROW_BLOCK = 64
+# Inner tensors of torchao's CPU tensors whose rows (the weight's output rows) are not dim 0:
+# Int4OpaqueTensor's scale_and_zero is (in / group, out, 2).
+_ROW_DIMS = {"Int4OpaqueTensor": {"scale_and_zero": 1}}
 
 # The torchao tensor types this module creates, by class name (no torchao import needed to ask).
 TENSOR_SCHEMES = {"Int8Tensor": "int8", "Int4OpaqueTensor": "int4",
@@ -177,10 +190,11 @@ def load_quantizer(model: nn.Module, scheme: str, dtype: torch.dtype,
 
 
 class LoadQuantizer:
-    """Quantizes the block linear weights one at a time as load_model reads them, so that a
-    load holds the float weights of at most one checkpoint file at a time besides the quantized
-    ones (quantize_model on a loaded model holds them all). `model` is the model load_model
-    builds on the meta device; the weights come in `dtype` on `device`."""
+    """Quantizes the block linear weights one at a time as load_model reads them, on the CPU a
+    slice of rows at a time (`slice_rows`, `join`), so that a load holds the float rows of one
+    slice besides the quantized weights (quantize_model on a loaded model holds them all).
+    `model` is the model load_model builds on the meta device; the weights come in `dtype` on
+    `device`."""
 
     def __init__(self, model: nn.Module, scheme: str, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -196,27 +210,66 @@ class LoadQuantizer:
         goes once it is quantized."""
         if key not in self.targets:
             return t
+        if t.device.type != "cpu":
+            return self._quantize(key, t)
+        return self.join(key, row_slices(t, INT4_CPU_ROW_BLOCK))
+
+    def slice_rows(self, key: str, dtype: torch.dtype, device: torch.device) -> int | None:
+        """How many rows at a time load_model may hand `key` over in (to `join`), None to hand
+        it whole (to `__call__`): a block linear's weight on the CPU comes in slices of about
+        unmask.weights.SLICE_BYTES in `dtype`, so that no float copy of the whole weight is
+        made (torch's CUDA int4 packing takes a whole weight)."""
+        if key not in self.targets or torch.device(device).type != "cpu":
+            return None
+        return slice_rows(self.targets[key].in_features, dtype.itemsize, INT4_CPU_ROW_BLOCK)
+
+    def join(self, key: str, slices: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Block linear weight `key` quantized from its consecutive row slices, each quantized
+        as it comes and its float temporaries released before the next (the same bytes as
+        quantizing the whole weight: join_rows)."""
+        parts = []
+        for rows in slices:
+            parts.append(self._quantize(key, rows))
+            trim_heap()  # the slice's float temporaries, which glibc would keep (trim_heap)
+        weight = join_rows(parts, self.targets[key].weight.shape)
+        parts.clear()  # the slices' own copies, now joined
+        trim_heap()
+        return weight
+
+    def _quantize(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` (out, in) as torchao's tensor for this scheme."""
         from torchao.quantization import quantize_
 
-        target = self.targets[key]
         with torch.device("meta"):
-            layer = nn.Linear(target.in_features, target.out_features, bias=False)
+            layer = nn.Linear(t.shape[1], t.shape[0], bias=False)
         layer.weight = nn.Parameter(t, requires_grad=False)
         quantize_(layer, self.config)
         if not _is_torchao(layer.weight):  # torchao leaves a layer it cannot quantize as it was
             raise InputError(f"torchao left {key} unquantized ({self.scheme}); its weight is "
-                             f"{tuple(t.shape)}")
-        if t.device.type == "cpu":  # torchao's float temporaries, freed into glibc's heap
-            trim_heap()
+                             f"{tuple(self.targets[key].weight.shape)}")
         return layer.weight
 
     def finish(self, model: nn.Module) -> None:
-        """After the load: the host memory the quantizing left behind released."""
-        release_host_memory(model)
+        """After the load: the host memory the quantizing left behind released. The tensors kept
+        as read are in buffers of their own already (unmask.checkpoint.READ_BACKEND), not views
+        of a mapped file: copying them, as release_host_memory does, would only add a copy of
+        each to the load's peak (~170M: the float32 embedding and head, 8 MiB each)."""
+        trim_heap()
 
 
-
-
+def join_rows(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """One torchao CPU tensor of `shape` from those of its consecutive row slices, made of
+    their inner tensors concatenated (the same bytes as quantizing the whole weight: each row's
+    scales are its own, and int4 slices start at a multiple of INT4_CPU_ROW_BLOCK rows:
+    tests/test_quantize.py)."""
+    if len(parts) == 1:
+        return parts[0]
+    names, attributes = parts[0].__tensor_flatten__()
+    dims = _ROW_DIMS.get(type(parts[0]).__name__, {})
+    inner = {n: torch.cat([getattr(p, n) for p in parts], dim=dims.get(n, 0)) for n in names}
+    if "shape" in attributes:  # Int4OpaqueTensor holds its logical shape
+        attributes = {**attributes, "shape": shape}
+    return type(parts[0]).__tensor_unflatten__(inner, attributes, shape, None)
 
 
 def _torchao_config(scheme: str, linears: dict[str, nn.Linear], dtype: torch.dtype,

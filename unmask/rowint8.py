@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from unmask.errors import InputError
-from unmask.weights import block_linears, put_module, release_host_memory, trim_heap
+from unmask.weights import block_linears, put_module, release_host_memory, row_slices, trim_heap
 
 SCHEME = "w8a8"
 _PACK_HINT = 4  # oneDNN's batch-size hint for the packed layout (any small one: the same)
@@ -50,9 +50,12 @@ class RowInt8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().float()  # (out, in)
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        # a slice of rows at a time (each row's scale is its own: the same bits), so that the
+        # float temporaries are a slice's, not the weight's (unmask.weights.SLICE_BYTES)
+        rows = [quantize_int8_rows(w) for w in row_slices(linear.weight.detach())]
+        q = torch.cat([q for q, _ in rows])  # (out, in) int8
+        scale = torch.cat([s for _, s in rows])  # (out,)
+        del rows
         self.weight_scale = scale
         self.weight_zero = torch.zeros_like(scale, dtype=torch.int32)
         self.packed = torch.ops.onednn.qlinear_prepack(q, [_PACK_HINT, self.in_features])
@@ -75,6 +78,14 @@ class RowInt8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {SCHEME}"
+
+
+def quantize_int8_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """(w as int8 (rows, in), one float32 scale per row (rows,)): symmetric, each row's largest
+    magnitude to 127."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 def quantize_rows(model: nn.Module) -> int:

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from unmask.errors import InputError
+
+# A weight is converted a slice of rows at a time where its rows convert independently (each
+# output row's scale is its own): the float temporaries of converting a slice are a few times
+# SLICE_BYTES, where converting the whole weight at once held a few times the weight (~170M in
+# float32: 24-39 MiB of temporaries for a 12 MiB weight; BENCHMARKS.md "Memory-bound calls").
+SLICE_BYTES = 1 << 20
 
 
 def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -24,6 +30,20 @@ def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
         raise InputError(f"{type(model).__name__} has no linear layers in a block stack to "
                          f"quantize")
     return found
+
+
+def slice_rows(width: int, element_size: int, align: int = 1) -> int:
+    """Rows of `width` elements of `element_size` bytes that make a slice of about SLICE_BYTES:
+    a multiple of `align`, at least one."""
+    return max(align, SLICE_BYTES // max(1, width * element_size) // align * align)
+
+
+def row_slices(t: torch.Tensor, align: int = 1) -> Iterator[torch.Tensor]:
+    """Views of consecutive rows of 2-D `t`, each of about SLICE_BYTES (at least `align` rows,
+    and a multiple of `align` rows but the last)."""
+    rows = slice_rows(t.shape[1], t.element_size(), align)
+    for start in range(0, t.shape[0], rows):
+        yield t[start:start + rows]
 
 
 def put_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -66,12 +86,17 @@ class LayerLoader:
             trim_heap()  # the layer's float temporaries (trim_heap)
         return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
+    def slice_rows(self, key: str, dtype: torch.dtype, device: torch.device) -> None:
+        """None: every tensor is handed over whole (a layer converts its whole weight at once;
+        unmask.quantize.LoadQuantizer takes some in slices)."""
+        return None
+
     def finish(self, model: nn.Module) -> None:
         """After the load: the converted layers in place of the block linears; the host memory
         the converting left behind released."""
         for name, layer in self.converted.items():
             put_module(model, name, layer)
-        release_host_memory(model)
+        trim_heap()  # no copy of the tensors kept as read: not mapped (LoadQuantizer.finish)
 
 
 def release_host_memory(model: nn.Module) -> None:

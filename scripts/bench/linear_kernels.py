@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from memory_floor import bandwidth
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
@@ -115,6 +116,25 @@ def dynamic_int8(w: torch.Tensor) -> tuple[Kernel, int]:
     return (lambda x: q(x.float())), w.numel()
 
 
+def da8w4(w: torch.Tensor) -> tuple[Kernel, int]:
+    """torchao's int4 weights with int8 activations quantized per row (token), its CPU kernel
+    (Int8DynamicActivationInt4WeightConfig: Int4OpaqueTensor's da8w4 layout), groups of 128."""
+    from torchao.prototype.quantization.int4 import (  # noqa: PLC0415
+        Int8DynamicActivationInt4WeightConfig,
+    )
+    from torchao.quantization import quantize_  # noqa: PLC0415
+
+    from unmask.quantize import torchao_version, weight_bytes  # noqa: PLC0415
+
+    torchao_version()
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    quantize_(lin, Int8DynamicActivationInt4WeightConfig(group_size=128,
+                                                         set_inductor_config=False))
+    return (lambda x: lin(x.to(torch.bfloat16))), weight_bytes(lin)
+
+
 def mkldnn_bf16(w: torch.Tensor) -> tuple[Kernel, int]:
     wb = w.to(torch.bfloat16)
     packed = torch.ops.mkldnn._reorder_linear_weight(wb, 4)
@@ -135,6 +155,7 @@ CANDIDATES = {
     "int4 torchao": quantized("int4"),
     "int4 torchao direct": int4_direct,
     "w8a8 per row (oneDNN)": quantized("w8a8"),
+    "da8w4 per row (torchao)": da8w4,
     "int4pack bf16": int4pack(),
     **{f"int4pack bf16 g{g}": int4pack(g) for g in (32, 64, 256)},
 }
@@ -149,6 +170,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=24, help="distinct weights, > last-level cache")
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--only", default=None, help="comma-separated candidate names")
+    p.add_argument("--merge", type=int, default=1,
+                   help="also each candidate on the layers concatenated G at a time along their "
+                        "outputs (the same bytes in 1/G the products: q/k/v as one, gate/up as one)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="cpu: this process's CPU time (one thread: others' load does not count)")
     args = p.parse_args()
@@ -158,16 +182,24 @@ def main() -> None:
     names = args.only.split(",") if args.only else list(CANDIDATES)
     weights = [torch.randn(args.n, args.k) * 0.02 for _ in range(args.layers)]
     stacks: dict[str, tuple[list[Kernel], int]] = {}
+    g = args.merge
+    sets = {"": weights}
+    if g > 1:  # the same weights, G layers' outputs concatenated into one
+        sets[f", {g} merged"] = [torch.cat(weights[i:i + g]) for i in range(0, len(weights), g)]
     for name in names:
-        try:
-            made = [CANDIDATES[name](w) for w in weights]
-        except Exception as e:  # noqa: BLE001  (a probe: report the candidate that cannot run)
-            print(f"{name}: cannot run ({type(e).__name__}: {str(e)[:120]})")
-            continue
-        stacks[name] = ([f for f, _ in made], sum(b for _, b in made))
+        for tag, ws in sets.items():
+            try:
+                made = [CANDIDATES[name](w) for w in ws]
+            except Exception as e:  # noqa: BLE001  (a probe: report the candidate that cannot run)
+                print(f"{name}{tag}: cannot run ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            stacks[name + tag] = ([f for f, _ in made], sum(b for _, b in made))
+    read = bandwidth(args.threads) / 1e9  # this run's reading speed, to read the GB/s against
+    torch.set_num_threads(args.threads)
     print(f"K {args.k} -> N {args.n}, {args.layers} layers, {args.threads} thread(s), "
           f"{args.clock} clock, load average {os.getloadavg()[0]:.1f}; ms per pass "
-          f"(weight GB/s), median of {args.repeat}\n")
+          f"(weight GB/s), median of {args.repeat}; read bandwidth {read:.1f} GB/s "
+          f"(scripts/bench/memory_floor.py)\n")
     rows = [int(r) for r in args.rows.split(",")]
     print("| kernel | MiB | " + " | ".join(f"{m} rows" for m in rows) + " |")
     print("|:---|---:|" + "---:|" * len(rows))

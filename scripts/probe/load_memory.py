@@ -3,9 +3,11 @@
 
 For a random-weight SDAR shape saved as one model.safetensors in a dtype, each scheme is loaded
 by `LLM` in a fresh process; a thread samples /proc/self/status (unmask.memory.resident) every
-millisecond while it loads. Reported, above the process's memory before the load: the weights'
-bytes, the resident memory after the load (anonymous / file-mapped), the kernel's peak (VmHWM:
-both kinds at once) and the sampled peaks of each kind.
+millisecond while it loads. Reported, above the process's memory before the load (the libraries
+`LLM` uses imported: torch, torchao, transformers): the weights' bytes as loaded
+(unmask.quantize.weight_bytes), the resident memory after the load (anonymous / file-mapped), the
+kernel's peak (VmHWM: both kinds at once), the part of it reached by the end of the weights' load,
+the sampled peaks of each kind, and the libraries' import.
 
     .venv/bin/python scripts/probe/load_memory.py --shape sdar-170m --dtype float32 --schemes int8,int4
 """
@@ -55,24 +57,30 @@ class Peaks:
 
 
 def load_once(folder: Path, scheme: str | None, dtype: str) -> dict:
-    """In this fresh process: load `folder` as `scheme`; its memory above the process's before."""
-    from unmask import LLM  # noqa: PLC0415  (after the baseline is read: its import is not the load)
+    """In this fresh process: load `folder` as `scheme`; its memory above the process's before,
+    with the libraries `LLM` uses imported (their import is not the load: `libraries`)."""
+    start = resident()
+    from transformers import PreTrainedTokenizerFast  # noqa: F401, PLC0415  (the tokenizer's)
 
-    torchao_version()  # torchao's import is not the load's either
+    from unmask import LLM  # noqa: PLC0415
+
+    torchao_version()  # the quantizing library
     before = resident()
     with Peaks() as peaks:
-        model = LLM(folder, device="cpu", dtype=dtype, quantize=scheme).model
+        llm = LLM(folder, device="cpu", dtype=dtype, quantize=scheme)
     after = resident()
-    return {"weights": weight_bytes(model), "anonymous": after.anonymous - before.anonymous,
+    return {"weights": weight_bytes(llm.model), "anonymous": after.anonymous - before.anonymous,
             "file": after.file - before.file, "peak": after.peak - before.total,
+            "load_peak": llm.load_memory.peak - before.total,
             "peak_anonymous": peaks.anonymous - before.anonymous,
-            "peak_file": peaks.file - before.file}
+            "peak_file": peaks.file - before.file, "libraries": before.total - start.total}
 
 
 def table(folder: Path, schemes: list[str | None], dtype: str) -> list[str]:
-    out = ["| weights | bytes | resident after (anonymous / file) | peak (VmHWM) | sampled peak "
-           "anonymous / file | peak / bytes | peak anonymous / bytes |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = ["| weights | bytes | resident after (anonymous / file) | peak (VmHWM) | of it by the "
+           "load's end | sampled peak anonymous / file | peak / bytes | peak anonymous / bytes | "
+           "libraries' import |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for scheme in schemes:
         load_dtype = "bfloat16" if scheme == "int4" else dtype
         m = json.loads(subprocess.run([sys.executable, __file__, "--load-once", str(folder),
@@ -80,8 +88,9 @@ def table(folder: Path, schemes: list[str | None], dtype: str) -> list[str]:
                                       text=True).stdout.splitlines()[-1])
         out.append(f"| {scheme or load_dtype} ({load_dtype}) | {mib(m['weights'])} | "
                    f"{mib(m['anonymous'])} / {mib(m['file'])} | {mib(m['peak'])} | "
-                   f"{mib(m['peak_anonymous'])} / {mib(m['peak_file'])} | "
-                   f"{m['peak'] / m['weights']:.2f} | {m['peak_anonymous'] / m['weights']:.2f} |")
+                   f"{mib(m['load_peak'])} | {mib(m['peak_anonymous'])} / {mib(m['peak_file'])} | "
+                   f"{m['peak'] / m['weights']:.2f} | {m['peak_anonymous'] / m['weights']:.2f} | "
+                   f"{mib(m['libraries'])} |")
         print(out[-1], flush=True)
     return out
 
@@ -107,7 +116,12 @@ def main() -> None:
         lines = [f"# Load memory: random-weight {args.shape}, one model.safetensors in "
                  f"{args.dtype} ({mib(size)})", "",
                  f"Each scheme loaded by `LLM` in a fresh process, above its memory before the "
-                 f"load (torch and torchao imported); load average {os.getloadavg()[0]:.1f}.", "",
+                 f"load, with the libraries it uses imported (torch, torchao, transformers: "
+                 f"their import, the last column, is not the load's); bytes: the loaded model's "
+                 f"weights as held (unmask.quantize.weight_bytes); peak: the kernel's VmHWM, "
+                 f"anonymous and file-mapped pages together; \"by the load's end\": the VmHWM "
+                 f"`LLM` logs once the weights are loaded, before the tokenizer; load average "
+                 f"{os.getloadavg()[0]:.1f}.", "",
                  *table(folder, schemes, args.dtype), "",
                  f"Command: `python scripts/probe/load_memory.py {' '.join(sys.argv[1:])}`"]
     if args.out is not None:
