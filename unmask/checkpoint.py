@@ -21,7 +21,7 @@ import math
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -317,8 +317,9 @@ def _read(file: Path, listed: list[str] | None, backend: str):
             if absent:
                 raise CheckpointError(f"{INDEX} lists tensor {absent[0]!r} in {file.name}, "
                                       "which does not hold it")
+        layout = functools.cache(lambda: _layout(file))  # read once a file, if a slice needs it
         for name in names:
-            yield name, Stored(f, file, name)
+            yield name, Stored(f, file, name, layout)
 
 
 # The dtypes of safetensors' format (its header's names) a block weight is read in slices of
@@ -331,8 +332,9 @@ class Stored:
     """One tensor of an open safetensors file, read whole or a slice of rows at a time; a read
     that fails is a CheckpointError naming the file and tensor."""
 
-    def __init__(self, handle, file: Path, name: str) -> None:
-        self.handle, self.file, self.name = handle, file, name
+    def __init__(self, handle, file: Path, name: str,
+                 layout: Callable[[], tuple[int, dict]]) -> None:
+        self.handle, self.file, self.name, self.layout = handle, file, name, layout
 
     @functools.cached_property
     def shape(self) -> tuple[int, ...]:
@@ -348,7 +350,7 @@ class Stored:
         each slice is read at its offset in the file (the format: an 8-byte little-endian
         header size, a JSON header giving each tensor's dtype, shape and data_offsets from the
         header's end; the data row-major). Whole, in one slice, where that is not possible."""
-        start, entry = _layout(self.file)
+        start, entry = self.layout()
         dtype = FILE_DTYPES.get(entry[self.name]["dtype"])
         if dtype is None or not hasattr(os, "preadv"):
             yield self.read()
