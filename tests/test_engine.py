@@ -239,6 +239,25 @@ def test_tpf_counts_only_forward_decisions() -> None:
 
 
 # --- scheduling -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_a_joining_request_commits_in_the_step_that_admits_it(family: str) -> None:
+    """A request admitted beside rows already decoding forwards alone first (one more call in
+    that step) and commits its first token in that step, with the tokens it decodes alone."""
+    m = tiny_model(family, vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS)
+    params = DecodeParams.parse("static-1", gen_length=8, block_length=4)
+    alone = decode(m, params, [[8, 9, 10]])[0]
+    eng = engine(m)
+    eng.add_request([5, 6, 7, 11, 12], params)
+    eng.step(), eng.step()
+    calls = eng.model_calls
+    joined = eng.add_request([8, 9, 10], params)
+    first = next(ev for ev in eng.step() if ev.request_id == joined.request_id)
+    assert first.forwarded and len(first.positions) == 1
+    assert eng.model_calls == calls + 2
+    eng.run()
+    assert joined.token_ids == alone.token_ids and joined.nfe == alone.nfe
+
+
 def test_short_request_is_not_held_hostage() -> None:
     """A 64-token request admitted while a 1024-token one runs finishes first, in far fewer
     engine steps."""
@@ -256,8 +275,9 @@ def test_short_request_is_not_held_hostage() -> None:
         for ev in eng.step():
             if ev.finished:
                 finished_at[ev.request_id] = step
-    # a first forward, then one commit per step (the last commit needs no forward)
-    assert finished_at[short.request_id] == 5 + 64 + 1
+    # its first forward in a call of its own in the step that admits it (Decoder._prime), then
+    # one commit per step (the last commit needs no forward)
+    assert finished_at[short.request_id] == 5 + 64
     assert finished_at[long.request_id] == 1024 + 1
     assert short.nfe == 64 and long.nfe == 1024
 

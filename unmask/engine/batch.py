@@ -192,6 +192,28 @@ class DecodeBatch:
         gen = max(r.canvas for r in self.requests)
         self._resize(P - self.P, (P + gen) - (self.S + P - self.P))
 
+    def subset(self, rows: np.ndarray) -> DecodeBatch:
+        """A batch of rows `rows` (R',) of this one: copies of their state, the same K/V store
+        (what a step of the subset writes there is this batch's). `put` writes the rest back."""
+        sub = DecodeBatch.__new__(DecodeBatch)
+        sub.__dict__.update(self.__dict__)
+        sub.requests = [self.requests[i] for i in rows.tolist()]
+        sub.rows = self.rows.take(rows)
+        sub.x, sub.commit_step = self.x[rows], self.commit_step[rows]
+        pr = self.preds
+        sub.preds = Predictions(pr.token[rows], pr.conf[rows], pr.entropy[rows], pr.fresh[rows])
+        if self.store is not None:
+            sub.store_row = self.store_row[rows]
+        return sub
+
+    def put(self, rows: np.ndarray, sub: DecodeBatch) -> None:
+        """Rows `rows` (R',) := the state of `sub`, this batch's `subset(rows)` after a step."""
+        self.x[rows], self.commit_step[rows] = sub.x, sub.commit_step
+        for f in fields(Rows):
+            getattr(self.rows, f.name)[rows] = getattr(sub.rows, f.name)
+        for f in fields(Predictions):
+            getattr(self.preds, f.name)[rows] = getattr(sub.preds, f.name)
+
     def _compact_store(self) -> None:
         """Give the pool's memory back once it holds more than twice what the rows use (one copy;
         so the store never holds more than twice the canvas area the scheduler budgets); a

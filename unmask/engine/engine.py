@@ -96,7 +96,8 @@ class Engine:
         self.requests: dict[str, Request] = {}  # waiting or running
         self._pending: list[StepEvent] = []  # events of aborts between steps
         # Engine-wide NFE: forward passes, one per decoder batch per step that forwarded (the
-        # runner makes one model call for the batch, however its attention is grouped).
+        # runner makes one model call for the batch, however its attention is grouped), and one
+        # more where rows joining a decoding batch first forward alone (Decoder._prime).
         self.model_calls = 0
         self.max_idle = 8  # decoders kept while they have no rows (_drop_idle)
         self.token_forwards = 0  # token positions those calls processed
@@ -269,8 +270,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
             log.exception("a decoder step failed; its %d requests fail with it", len(b))
             return self._fail(b, f"{type(e).__name__}: {e}")
-        if res.model_call:
-            self.model_calls += 1
+        self.model_calls += res.model_calls
         if self._reuses(dec):
             self.prefix.offer(b)
         self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before
