@@ -200,7 +200,10 @@ def start_server(tree: str, port: int, extra: list[str], out: str) -> subprocess
     argv = [sys.executable, __file__, "--serve", out, "--", "--model", "unmask-sdar",
             "--threads", "1", "--port", str(port), "--max-running", "16",
             "--log-level", "warning", *extra]
-    return subprocess.Popen(argv, cwd="/", env={**os.environ, "PYTHONPATH": tree})
+    env = dict(os.environ, PYTHONPATH=tree.split(":")[0])
+    if ":" in tree:  # PATH:SECONDS, the interpreter's switch interval (sys.setswitchinterval)
+        env["TTFT_SWITCH"] = tree.split(":")[1]
+    return subprocess.Popen(argv, cwd="/", env=env)
 
 
 def wait_healthy(port: int) -> None:
@@ -259,6 +262,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=32, help="requests per run")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--port", type=int, default=8961)
+    p.add_argument("--json", help="write every request's stamps here")
     p.add_argument("rest", nargs="*")
     args = p.parse_args()
     if args.serve:
@@ -272,7 +276,7 @@ def main() -> None:
     names = list(servers)
     port = {name: args.port + i for i, name in enumerate(names)}
     tmp = Path(tempfile.mkdtemp())
-    procs = {name: start_server(str(Path(path).resolve()), port[name], extra,
+    procs = {name: start_server(path, port[name], extra,
                                 str(tmp / f"{name}.json"))
              for name, (path, extra) in servers.items()}
     client: dict[str, list[dict]] = {name: [] for name in names}
@@ -306,6 +310,8 @@ def main() -> None:
     print(f"Load average (1 min) at the start and after each round: "
           f"{', '.join(f'{x:.2f}' for x in load_avg)}\n")
     print(stage_table(runs, steps))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, "steps": steps}))
 
 
 if __name__ == "__main__":
