@@ -350,6 +350,32 @@ def test_abort_waiting_and_running() -> None:
                for b in eng.batches.values())
 
 
+def test_a_burst_takes_the_rows_of_the_last_one() -> None:
+    """Rows leaving give the K/V pool no memory back while the batch has rows, and an empty
+    batch keeps its pool: the next burst of requests takes its rows (no new pool, whose memory
+    the kernel would fault in again), with the tokens each gets alone. Of two idle decoders,
+    only the most recently used keeps its pool."""
+    m = tiny_model("sdar", vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS)
+    p = DecodeParams.parse("static-1", gen_length=8, block_length=4)
+    prompts = [[5, 6, 7, 8, 9, 10][: 2 + i % 5] for i in range(6)]
+    eng = engine(m)
+    for prompt in prompts:
+        eng.add_request(prompt, p)
+    eng.run()
+    (b,) = eng.batches.values()
+    pool = b.store
+    assert pool.shape[0] == len(prompts) and len(b) == 0
+    again = [eng.add_request(prompt, p) for prompt in prompts[::-1]]
+    eng.run()
+    assert b.store is pool
+    assert [r.token_ids for r in again] == [alone(m, p, q)[0] for q in prompts[::-1]]
+    other = DecodeParams.parse("threshold", gen_length=8, block_length=4)
+    eng.add_request(prompts[0], other)
+    eng.run()
+    assert b.store.shape == (0, 0)  # the other decoder was used since
+    assert all(len(x) == 0 and x.S == 0 for x in eng.batches.values())
+
+
 def test_abort_from_another_thread_during_a_step_waits_for_it() -> None:
     """An abort from another thread in the middle of a step shrank the batch under it: every
     other request of the batch failed ("operands could not be broadcast")."""

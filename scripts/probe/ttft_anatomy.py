@@ -24,9 +24,13 @@ stamps, per request:
   written    the server writes the SSE chunk with it (the ASGI send)
   client     the client reads it (bench-serve's TTFT ends)
 
-    PYTHONPATH=TREE .venv/bin/python scripts/probe/ttft_anatomy.py [--rounds 2] [--label NAME]
+    .venv/bin/python scripts/probe/ttft_anatomy.py [--tree NAME=PATH[:SWITCH]]... [--rounds 4]
 
-Prints a markdown table of each stage's median milliseconds (benchmarks/probe/ttft-anatomy.md).
+Each --tree serves two servers (store off and on) of the tree at PATH (default: this one; a
+SWITCH sets that server's sys.setswitchinterval); every server gets the same questions, in
+rotated order. Prints a markdown table of each stage's median milliseconds per server, for the
+requests of a run's first wave (sent together) and the later ones (each sent as one finishes)
+apart: benchmarks/probe/ttft-anatomy.md.
 """
 
 from __future__ import annotations

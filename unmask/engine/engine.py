@@ -255,12 +255,16 @@ class Engine:
 
     def _drop_idle(self) -> None:
         """Forget all but the `max_idle` most recently used decoders with no rows. An empty
-        batch holds no canvas and no K/V (DecodeBatch.filter gives its store back), so keeping
-        a few saves the next request of their spec building them again (~0.15 ms); a server
-        sees many specs, so not all."""
+        batch holds no canvas, so keeping a few saves the next request of their spec building
+        them again (~0.15 ms); a server sees many specs, so not all. Of their K/V pools only the
+        most recently used one's stays (`DecodeBatch.release_store`): the next burst of
+        requests takes its rows instead of faulting in a new pool's memory."""
         idle = [key for key, b in self.batches.items() if not len(b)]
         for key in idle[: max(len(idle) - self.max_idle, 0)]:
             del self.batches[key], self.decoders[key]
+        for key in idle[:-1]:  # the most recently used keeps its K/V pool for the next burst
+            if key in self.batches:
+                self.batches[key].release_store()
 
     def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
         trace = any(r.trace for r in b.requests)
