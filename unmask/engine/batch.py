@@ -216,12 +216,12 @@ class DecodeBatch:
     def _compact_store(self) -> None:
         """Give the pool's memory back once it is more than twice as wide as the widest canvas
         its rows use (one copy). Its rows stay while the batch has any: a row that left is
-        taken by the next to join, where a pool shrunk and grown again allocates memory the
-        kernel faults in anew at each burst of requests (~20 ms for 16 rows of the shipped SDAR
-        model: benchmarks/probe/ttft-anatomy.md). So the pool holds at most the most rows the
-        batch has held at once (<= max_running) x twice the widest canvas its rows use; an
-        empty batch keeps it until the engine gives it back (`release_store`). A preallocated
-        store stays as it is."""
+        taken by the next to join, where a pool shrunk and grown again cost each burst of 16
+        requests on the shipped SDAR model ~7 ms of copies and allocation, ~25 ms where the
+        new pool's memory is faulted in fresh (benchmarks/probe/ttft-anatomy.md). So the pool
+        holds at most the most rows the batch has held at once (<= max_running) x twice the
+        widest canvas its rows use; an empty batch keeps it until the engine gives it back
+        (`release_store`). A preallocated store stays as it is."""
         if self.fixed_store or not self.requests:
             return
         used = max(r.slots for r in self.requests)
