@@ -5,7 +5,8 @@ with the shared-prompt workload of scripts/bench/prefix_reuse.sh (the shared sys
 a math question, unmask-sdar's chat template, 32 tokens, `static-1,early_exit=true`, the server's
 default decoder), prefix store on or off, one torch thread. Per request after the first wave:
 engine steps from the step that admits it to the step that commits its first leading position
-(what a stream can send), and the wall time from its arrival to that step's end.
+(what a stream can send), the wall time from its arrival to that step's end, and the useful
+tokens of the finished requests per CPU-second of the loop (what the engine's throughput pays).
 
     PYTHONPATH=TREE .venv/bin/python scripts/probe/first_token_steps.py [--label NAME]
 
@@ -32,19 +33,23 @@ SYSTEM = Path(__file__).resolve().parents[2] / "benchmarks/data/shared-system-pr
 
 
 def closed_loop(llm: LLM, prompts: list[list[int]], params: DecodeParams, conc: int,
-                n: int, store: PrefixStore | None) -> tuple[list[int], list[float], list[float]]:
+                n: int, store: PrefixStore | None
+                ) -> tuple[list[int], list[float], list[float], float]:
     """Per request after the first `conc`: steps from admission to its first leading token and
-    the seconds from its arrival to then; and every step's seconds."""
+    the seconds from its arrival to then; every step's seconds; and the useful tokens of the
+    requests finished per CPU-second of the loop."""
     eng = Engine(llm.model, SchedulerConfig(max_running=conc), prefix=store)
     arrived: dict[str, tuple[float, int]] = {}  # request -> (arrival time, steps run before it)
     steps: list[int] = []
     waited: list[float] = []
     step_s: list[float] = []
     sent = 0
+    finished = []
 
     def send() -> None:
         nonlocal sent
         req = eng.add_request(prompts[sent % len(prompts)], params)
+        finished.append(req)
         arrived[req.request_id] = (time.perf_counter(), len(step_s))
         sent += 1
 
@@ -52,6 +57,7 @@ def closed_loop(llm: LLM, prompts: list[list[int]], params: DecodeParams, conc: 
         send()
     first: set[str] = set()
     done = 0
+    cpu = time.process_time()
     while done < n:
         t0 = time.perf_counter()
         events = eng.step()
@@ -67,7 +73,8 @@ def closed_loop(llm: LLM, prompts: list[list[int]], params: DecodeParams, conc: 
             if ev.finished:
                 done += 1
                 send()
-    return steps, waited, step_s
+    cpu = time.process_time() - cpu
+    return steps, waited, step_s, sum(r.useful for r in finished if r.finished) / cpu
 
 
 def main() -> None:
@@ -85,15 +92,15 @@ def main() -> None:
                for ex in load_task("math", 100, seed=0).examples]
     params = DecodeParams.parse("static-1,early_exit=true", gen_length=32, block_length=bs)
     print(f"| tree | store | requests | steps to first token (count) | steps p50 | first token "
-          f"p50 ms | step p50 ms |  <!-- concurrency {args.concurrency} -->")
-    print("|:---|:---|---:|:---|---:|---:|---:|")
+          f"p50 ms | step p50 ms | tokens / CPU-s |  <!-- concurrency {args.concurrency} -->")
+    print("|:---|:---|---:|:---|---:|---:|---:|---:|")
     for mode in ("off", "on"):
         store = PrefixStore(bs, 1 << 30) if mode == "on" else None
-        steps, waited, step_s = closed_loop(llm, prompts, params, args.concurrency, args.n, store)
+        steps, waited, step_s, tps = closed_loop(llm, prompts, params, args.concurrency, args.n, store)
         counts = ", ".join(f"{k}: {v}" for k, v in sorted(Counter(steps).items()))
         print(f"| {args.label} | {mode} | {len(steps)} | {counts} | "
               f"{statistics.median(steps):g} | {1000 * statistics.median(waited):.1f} | "
-              f"{1000 * statistics.median(step_s):.1f} |")
+              f"{1000 * statistics.median(step_s):.1f} | {tps:.0f} |")
 
 
 if __name__ == "__main__":
