@@ -121,11 +121,11 @@ prefills). Most of a request's wait is the engine's: the step in flight, then tw
 (HTTP, the chat template on a worker thread, waiting for the interpreter lock), a lone request
 ~6 ms; the first text is on the wire 2-3 ms after its step. Three cuts since: no worker hop for
 a response format nobody sent, a joining request's first forward in the step that admits it
-(a step sooner), a batch's K/V pool kept across bursts. Side by side with main, two runs at
-load ~3 ([prefix-ttft-serve.md](benchmarks/ab/prefix-ttft-serve.md)): the on server's TTFT p50
-at 16 the same within noise (0.133 / 0.114 s against 0.140 / 0.106 s), the off server's lower
-(0.269 / 0.263 s against 0.443 / 0.256 s), since its p50 lies in the requests that join one at
-a time, which now commit a step sooner: on / off 2.0x and 2.3x against 3.2x and 2.4x, **the
+(a step sooner), a batch's K/V pool kept across bursts. Side by side with main, four runs at
+load 2-4 ([prefix-ttft-serve.md](benchmarks/ab/prefix-ttft-serve.md)), TTFT p50 at 16, medians:
+on 0.130 -> 0.121 s, off 0.262 -> 0.255 s (a joining request commits a step sooner on both,
+and the off server's p50 lies in the requests that join one at a time), on / off 1.97-3.17x
+(median 2.24x) before and 1.87-2.74x (2.17x) after: within the noise of these runs, **the
 3x goal still not met**; the texts the same on all four servers.
 EOF
   cat <<EOF
