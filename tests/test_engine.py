@@ -261,6 +261,25 @@ def test_tpf_counts_only_forward_decisions() -> None:
 
 
 # --- scheduling -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_a_joining_request_commits_in_the_step_that_admits_it(family: str) -> None:
+    """A request admitted beside rows already decoding forwards alone first (one more call in
+    that step) and commits its first token in that step, with the tokens it decodes alone."""
+    m = tiny_model(family, vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS)
+    params = DecodeParams.parse("static-1", gen_length=8, block_length=4)
+    alone = decode(m, params, [[8, 9, 10]])[0]
+    eng = engine(m)
+    eng.add_request([5, 6, 7, 11, 12], params)
+    eng.step(), eng.step()
+    calls = eng.model_calls
+    joined = eng.add_request([8, 9, 10], params)
+    first = next(ev for ev in eng.step() if ev.request_id == joined.request_id)
+    assert first.forwarded and len(first.positions) == 1
+    assert eng.model_calls == calls + 2
+    eng.run()
+    assert joined.token_ids == alone.token_ids and joined.nfe == alone.nfe
+
+
 def test_short_request_is_not_held_hostage() -> None:
     """A 64-token request admitted while a 1024-token one runs finishes first, in far fewer
     engine steps."""
@@ -278,8 +297,9 @@ def test_short_request_is_not_held_hostage() -> None:
         for ev in eng.step():
             if ev.finished:
                 finished_at[ev.request_id] = step
-    # a first forward, then one commit per step (the last commit needs no forward)
-    assert finished_at[short.request_id] == 5 + 64 + 1
+    # its first forward in a call of its own in the step that admits it (Decoder._prime), then
+    # one commit per step (the last commit needs no forward)
+    assert finished_at[short.request_id] == 5 + 64
     assert finished_at[long.request_id] == 1024 + 1
     assert short.nfe == 64 and long.nfe == 1024
 
@@ -350,6 +370,32 @@ def test_abort_waiting_and_running() -> None:
     # an idle decoder's batch holds no rows, canvas or K/V
     assert all(len(b) == 0 and b.S == 0 and (b.store is None or b.store.kv.numel() == 0)
                for b in eng.batches.values())
+
+
+def test_a_burst_takes_the_rows_of_the_last_one() -> None:
+    """Rows leaving give the K/V pool no memory back while the batch has rows, and an empty
+    batch keeps its pool: the next burst of requests takes its rows (no new pool, whose memory
+    the kernel would fault in again), with the tokens each gets alone. Of two idle decoders,
+    only the most recently used keeps its pool."""
+    m = tiny_model("sdar", vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS)
+    p = DecodeParams.parse("static-1", gen_length=8, block_length=4)
+    prompts = [[5, 6, 7, 8, 9, 10][: 2 + i % 5] for i in range(6)]
+    eng = engine(m)
+    for prompt in prompts:
+        eng.add_request(prompt, p)
+    eng.run()
+    (b,) = eng.batches.values()
+    pool = b.store
+    assert pool.shape[0] == len(prompts) and len(b) == 0
+    again = [eng.add_request(prompt, p) for prompt in prompts[::-1]]
+    eng.run()
+    assert b.store is pool
+    assert [r.token_ids for r in again] == [alone(m, p, q)[0] for q in prompts[::-1]]
+    other = DecodeParams.parse("threshold", gen_length=8, block_length=4)
+    eng.add_request(prompts[0], other)
+    eng.run()
+    assert b.store.shape == (0, 0)  # the other decoder was used since
+    assert all(len(x) == 0 and x.S == 0 for x in eng.batches.values())
 
 
 def test_abort_from_another_thread_during_a_step_waits_for_it() -> None:

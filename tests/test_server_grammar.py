@@ -139,3 +139,25 @@ def test_bad_constraints_are_400s(server: LiveServer, kw: dict, param: str, says
     err = e.value.body
     assert e.value.status_code == 400 and err["param"] == param
     assert says in err["message"] and "\n" not in err["message"]
+
+
+def test_only_a_constrained_request_takes_a_worker_thread_for_it(server: LiveServer,
+                                                                 monkeypatch) -> None:
+    """A request without a response format reaches the engine with no hop to a worker thread
+    for a constraint (at a busy server each hop waits for the interpreter lock twice); one with
+    a format compiles it there, off the event loop."""
+    from unmask.server import intake
+
+    hops: list[str] = []
+    real = intake.run_in_threadpool
+
+    async def counted(func, *args, **kwargs):
+        hops.append(func.__name__)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(intake, "run_in_threadpool", counted)
+    client = server.client()
+    chat(client)
+    assert hops == []
+    chat(client, response_format={"type": "json_object"}, extra_body={"decoder": "balanced"})
+    assert hops == ["request_constraint"]

@@ -110,6 +110,23 @@ nothing else running; the same prefix store): 2.28x and 2.26x lower, tokens/s 1.
 ~540-token prefill weighs less against a step's fixed cost when the cores are idle, so the
 ratio is lowest there: **the 3x TTFT goal holds only under load, not on a calm machine**;
 tokens/s at least 1.3x holds in every run.
+
+Where the first token's time goes, stage by stage through the server
+([ttft-anatomy.md](benchmarks/probe/ttft-anatomy.md), \`scripts/probe/ttft_anatomy.py\`): of a
+run's 32 requests at 16, the first 16 arrive at once and the rest one at a time as others
+finish, and the p50 lies where the two groups meet (store on: the fastest of the first wave,
+~115-150 ms; off: the slowest of the later ones, the first wave waiting ~0.5 s for 16
+prefills). Most of a request's wait is the engine's: the step in flight, then two steps
+(the first only forwards). A burst of 16 spends ~40 ms on the event loop before the engine
+(HTTP, the chat template on a worker thread, waiting for the interpreter lock), a lone request
+~6 ms; the first text is on the wire 2-3 ms after its step. Three cuts since: no worker hop for
+a response format nobody sent, a joining request's first forward in the step that admits it
+(a step sooner), a batch's K/V pool kept across bursts. Side by side with main, four runs at
+load 2-4 ([prefix-ttft-serve.md](benchmarks/ab/prefix-ttft-serve.md)), TTFT p50 at 16, medians:
+on 0.130 -> 0.121 s, off 0.262 -> 0.255 s (a joining request commits a step sooner on both,
+and the off server's p50 lies in the requests that join one at a time), on / off 1.97-3.17x
+(median 2.24x) before and 1.87-2.74x (2.17x) after: within the noise of these runs, **the
+3x goal still not met**; the texts the same on all four servers.
 EOF
   cat <<EOF
 

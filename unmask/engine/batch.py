@@ -139,8 +139,7 @@ class DecodeBatch:
         """store_shape: (n_layers, n_kv_heads, head_dim, dtype) when the decoder keeps a K/V
         store, else None. capacity: (rows, positions) of a store allocated once at that size and
         never compacted, so that its tensor stays where a captured CUDA graph reads it
-        (unmask.engine.graphs); None: a pool that grows with its rows and shrinks when they
-        leave."""
+        (unmask.engine.graphs); None: a pool that grows with its rows (`_compact_store`)."""
         self.mask_id, self.eos_id, self.device = mask_id, eos_id, device
         self.store_shape = store_shape
         self.requests: list[Request] = []
@@ -232,19 +231,52 @@ class DecodeBatch:
         gen = max(r.canvas for r in self.requests)
         self._resize(P - self.P, (P + gen) - (self.S + P - self.P))
 
+    def subset(self, rows: np.ndarray) -> DecodeBatch:
+        """A batch of rows `rows` (R',) of this one: copies of their state, the same K/V store
+        (what a step of the subset writes there is this batch's). `put` writes the rest back."""
+        sub = DecodeBatch.__new__(DecodeBatch)
+        sub.__dict__.update(self.__dict__)
+        sub.requests = [self.requests[i] for i in rows.tolist()]
+        sub.rows = self.rows.take(rows)
+        sub.x, sub.commit_step = self.x[rows], self.commit_step[rows]
+        pr = self.preds
+        sub.preds = Predictions(pr.token[rows], pr.conf[rows], pr.entropy[rows], pr.fresh[rows])
+        if self.store is not None:
+            sub.store_row = self.store_row[rows]
+        return sub
+
+    def put(self, rows: np.ndarray, sub: DecodeBatch) -> None:
+        """Rows `rows` (R',) := the state of `sub`, this batch's `subset(rows)` after a step."""
+        self.x[rows], self.commit_step[rows] = sub.x, sub.commit_step
+        for f in fields(Rows):
+            getattr(self.rows, f.name)[rows] = getattr(sub.rows, f.name)
+        for f in fields(Predictions):
+            getattr(self.preds, f.name)[rows] = getattr(sub.preds, f.name)
+
     def _compact_store(self) -> None:
-        """Give the pool's memory back once it holds more than twice what the rows use (one copy;
-        so the store never holds more than twice the canvas area the scheduler budgets); a
-        preallocated store stays as it is."""
-        if self.fixed_store:
+        """Give the pool's memory back once it is more than twice as wide as the widest canvas
+        its rows use (one copy). Its rows stay while the batch has any: a row that left is
+        taken by the next to join, where a pool shrunk and grown again cost each burst of 16
+        requests on the shipped SDAR model ~7 ms of copies and allocation, ~25 ms where the
+        new pool's memory is faulted in fresh (benchmarks/probe/ttft-anatomy.md). So the pool
+        holds at most the most rows the batch has held at once (<= max_running) x twice the
+        widest canvas its rows use; an empty batch keeps it until the engine gives it back
+        (`release_store`). A preallocated store stays as it is."""
+        if self.fixed_store or not self.requests:
             return
-        n, width = self.store.shape
-        used = max((r.slots for r in self.requests), default=0)
-        if n * width <= 2 * len(self.requests) * used:
+        used = max(r.slots for r in self.requests)
+        if self.store.shape[1] <= 2 * used:
             return
         self.store = self.store.compacted(self.store_row, used)
         self.store_row = np.arange(len(self.requests))
         self._free = []
+
+    def release_store(self) -> None:
+        """An empty batch's pool given back (a preallocated store stays where it is)."""
+        if (self.store is not None and self.store.shape[0] and not self.requests
+                and not self.fixed_store):
+            self.store = self.store.compacted(self.store_row, 0)
+            self._free = []
 
     def stored_tokens(self, rows: np.ndarray) -> np.ndarray:
         """(R', S) the token each slot of batch rows `rows` has K/V from in the store (-1: none)."""

@@ -96,7 +96,8 @@ class Engine:
         self.requests: dict[str, Request] = {}  # waiting or running
         self._pending: list[StepEvent] = []  # events of aborts between steps
         # Engine-wide NFE: forward passes, one per decoder batch per step that forwarded (the
-        # runner makes one model call for the batch, however its attention is grouped).
+        # runner makes one model call for the batch, however its attention is grouped), and one
+        # more where rows joining a decoding batch first forward alone (Decoder._prime).
         self.model_calls = 0
         self.max_idle = 8  # decoders kept while they have no rows (_drop_idle)
         self.token_forwards = 0  # token positions those calls processed
@@ -254,12 +255,16 @@ class Engine:
 
     def _drop_idle(self) -> None:
         """Forget all but the `max_idle` most recently used decoders with no rows. An empty
-        batch holds no canvas and no K/V (DecodeBatch.filter gives its store back), so keeping
-        a few saves the next request of their spec building them again (~0.15 ms); a server
-        sees many specs, so not all."""
+        batch holds no canvas, so keeping a few saves the next request of their spec building
+        them again (~0.15 ms); a server sees many specs, so not all. Of their K/V pools only the
+        most recently used one's stays (`DecodeBatch.release_store`): the next burst of
+        requests takes its rows instead of faulting in a new pool's memory."""
         idle = [key for key, b in self.batches.items() if not len(b)]
         for key in idle[: max(len(idle) - self.max_idle, 0)]:
             del self.batches[key], self.decoders[key]
+        for key in idle[:-1]:  # the most recently used keeps its K/V pool for the next burst
+            if key in self.batches:
+                self.batches[key].release_store()
 
     def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
         trace = any(r.trace for r in b.requests)
@@ -269,8 +274,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
             log.exception("a decoder step failed; its %d requests fail with it", len(b))
             return self._fail(b, f"{type(e).__name__}: {e}")
-        if res.model_call:
-            self.model_calls += 1
+        self.model_calls += res.model_calls
         if self._reuses(dec):
             self.prefix.offer(b)
         self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before

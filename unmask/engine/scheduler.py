@@ -2,7 +2,8 @@
 
 Plain Python, no tensors. Requests of one decoder share a batch whose canvas is as wide as its
 longest prompt plus its longest generation, so the slot budget counts that padded area (rows x
-width per decoder group): it is what the canvas holds, and the K/V store at most twice that
+width per decoder group): it is what the canvas holds. The K/V store keeps the rows of the most
+requests its batch has held at once, each at most twice as wide as the widest canvas
 (DecodeBatch._compact_store).
 """
 

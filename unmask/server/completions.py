@@ -22,9 +22,9 @@ from unmask.decoding.params import DecodeParams
 from unmask.server.errors import APIError
 from unmask.server.intake import (
     check_request,
+    constraint_of,
     encode_chat,
     encode_prompt,
-    request_constraint,
     request_params,
     submissions,
 )
@@ -68,7 +68,7 @@ async def _respond(state: ServerState, body: _Common, ids: list[list[int]], requ
               else ["messages"])
     seeded = [params] + [params.replace(seed=(params.seed + j) % (1 << 63), name=params.spec)
                          for j in range(1, body.n)]
-    constraint = await run_in_threadpool(request_constraint, state, body, params)
+    constraint = await constraint_of(state, body, params)
     items = submissions(body, [p for p in ids for _ in seeded], seeded * len(ids),
                         [f for f in fields for _ in seeded], constraint)
     handles = await state.engine.submit(items, "choices", left=request.is_disconnected)

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from unmask.api import LLM
 from unmask.decoding.grammar import (
     Constraint,
@@ -138,6 +140,17 @@ def submissions(body: _Common, ids: list[list[int]], params: list[DecodeParams],
     kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     return [Submission(p, q, f, length, kind, constraint)
             for p, q, f in zip(ids, params, fields, strict=True)]
+
+
+async def constraint_of(state: ServerState, body: _Common, params: DecodeParams
+                        ) -> Constraint | None:
+    """`request_constraint` on a worker thread, for a request that asks for one. Most ask for
+    none, and the hop would cost each of them the worker's and then the event loop's turns at
+    the interpreter lock, several milliseconds before it reaches the engine when many streams
+    are running (benchmarks/probe/ttft-anatomy.md)."""
+    if body.constraint_field() is None and body.length_penalty is None:
+        return None
+    return await run_in_threadpool(request_constraint, state, body, params)
 
 
 def request_constraint(state: ServerState, body: _Common, params: DecodeParams

@@ -31,8 +31,8 @@ from unmask.server.errors import APIError
 from unmask.server.intake import (
     check_prompt_chars,
     check_request,
+    constraint_of,
     encode_prompt,
-    request_constraint,
     request_params,
     submissions,
 )
@@ -93,7 +93,7 @@ async def trace(body: TraceRequest, request: Request, state: State) -> Streaming
     # own decoder; a lane's layout event names its constrained slots and its scaffold
     items = []
     for p in params:
-        constraint = await run_in_threadpool(request_constraint, state, body, p)
+        constraint = await constraint_of(state, body, p)
         items += submissions(body, [ids], [p], ["prompt"], constraint)
     handles = await state.engine.submit(items, "decoder lanes", trace=True)
     lanes = [Lane(state.llm, i, body.prompt, h.request) for i, h in enumerate(handles)]
