@@ -79,6 +79,20 @@ def test_the_rule_on_the_device_reads_once_a_step(kind: str, spec: str, monkeypa
     assert counts[0] == 0 and set(counts[1:]) == {1}, counts
 
 
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_a_joining_rows_first_forward_is_read_with_the_batchs(kind: str, monkeypatch) -> None:
+    """A request joining a decoding batch forwards first in a call of its own
+    (Decoder._prime); its scores wait on the device with the batch's, one read a step."""
+    model = peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)
+    as_on_a_gpu(monkeypatch)
+    eng = Engine(model, SchedulerConfig(max_running=2), mask_id=MASK, eos_id=EOS)
+    for p in PROMPTS:
+        eng.add_request(p, params(kind, "threshold,threshold=0.7"))
+    counts = reads_per_model_step(eng)
+    # 0 where no row has scores yet (a batch whose rows all joined at once)
+    assert max(counts) == 1 and counts.count(1) > len(counts) // 2, counts
+
+
 def test_drafts_and_the_cpu_keep_the_rule_on_the_host() -> None:
     model = peaky_model("sdar", 0, 4.0, VOCAB, MASK, EOS)
     cuda = torch.device("cuda")

@@ -73,6 +73,22 @@ class Scores:
         moved = new_row[self.rows]
         return self.keep(moved >= 0, moved, self.slots)
 
+    def at(self, rows: np.ndarray) -> Scores:
+        """A subset batch's scores (`DecodeBatch.subset`) at the batch rows `rows` (R',) its
+        rows are."""
+        return Scores(rows[self.rows], self.slots, self.token, self.conf, self.entropy)
+
+    def replaced(self, rows: np.ndarray, other: Scores | None) -> Scores:
+        """These places but those of batch rows `rows`, and `other`'s (None: none)."""
+        mine = self.keep(~np.isin(self.rows, rows), self.rows, self.slots)
+        if other is None:
+            return mine
+        return Scores(np.concatenate([mine.rows, other.rows]),
+                      np.concatenate([mine.slots, other.slots]),
+                      *(torch.cat([x, y]) for x, y in ((mine.token, other.token),
+                                                       (mine.conf, other.conf),
+                                                       (mine.entropy, other.entropy))))
+
     def shifted(self, front: int, width: int) -> Scores:
         """After `front` slots were added (dropped, when negative) before every row of a canvas
         now `width` slots wide."""
@@ -243,6 +259,9 @@ class DecodeBatch:
         sub.preds = Predictions(pr.token[rows], pr.conf[rows], pr.entropy[rows], pr.fresh[rows])
         if self.store is not None:
             sub.store_row = self.store_row[rows]
+        sub.pending = None if self.pending is None else self.pending.taken(rows)
+        if sub.pending is not None and not sub.pending.rows.size:
+            sub.pending = None
         return sub
 
     def put(self, rows: np.ndarray, sub: DecodeBatch) -> None:
@@ -252,6 +271,10 @@ class DecodeBatch:
             getattr(self.rows, f.name)[rows] = getattr(sub.rows, f.name)
         for f in fields(Predictions):
             getattr(self.preds, f.name)[rows] = getattr(sub.preds, f.name)
+        # scores a device commit has not read yet (unmask.engine.commit): the subset's in place
+        # of its rows' own, so that the batch's next rule step reads them all in one copy
+        theirs = None if sub.pending is None else sub.pending.at(rows)
+        self.pending = theirs if self.pending is None else self.pending.replaced(rows, theirs)
 
     def _compact_store(self) -> None:
         """Give the pool's memory back once it is more than twice as wide as the widest canvas
