@@ -126,7 +126,10 @@ load 2-4 ([prefix-ttft-serve.md](benchmarks/ab/prefix-ttft-serve.md)), TTFT p50 
 on 0.130 -> 0.121 s, off 0.262 -> 0.255 s (a joining request commits a step sooner on both,
 and the off server's p50 lies in the requests that join one at a time), on / off 1.97-3.17x
 (median 2.24x) before and 1.87-2.74x (2.17x) after: within the noise of these runs, **the
-3x goal still not met**; the texts the same on all four servers.
+3x goal still not met**; the texts the same on all four servers. Five more runs on a calm
+machine (load 0.5-1.9) once these cuts were merged: on 0.121 -> 0.108 s, off 0.283 -> 0.245 s,
+on / off 2.34x -> 2.15x (1.94-3.03x from run to run), tokens/s 1.63x -> 1.67x: not 3x there
+either.
 EOF
   cat <<EOF
 
