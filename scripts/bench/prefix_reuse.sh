@@ -129,9 +129,7 @@ and the off server's p50 lies in the requests that join one at a time), on / off
 3x goal still not met**; the texts the same on all four servers. Five more runs on a calm
 machine (load 0.5-1.9) once these cuts were merged: on 0.121 -> 0.108 s, off 0.283 -> 0.245 s,
 on / off 2.34x -> 2.15x (1.94-3.03x from run to run), tokens/s 1.63x -> 1.67x: not 3x there
-either. A prompt of up to 4,096 characters is now tokenized on the event loop (\`intake.tokenized\`):
-the stage takes 0.7 ms instead of 5.2, and TTFT moves within noise (six runs side by side: on
-0.091 -> 0.097 s, off 0.252 -> 0.237 s at 16).
+either.
 EOF
   cat <<EOF
 
