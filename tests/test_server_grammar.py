@@ -141,27 +141,21 @@ def test_bad_constraints_are_400s(server: LiveServer, kw: dict, param: str, says
     assert says in err["message"] and "\n" not in err["message"]
 
 
-@pytest.fixture
-def hops(monkeypatch) -> list[str]:
-    """The functions the server runs on a worker thread (unmask.server.intake's hops), in order."""
-    from unmask.server import intake
-
-    names: list[str] = []
-    real = intake.run_in_threadpool
-
-    async def counted(func, *args, **kwargs):
-        names.append(func.__name__)
-        return await real(func, *args, **kwargs)
-
-    monkeypatch.setattr(intake, "run_in_threadpool", counted)
-    return names
-
-
 def test_only_a_constrained_request_takes_a_worker_thread_for_it(server: LiveServer,
-                                                                 hops: list[str]) -> None:
+                                                                 monkeypatch) -> None:
     """A request without a response format reaches the engine with no hop to a worker thread
     for a constraint (at a busy server each hop waits for the interpreter lock twice); one with
     a format compiles it there, off the event loop."""
+    from unmask.server import intake
+
+    hops: list[str] = []
+    real = intake.run_in_threadpool
+
+    async def counted(func, *args, **kwargs):
+        hops.append(func.__name__)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(intake, "run_in_threadpool", counted)
     client = server.client()
     chat(client)
     assert hops == []
@@ -169,13 +163,20 @@ def test_only_a_constrained_request_takes_a_worker_thread_for_it(server: LiveSer
     assert hops == ["request_constraint"]
 
 
-def test_a_short_prompt_is_tokenized_on_the_event_loop(server: LiveServer, hops: list[str],
-                                                       monkeypatch) -> None:
+def test_a_short_prompt_is_tokenized_on_the_event_loop(server: LiveServer, monkeypatch) -> None:
     """A prompt up to INLINE_CHARS characters is tokenized on the event loop (a worker hop would
     cost it more waiting for the interpreter lock than the work takes); a longer one, and a
     completion's too, on a worker thread."""
     from unmask.server import intake
 
+    hops: list[str] = []
+    real = intake.run_in_threadpool
+
+    async def counted(func, *args, **kwargs):
+        hops.append(func.__name__)
+        return await real(func, *args, **kwargs)
+
+    monkeypatch.setattr(intake, "run_in_threadpool", counted)
     monkeypatch.setattr(intake, "INLINE_CHARS", 40)
     client = server.client()
     chat(client)  # 16 characters
