@@ -161,29 +161,3 @@ def test_only_a_constrained_request_takes_a_worker_thread_for_it(server: LiveSer
     assert hops == []
     chat(client, response_format={"type": "json_object"}, extra_body={"decoder": "balanced"})
     assert hops == ["request_constraint"]
-
-
-def test_a_short_prompt_is_tokenized_on_the_event_loop(server: LiveServer, monkeypatch) -> None:
-    """A prompt up to INLINE_CHARS characters is tokenized on the event loop (a worker hop would
-    cost it more waiting for the interpreter lock than the work takes); a longer one, and a
-    completion's too, on a worker thread."""
-    from unmask.server import intake
-
-    hops: list[str] = []
-    real = intake.run_in_threadpool
-
-    async def counted(func, *args, **kwargs):
-        hops.append(func.__name__)
-        return await real(func, *args, **kwargs)
-
-    monkeypatch.setattr(intake, "run_in_threadpool", counted)
-    monkeypatch.setattr(intake, "INLINE_CHARS", 40)
-    client = server.client()
-    chat(client)  # 16 characters
-    assert hops == []
-    long = "What is 47 + 38? Add them column by column, from the ones."
-    client.chat.completions.create(model="unmask-llada", max_tokens=8,
-                                   messages=[{"role": "user", "content": long}])
-    client.completions.create(model="unmask-llada", prompt=long, max_tokens=8)
-    client.completions.create(model="unmask-llada", prompt="What is 47 + 38?", max_tokens=8)
-    assert hops == ["encode_chat", "encode_prompt"]

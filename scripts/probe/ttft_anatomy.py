@@ -13,8 +13,7 @@ stamps, per request:
   sent       the client sends it (bench-serve's clock starts)
   recv       the server's ASGI app is called for it (HTTP read and parsed by uvicorn)
   body       the route runs (the body validated by pydantic)
-  ids        the chat template and tokenizing are done (on the loop for a short prompt,
-             else on a worker thread)
+  ids        the chat template and tokenizing are done (a worker thread), back on the loop
   put        the route hands the request to the engine thread (EngineClient._add)
   taken      the engine thread adds it to the engine (between steps: after the step in flight)
   admitted   the step that admits it begins (Request.started)
@@ -111,18 +110,16 @@ def stamped_serve(out: str, argv: list[str]) -> int:
 
     completions._respond = respond
 
-    # the route's entry is stamped by its tokenizing: `tokenized` (the event loop or a worker),
-    # a worker hop in trees before it
-    name = "tokenized" if hasattr(completions, "tokenized") else "run_in_threadpool"
-    encode = getattr(completions, name)
+    # the route's entry is stamped by the first await it makes: encode_chat's hop
+    encode = completions.run_in_threadpool
 
-    async def tokenizing(*a: Any, **k: Any) -> Any:
+    async def run_in_threadpool(func: Any, *a: Any, **k: Any) -> Any:
         rec = current.get(None)
         if rec is not None and "body" not in rec:
             rec["body"] = now()
-        return await encode(*a, **k)
+        return await encode(func, *a, **k)
 
-    setattr(completions, name, tokenizing)
+    completions.run_in_threadpool = run_in_threadpool
 
     add = EngineClient._add
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from unmask.decoding.params import DecodeParams
 from unmask.server.errors import APIError
@@ -26,7 +27,6 @@ from unmask.server.intake import (
     encode_prompt,
     request_params,
     submissions,
-    tokenized,
 )
 from unmask.server.output import Choice, TextStream, decode_numbers, usage
 from unmask.server.protocol import (
@@ -45,9 +45,8 @@ async def completions(body: CompletionRequest, request: Request, state: State) -
     prompts = check_request(state, body)
     ids = []
     for i, p in enumerate(prompts):
-        chars = len(p) if isinstance(p, str) else 0  # token ids need no tokenizer
-        ids.append(await tokenized(encode_prompt, chars, state.llm, p, False,
-                                   body.prompt_field(i)))
+        ids.append(await run_in_threadpool(encode_prompt, state.llm, p, False,
+                                           body.prompt_field(i)))
         if await request.is_disconnected():  # tokenizing many long prompts takes seconds
             return Response(status_code=499)
     return await _respond(state, body, ids, request, chat=False)
@@ -58,8 +57,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
                            ) -> Response:
     check_request(state, body)
     messages = [m.for_template() for m in body.messages]
-    chars = sum(len(m["content"]) for m in messages)
-    ids = [await tokenized(encode_chat, chars, state.llm, messages)]
+    ids = [await run_in_threadpool(encode_chat, state.llm, messages)]
     return await _respond(state, body, ids, request, chat=True)
 
 

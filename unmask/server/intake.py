@@ -5,7 +5,7 @@ decoder parameters. The engine's own checks of the ids come after, at the door
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -77,7 +77,7 @@ def max_tokens_field(body: _Common) -> str:
 
 
 def encode_prompt(llm: LLM, prompt: str | list[int], chat: bool, field: str = "prompt") -> list[int]:
-    """Token ids of a prompt (blocking: call it through `tokenized`)."""
+    """Token ids of a prompt (blocking: call it off the event loop, with run_in_threadpool)."""
     if isinstance(prompt, list):  # token ids: the engine checks them (non-empty, in the vocabulary)
         return prompt
     try:
@@ -87,7 +87,7 @@ def encode_prompt(llm: LLM, prompt: str | list[int], chat: bool, field: str = "p
 
 
 def encode_chat(llm: LLM, messages: list[dict]) -> list[int]:
-    """Token ids of a chat through the template (blocking: call it through `tokenized`)."""
+    """Token ids of a chat through the template (blocking: call it off the event loop)."""
     tok = llm.tokenizer
     if not tok.chat_template:
         raise APIError(400, "this checkpoint has no chat template; use /v1/completions",
@@ -140,22 +140,6 @@ def submissions(body: _Common, ids: list[list[int]], params: list[DecodeParams],
     kind = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
     return [Submission(p, q, f, length, kind, constraint)
             for p, q, f in zip(ids, params, fields, strict=True)]
-
-
-# A prompt of up to this many characters is tokenized (chat template included) on the event
-# loop, in about a millisecond or less (~0.3 us a character with the shipped tokenizers: 0.8 ms
-# for 2,500, 2.3 ms for 8,000); a longer one on a worker thread, where a hop costs a request
-# several milliseconds of waiting for the interpreter lock at a busy server whatever its size
-# (benchmarks/probe/ttft-anatomy.md).
-INLINE_CHARS = 4096
-
-
-async def tokenized(encode: Callable[..., list[int]], chars: int, *args: Any) -> list[int]:
-    """encode(*args), the token ids of a prompt of `chars` characters: on the event loop when
-    it is short (INLINE_CHARS), on a worker thread otherwise."""
-    if chars <= INLINE_CHARS:
-        return encode(*args)
-    return await run_in_threadpool(encode, *args)
 
 
 async def constraint_of(state: ServerState, body: _Common, params: DecodeParams

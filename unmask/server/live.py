@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from pydantic import Field
+from starlette.concurrency import run_in_threadpool
 
 from unmask.decoding.params import METHODS, PRESETS, DecodeParams, to_spec
 from unmask.server.engine_client import Handle
@@ -34,7 +35,6 @@ from unmask.server.intake import (
     encode_prompt,
     request_params,
     submissions,
-    tokenized,
 )
 from unmask.server.protocol import Unsupported, _Common, check_text, error_body
 from unmask.server.state import ServerState, State
@@ -88,7 +88,7 @@ async def trace(body: TraceRequest, request: Request, state: State) -> Streaming
     # the request's own spec, a max_tokens would conflict with a gen_length in it)
     specs = body.decoders if body.decoders else [body.decoder]
     params = [_lane_params(state, body, i, spec, len(specs)) for i, spec in enumerate(specs)]
-    ids = await tokenized(encode_prompt, len(body.prompt), state.llm, body.prompt, body.chat)
+    ids = await run_in_threadpool(encode_prompt, state.llm, body.prompt, body.chat)
     # a response format (response_format, regex, guided_regex) holds every lane, each over its
     # own decoder; a lane's layout event names its constrained slots and its scaffold
     items = []
