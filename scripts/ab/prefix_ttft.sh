@@ -12,9 +12,15 @@ OUT=$(realpath -m "$2")
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=$(command -v python)
 mkdir -p "$OUT"
+for port in 8861 8862 8863 8864; do  # a server left on a port would answer for this run's
+  if curl -sf "http://127.0.0.1:$port/health" >/dev/null; then
+    echo "port $port is already serving (another run?): stop it first" >&2; exit 2
+  fi
+done
 BASE=$(mktemp -d)
 git -C "$ROOT" archive "$REV" | tar -x -C "$BASE"
 pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$BASE"' EXIT
 serve() {  # TREE PORT [--no-prefix-cache]; from / so that the tree on PYTHONPATH is the one run
   (cd /; exec env PYTHONPATH="$1" "$PY" -m unmask.cli serve --model unmask-sdar --threads 1 \
      --port "$2" --max-running 16 ${3:-} --log-level warning) &
@@ -24,7 +30,6 @@ serve "$BASE" 8861 --no-prefix-cache
 serve "$BASE" 8862
 serve "$ROOT" 8863 --no-prefix-cache
 serve "$ROOT" 8864
-trap 'kill "${pids[@]}"; rm -rf "$BASE"' EXIT
 for port in 8861 8862 8863 8864; do
   for _ in $(seq 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
 done

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,10 +55,10 @@ def rounds(before: str, script: str, args: list[str], n_rounds: int) -> dict[str
     return runs
 
 
-def rev_rounds(script: str, doc: str, measure, default_rounds: int):
+def rev_rounds(script: str, doc: str, measure, report, default_rounds: int) -> None:
     """The command line of a before/after script given REV as its argument: `REV [--rounds R]
-    [--n N]`, or `--measure [--n N]` (the script measuring the tree on PYTHONPATH: prints
-    measure(n) as JSON, returns None). Returns (args, `rounds`' runs)."""
+    [--n N]` prints report(args, runs) over `rounds`' runs; `--measure [--n N]` (the script
+    measuring the tree on PYTHONPATH) prints measure(n) as JSON."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("rev", nargs="?")
     p.add_argument("--rounds", type=int, default=default_rounds)
@@ -66,10 +67,16 @@ def rev_rounds(script: str, doc: str, measure, default_rounds: int):
     args = p.parse_args()
     if args.measure:
         print(json.dumps(measure(args.n)))
-        return None
+        return
     if args.rev is None:
         p.error("give REV, the commit to compare with")
-    return args, rounds(args.rev, script, ["--measure", "--n", str(args.n)], args.rounds)
+    print(report(args, rounds(args.rev, script, ["--measure", "--n", str(args.n)], args.rounds)))
+
+
+def ratio_range(num: list[float], den: list[float]) -> str:
+    """Per-round ratios num / den as "median x [min, max]"."""
+    r = [a / b for a, b in zip(num, den, strict=True)]
+    return f"{statistics.median(r):.2f}x [{min(r):.2f}, {max(r):.2f}]"
 
 
 def ab_main(script: str, doc: str, out: str, child, write) -> int:

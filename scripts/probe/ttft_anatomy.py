@@ -303,7 +303,10 @@ def main() -> None:
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
         for proc in procs.values():
-            proc.wait(60)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:  # a server that does not stop is killed
+                proc.kill()
     runs, steps = {}, {}
     for name in names:
         stamps = json.loads((tmp / f"{name}.json").read_text())
