@@ -18,7 +18,9 @@ from helpers import assert_batch_invariant, peaky_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from unmask.decoding import grammar
 from unmask.decoding.grammar import (
+    Automata,
     Constraint,
     GrammarError,
     ResponseFormat,
@@ -344,6 +346,64 @@ def test_bad_regex_and_decoders_are_refused() -> None:
                       DecodeParams.parse("freedave", gen_length=8, block_length=8))
     with pytest.raises(GrammarError, match="exceeds gen_length"):
         check_decoder(constraint(16), DecodeParams.parse("static-1", gen_length=8, block_length=8))
+
+
+# --- limits: what one format, and the formats an LLM keeps, may cost ----------------------------
+@pytest.mark.parametrize(("pattern", "positions"), [
+    ("ab", 2), ("a{0,500}", 500), ("(ab|cd){3}", 12), ("x{5}y*", 6), ("(?:a[bc]){2,}", 4),
+])
+def test_pattern_positions_write_counted_repetitions_out(pattern: str, positions: int) -> None:
+    assert grammar.pattern_positions(pattern) == positions
+
+
+def test_a_format_too_large_is_refused_before_anything_is_built(monkeypatch) -> None:
+    import outlines_core
+
+    def no_index(*a, **kw):
+        raise AssertionError("outlines-core was asked to build an index")
+
+    monkeypatch.setattr(outlines_core, "Index", no_index)
+    with pytest.raises(GrammarError, match="the response format is too large: its regular "
+                       "expression has 4,000 positions") as e:
+        automaton("(ab|cd){1000}")
+    assert "\n" not in str(e.value)
+
+
+def test_a_format_with_too_many_states_is_refused(monkeypatch) -> None:
+    # "a" then up to 40 more: 42 outlines-core states + END and DEAD
+    monkeypatch.setattr(grammar, "MAX_STATES", 40)
+    with pytest.raises(GrammarError, match="its automaton has 4[0-9] states"):
+        automaton('"a{1,40}"')
+    assert automaton('"a{1,8}"').n_states < 40
+    monkeypatch.setattr(grammar, "MAX_STATES", 4096)
+    monkeypatch.setattr(grammar, "MAX_AUTOMATON_BYTES", 1000)  # the dense arrays' bytes
+    with pytest.raises(GrammarError, match="MiB over a 64-token vocabulary"):
+        automaton('"a{1,40}"')
+
+
+def test_kept_automata_stay_under_their_budget_least_recent_dropped_first() -> None:
+    built = []
+
+    def make(pattern: str):
+        def build() -> TokenAutomaton:
+            built.append(pattern)
+            return automaton(pattern)
+        return build
+
+    one = automaton("ab").nbytes
+    kept = Automata(budget=2 * one + one // 2)  # room for two
+    first = kept.get(("ab", "regex"), make("ab"))
+    kept.get(("ba", "regex"), make("ba"))
+    assert kept.get(("ab", "regex"), make("ab")) is first  # kept, and now the most recent
+    kept.get(("aa", "regex"), make("aa"))  # drops "ba", the least recent
+    assert len(kept) == 2 and kept.nbytes <= kept.budget
+    kept.get(("ab", "regex"), make("ab"))
+    kept.get(("ba", "regex"), make("ba"))
+    assert built == ["ab", "ba", "aa", "ba"]
+    # one larger than the whole budget is built for its request and not kept
+    tiny = Automata(budget=one // 2)
+    tiny.get(("ab", "regex"), make("ab"))
+    assert len(tiny) == 0 and built[-1] == "ab"
 
 
 def test_text_and_absent_formats_are_none() -> None:

@@ -132,6 +132,12 @@ def test_a_nan_length_penalty_is_a_400(server: LiveServer) -> None:
     ({"response_format": {"type": "json_object"}, "extra_body": {"length_penalty": "NaN"}},
      "length_penalty", "valid number"),
     ({"extra_body": {"length_penalty": 1}}, "length_penalty", "give a JSON schema"),
+    # a string's maxLength makes states per character: refused before anything is built
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "object", "properties": {
+            "a": {"type": "string", "maxLength": 100000}}, "required": ["a"]}}}},
+     "response_format", "the response format is too large"),
+    ({"extra_body": {"regex": "(ab|cd){5000}"}}, "regex", "the response format is too large"),
 ])
 def test_bad_constraints_are_400s(server: LiveServer, kw: dict, param: str, says: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:

@@ -20,6 +20,7 @@ import torch
 from unmask.checkpoint import CheckpointError, load_model
 from unmask.compiling import check_compile, compile_model
 from unmask.decoding.grammar import (
+    Automata,
     Constraint,
     ResponseFormat,
     TokenAutomaton,
@@ -297,7 +298,7 @@ class LLM:
                                               prefix_cache_gib)
         self.tokenizer = load_tokenizer(self.path)
         check_tokenizer(self.tokenizer, self.config, self.path)
-        self._automata: dict[tuple[str, str], TokenAutomaton] = {}  # LLM.constraint's
+        self._automata = Automata()  # LLM.constraint's
 
     def _quantize_note(self, scheme: str | None) -> str:
         """A line saying what the loaded model's weights hold, and held in their float dtype
@@ -418,13 +419,11 @@ class LLM:
     def constraint(self, fmt: ResponseFormat, budget: int) -> Constraint:
         """A request's constraint: `fmt` over its first `budget` generated tokens (the
         automaton is compiled once per format and kept)."""
-        key = (fmt.pattern, fmt.kind)
-        if key not in self._automata:
-            c = self.config
-            self._automata[key] = TokenAutomaton.build(
-                fmt.pattern, token_bytes(self.tokenizer), c.vocab_size, c.eos_token_id,
-                encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        return Constraint(fmt, self._automata[key], budget, self.config.mask_token_id)
+        c = self.config
+        automaton = self._automata.get((fmt.pattern, fmt.kind), lambda: TokenAutomaton.build(
+            fmt.pattern, token_bytes(self.tokenizer), c.vocab_size, c.eos_token_id,
+            encode=lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
+        return Constraint(fmt, automaton, budget, c.mask_token_id)
 
     def generate_ids(self, prompt_ids: list[list[int]], params: DecodeParams,
                      batch_size: int = 8,

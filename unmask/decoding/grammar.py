@@ -22,7 +22,8 @@ import importlib
 import json
 import re
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -36,6 +37,15 @@ MODES = ("complete", "prefix")  # the bidirectional constraint; the longest-vali
 # JSON, whose values the schema leaves unbounded but a model writing prose would run on; off
 # for a regular expression, often free text the model writes out of order as it would anyway.
 JSON_LENGTH_PENALTY = 2.0
+# What one format's automaton may cost (docs/decoders.md § Structured output, "Limits"). The
+# automaton is dense: (states x vocabulary) int32 moves and (states x states) float32 hole
+# moves, built in time that grows with states squared. Measured on the embedded 2,048-token
+# vocabulary: 4,011 states (a string of maxLength 400) build in 1.1 s and ~400 MB; 10,019
+# (maxLength 1,000) in 6 s and ~1.3 GB; 50,051 (maxLength 5,000) in 92 s and ~20 GB.
+MAX_PATTERN_POSITIONS = 2048  # checked before outlines-core builds its index
+MAX_STATES = 4096
+MAX_AUTOMATON_BYTES = 1 << 30  # the dense arrays (a 128k vocabulary: ~2,000 states)
+AUTOMATA_CACHE_BYTES = 1 << 30  # automata an LLM keeps for later requests of their formats
 
 
 class GrammarError(InputError):
@@ -379,6 +389,11 @@ class TokenAutomaton:
         `vocab` logits. encode: text -> token ids (the tokenizer's), for the scaffold."""
         from outlines_core import Index, Vocabulary
 
+        positions = pattern_positions(pattern)
+        if positions > MAX_PATTERN_POSITIONS:
+            raise GrammarError(_too_large(f"its regular expression has {positions:,} positions "
+                                          "with counted repetitions written out",
+                                          f"{MAX_PATTERN_POSITIONS:,}"))
         try:
             index = Index(pattern, Vocabulary(eos_id, {b: [i] for i, b in tokens.items()
                                                         if i != eos_id}))
@@ -390,6 +405,12 @@ class TokenAutomaton:
         number = np.full(max(ids) + 1, -1, dtype=np.int32)  # outlines-core's state -> ours
         number[ids] = np.arange(len(ids), dtype=np.int32)
         n = len(ids)
+        dense = dense_bytes(n + 2, vocab)
+        if n + 2 > MAX_STATES or dense > MAX_AUTOMATON_BYTES:
+            raise GrammarError(_too_large(
+                f"its automaton has {n + 2:,} states ({dense / 2**20:,.1f} MiB over a "
+                f"{vocab:,}-token vocabulary)",
+                f"{MAX_STATES:,} states and {MAX_AUTOMATON_BYTES / 2**20:,.0f} MiB"))
         end, dead = n, n + 1
         trans = np.full((n + 2, vocab + 1), dead, dtype=np.int32)  # column vocab: ids past it
         for s, moves in edges.items():
@@ -423,6 +444,12 @@ class TokenAutomaton:
                 final, live, (), eos=eos_id, first_byte=first, byte_token=alone, encode=encode)
         a.prefix = a._live_path(a.start, literal_prefix(pattern))
         return a
+
+    @property
+    def nbytes(self) -> int:
+        """What keeping this automaton may cost at most: its dense arrays, each state's moves
+        grouped by target (up to the moves again) and the hole vectors' bound."""
+        return 2 * self.trans.nbytes + self.succ.nbytes + self.succ_t.nbytes + (32 << 20)
 
     def walk(self, states: np.ndarray, token: int) -> np.ndarray:
         """(Q,) bool: the states `token` moves `states` (Q,) bool to (DEAD left out)."""
@@ -529,6 +556,85 @@ class StateSets:
 def _pick(items: list, keep: np.ndarray) -> list:
     """The items where keep (bool, one per item)."""
     return [x for x, k in zip(items, keep.tolist(), strict=True) if k]
+
+
+def dense_bytes(n_states: int, vocab: int) -> int:
+    """The bytes of an automaton's dense arrays: (Q, V) int32 moves, (Q, Q) float32 hole moves
+    and their transpose."""
+    return 4 * n_states * vocab + 8 * n_states * n_states
+
+
+def pattern_positions(pattern: str) -> int:
+    """An upper bound on the positions of a regular expression with its counted repetitions
+    written out (`a{0,500}` is 500): the automaton's states grow with it, so it is checked
+    before outlines-core builds anything. Read with Python's own parser, which is what checks a
+    request's regular expression (`ResponseFormat.regex`)."""
+    from re import _parser
+    from re._constants import MAXREPEAT
+
+    def size(items: Iterable) -> int:
+        n = 0
+        for op, av in items:
+            name = str(op)
+            if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+                lo, hi, sub = av
+                n += size(sub) * max(1, lo if hi == MAXREPEAT else hi)
+            elif name == "SUBPATTERN":
+                n += size(av[-1])
+            elif name == "BRANCH":
+                n += sum(size(b) for b in av[1])
+            elif name == "ATOMIC_GROUP":
+                n += size(av)
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                n += size(av[1])
+            else:
+                n += 1
+        return n
+
+    try:
+        return size(_parser.parse(pattern))
+    except re.error as e:
+        raise GrammarError(f"invalid regular expression {pattern!r:.80}: {e}") from None
+
+
+def _too_large(what: str, limit: str) -> str:
+    return (f"the response format is too large: {what}, over unmask's "
+            f"limit of {limit} (each character a string's maxLength or a counted repetition "
+            f"allows adds states: lower it, or leave the length open)")
+
+
+class Automata:
+    """The automata of the formats an LLM has compiled, kept for later requests of the same
+    format and dropped least recently used first past `budget` bytes (`TokenAutomaton.nbytes`),
+    so a server asked for many formats holds a bounded few. A request's Constraint holds its own
+    automaton, so dropping one never touches a running request. Thread-safe: the server compiles
+    on worker threads (two threads may build the same format once each; the second is kept)."""
+
+    def __init__(self, budget: int = AUTOMATA_CACHE_BYTES) -> None:
+        self.budget = budget
+        self._kept: Any = None  # a cachetools.LRUCache, made on first use (the grammar extra)
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, build: Callable[[], TokenAutomaton]) -> TokenAutomaton:
+        with self._lock:
+            if self._kept is None:
+                from cachetools import LRUCache
+
+                self._kept = LRUCache(maxsize=self.budget, getsizeof=lambda a: a.nbytes)
+            hit = self._kept.get(key)
+        if hit is None:
+            hit = build()
+            if hit.nbytes <= self.budget:
+                with self._lock:
+                    self._kept[key] = hit
+        return hit
+
+    def __len__(self) -> int:
+        return 0 if self._kept is None else len(self._kept)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._kept is None else int(self._kept.currsize)
 
 
 def literal_prefix(pattern: str) -> str:
