@@ -132,7 +132,9 @@ class Decoder:
         # the canvas as its own draft: what the last rule step committed (the cache plan reads it)
         canvas = Drafts(b.x, rows, b.rows.new_entropy, np.zeros(b.x.shape, dtype=bool),
                         np.zeros_like(rows))
-        exit_ready = self._ready_to_exit(b, canvas, gen_masked)
+        # A row still here is not ready to exit: the commits that made it so finished it. Only
+        # a scaffold written this step can have settled a canvas up to an EOS.
+        exit_ready = None if cons is None else self._ready_to_exit(b, canvas, gen_masked)
         need = gen_masked.any(-1) if exit_ready is None else gen_masked.any(-1) & ~exit_ready
         fw = self._forward(b, canvas, need, start, cons)
         fi = np.arange(int(need.sum()))  # (R',) the forwarded rows' places in `fw`
