@@ -101,10 +101,10 @@ def test_store_holds_only_final_kv() -> None:
     from unmask.engine import decoder as decoder_mod
 
     model, seen = sdar(), []
-    accept = decoder_mod.Decoder._accept
+    take = decoder_mod.Decoder._take_predictions
 
-    def spy(self, b, d, fw, chosen, need, fwd_index, draft_start):
-        accept(self, b, d, fw, chosen, need, fwd_index, draft_start)
+    def spy(self, b, fw, rows, fi, start):  # b.x: the forwarded canvases
+        take(self, b, fw, rows, fi, start)
         for i in range(len(b)):
             valid = b.stored_tokens(np.array([i]))[0] >= 0
             if valid.any():
@@ -115,7 +115,7 @@ def test_store_holds_only_final_kv() -> None:
                 assert (b.stored_tokens(np.array([i]))[0][valid] == b.x[i][valid]).all()
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decoder_mod.Decoder, "_accept", spy)
+        mp.setattr(decoder_mod.Decoder, "_take_predictions", spy)
         run(model, "threshold,threshold=0.5")
     assert seen and all(seen)
 

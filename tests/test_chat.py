@@ -184,7 +184,7 @@ def test_watch_draws_the_canvas_within_the_width(llm: LLM, width: int) -> None:
     frames = console.export_text()
     lines = frames.splitlines()
     assert max(map(len, lines)) <= width
-    assert sum("NFE" in line for line in lines) == chat.stats.nfe + 1  # a frame a step (EOS fill)
+    assert sum("NFE" in line for line in lines) == chat.stats.nfe  # a frame a step (a forward each)
     last = frames[frames.rindex("static-1"):]
     flat = "".join(last.splitlines()[1:]) if width == 80 else "".join(
         line for line in last.splitlines() if "NFE" not in line)

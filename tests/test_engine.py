@@ -12,7 +12,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
-from helpers import EOS, MASK, VOCAB, join_and_abort, peaky_model, tiny_model
+from helpers import BLOCK_FAMILIES, EOS, MASK, VOCAB, join_and_abort, peaky_model, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +20,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, QueueFull, SchedulerConfig, decode
 from unmask.engine import decoder as decoder_mod
 from unmask.engine import runner as runner_mod
+from unmask.engine.commit import HostCommit
 from unmask.errors import InputError
 
 METHODS = ["static,steps=8", "static-1", "threshold,threshold=0.5", "freedave,draft_steps=3",
@@ -260,24 +261,82 @@ def test_tpf_counts_only_forward_decisions() -> None:
     assert g.tpf == pytest.approx(decided_by_forwards / g.nfe)
 
 
+# --- a step's order -------------------------------------------------------------------------------
+ORDER_CASES = [(kind, spec) for kind in ("llada", "Dream") for spec in (
+    "static-1", "static,steps=8", "threshold,threshold=0.5,early_exit=true", "static-1,cache=dual",
+    "threshold,threshold=0.5,cache=entropy,entropy_tau=0.5,recent_k=2,refresh_on_block=true",
+    "threshold,threshold=0.5,cache=prefix,suffix=structured,suffix_local=2,suffix_middle=3,"
+    "suffix_tail=2,suffix_rule=grid,inject=0.5")] + [
+    ("sdar", "static-1,early_exit=true"), ("sdar", "threshold,threshold=0.5"),
+    ("Fast_dLLM_Qwen", "threshold,threshold=0.5"), ("llada2_moe", "static-1")]
+
+
+@pytest.mark.parametrize(("kind", "spec"), ORDER_CASES)
+def test_either_step_order_decodes_alike(kind: str, spec: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward-then-commit (a plain decoder on the CPU) gives what commit-then-forward gives
+    (FreeDave's order and the device rule's, forced here on the CPU): tokens, NFE,
+    token-forwards, decisions and finish, with rows joining and leaving a batch of two."""
+    m = model(kind)
+    block = BLOCK_FAMILIES.get(kind, {}).get("block_size", 8)
+    p = DecodeParams.parse(spec, gen_length=16, block_length=block)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13, 14], [15], [16, 17, 18]]
+
+    def run() -> tuple[list[tuple], int]:
+        eng = engine(m, max_running=2)
+        reqs = [eng.add_request(x, p) for x in prompts]
+        eng.run()
+        return [outcome(r) for r in reqs], sum(r.steps for r in reqs)
+
+    forward_first, steps = run()
+    monkeypatch.setattr(HostCommit, "reads_at_once", False)
+    commit_first, steps_commit_first = run()
+    assert forward_first == commit_first
+    assert steps < steps_commit_first  # the orders did differ
+
+
 # --- scheduling -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", ["llada", "sdar"])
-def test_a_joining_request_commits_in_the_step_that_admits_it(family: str) -> None:
-    """A request admitted beside rows already decoding forwards alone first (one more call in
-    that step) and commits its first token in that step, with the tokens it decodes alone."""
+@pytest.mark.parametrize(("family", "spec", "calls"), [
+    ("llada", "static-1", 1), ("sdar", "static-1", 1), ("sdar", "threshold", 1),
+    ("llada", "fast", 2), ("sdar", "exact", 2)])
+def test_a_joining_request_commits_in_the_step_that_admits_it(family: str, spec: str,
+                                                              calls: int) -> None:
+    """A request admitted beside rows already decoding commits its first token in the step that
+    admits it, with the tokens it decodes alone: a plain decoder forwards it in the batch's own
+    call, then commits from that call's scores (the forward-first order); FreeDave, whose
+    drafts are committed before the forward that verifies them, forwards it alone first, in one
+    more call (Decoder._prime)."""
     m = tiny_model(family, vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS)
-    params = DecodeParams.parse("static-1", gen_length=8, block_length=4)
+    params = DecodeParams.parse(spec, gen_length=8, block_length=4)
     alone = decode(m, params, [[8, 9, 10]])[0]
     eng = engine(m)
     eng.add_request([5, 6, 7, 11, 12], params)
     eng.step(), eng.step()
-    calls = eng.model_calls
+    before = eng.model_calls
     joined = eng.add_request([8, 9, 10], params)
     first = next(ev for ev in eng.step() if ev.request_id == joined.request_id)
-    assert first.forwarded and len(first.positions) == 1
-    assert eng.model_calls == calls + 2
+    assert first.forwarded and len(first.positions) >= 1
+    assert eng.model_calls == before + calls
     eng.run()
     assert joined.token_ids == alone.token_ids and joined.nfe == alone.nfe
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar"])
+def test_a_plain_decoders_first_step_commits(family: str) -> None:
+    """Into an empty batch too: a plain decoder's first step forwards the canvas and commits
+    from that forward, so the first event has tokens and a request takes as many steps as
+    model calls (the last commit needs no forward after it)."""
+    m = tiny_model(family, vocab_size=VOCAB, mask_token_id=MASK, eos_token_id=EOS)
+    eng = engine(m)
+    req = eng.add_request([8, 9, 10], DecodeParams.parse("static-1", gen_length=8,
+                                                         block_length=4))
+    events = []
+    while eng.has_unfinished:
+        events += eng.step()
+    assert len(events[0].positions) == 1 and events[0].forwarded and events[0].nfe == 1
+    assert sum(len(e.positions) for e in events) == 8
+    assert req.steps == req.nfe == eng.model_calls == len(events) >= 8
+    assert events[-1].finished == req.finish_reason
 
 
 def test_short_request_is_not_held_hostage() -> None:
@@ -297,10 +356,9 @@ def test_short_request_is_not_held_hostage() -> None:
         for ev in eng.step():
             if ev.finished:
                 finished_at[ev.request_id] = step
-    # its first forward in a call of its own in the step that admits it (Decoder._prime), then
-    # one commit per step (the last commit needs no forward)
+    # its first forward and first commit in the step that admits it, then one commit per step
     assert finished_at[short.request_id] == 5 + 64
-    assert finished_at[long.request_id] == 1024 + 1
+    assert finished_at[long.request_id] == 1024
     assert short.nfe == 64 and long.nfe == 1024
 
 

@@ -39,11 +39,11 @@ def test_events_follow_the_decode(trace: dict, llm: LLM) -> None:
         assert [committed[p] for p in range(32)] == done["token_ids"]
         assert steps[-1]["text"] == done["text"]
         assert done["nfe"] == steps[-1]["nfe"]
-    # static-1: a step is a forward, one token each from the previous step's logits; the first
-    # forward has none to commit yet, the last commit needs no forward.
+    # static-1: a step is a forward and one token from its logits (forward, then commit: the
+    # first step commits too, the last forward is the last step's)
     static = lanes[1]
-    assert static["done"]["nfe"] == 32 and static["done"]["steps"] == 33
-    assert [len(s["positions"]) for s in static["steps"]] == [0] + [1] * 32
+    assert static["done"]["nfe"] == 32 and static["done"]["steps"] == 32
+    assert [len(s["positions"]) for s in static["steps"]] == [1] * 32
     # the same request through the API: the same text and NFE
     g = llm.generate(PROMPT, "static-1", gen_length=32, block_length=16)[0]
     assert static["done"]["text"] == g.text and static["done"]["nfe"] == g.nfe
@@ -64,7 +64,7 @@ def test_html_replay_has_a_frame_per_step(trace: dict, tmp_path: Path) -> None:
     data = re.search(r'<script type="application/json" id="trace-data">(.*?)</script>', page, re.S)
     shown = json.loads(data.group(1))
     assert shown == json.loads(json.dumps(trace))
-    assert n_frames(shown) == 33
+    assert n_frames(shown) == 32
     for lane in lanes_of(shown):
         assert len(lane["steps"]) == lane["done"]["steps"]
     assert "class Player" in page and "Player(root, lanesOf(trace.events))" in page
@@ -75,7 +75,7 @@ def test_gif_and_png(trace: dict, tmp_path: Path) -> None:
     write_gif(trace, gif)
     write_png(trace, png)
     with Image.open(gif) as im:
-        assert im.n_frames == n_frames(trace) == 33
+        assert im.n_frames == n_frames(trace) == 32
         size = im.size
     with Image.open(png) as im:
         assert im.size == size
@@ -99,7 +99,7 @@ def test_gif_frames_are_not_all_held_in_rgb(trace: dict, tmp_path: Path, monkeyp
 
     monkeypatch.setattr(trace_mod, "render_frames", spy)
     write_gif(trace, tmp_path / "t.gif")
-    assert len(drawn) == n_frames(trace) == 33 and most <= 2
+    assert len(drawn) == n_frames(trace) == 32 and most <= 2
 
 
 def test_one_lane_gif_frames_equal_its_steps(llm: LLM, tmp_path: Path) -> None:
@@ -115,7 +115,7 @@ def test_cli_trace(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     code = main(["trace", PROMPT, "--decoder", "static-1", "--decoder", "fast", "--gen-length", "32",
                  "--block-length", "16", "--out", str(out), "--json", str(tmp_path / "t.json")])
     assert code == 0
-    assert "static-1: 33 steps, NFE 32" in capsys.readouterr().out
+    assert "static-1: 32 steps, NFE 32" in capsys.readouterr().out
     assert out.is_file() and len(lanes_of(json.loads((tmp_path / "t.json").read_text()))) == 2
 
 
@@ -126,7 +126,7 @@ def test_cli_trace_says_a_png_is_one_frame(tmp_path: Path, capsys: pytest.Captur
         assert main(["trace", PROMPT, "--gen-length", "8", "--block-length", "8",
                      "--out", str(out), "--threads", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert f"wrote {png} (its final frame)" in lines and f"wrote {gif} (9 frames)" in lines
+    assert f"wrote {png} (its final frame)" in lines and f"wrote {gif} (8 frames)" in lines
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -114,22 +114,27 @@ tokens/s at least 1.3x holds in every run.
 Where the first token's time goes, stage by stage through the server
 ([ttft-anatomy.md](benchmarks/probe/ttft-anatomy.md), \`scripts/probe/ttft_anatomy.py\`): of a
 run's 32 requests at 16, the first 16 arrive at once and the rest one at a time as others
-finish, and the p50 lies where the two groups meet (store on: the fastest of the first wave,
-~115-150 ms; off: the slowest of the later ones, the first wave waiting ~0.5 s for 16
-prefills). Most of a request's wait is the engine's: the step in flight, then two steps
-(the first only forwards). A burst of 16 spends ~40 ms on the event loop before the engine
-(HTTP, the chat template on a worker thread, waiting for the interpreter lock), a lone request
-~6 ms; the first text is on the wire 2-3 ms after its step. Three cuts since: no worker hop for
-a response format nobody sent, a joining request's first forward in the step that admits it
-(a step sooner), a batch's K/V pool kept across bursts. Side by side with main, four runs at
-load 2-4 ([prefix-ttft-serve.md](benchmarks/ab/prefix-ttft-serve.md)), TTFT p50 at 16, medians:
-on 0.130 -> 0.121 s, off 0.262 -> 0.255 s (a joining request commits a step sooner on both,
-and the off server's p50 lies in the requests that join one at a time), on / off 1.97-3.17x
-(median 2.24x) before and 1.87-2.74x (2.17x) after: within the noise of these runs, **the
-3x goal still not met**; the texts the same on all four servers. Five more runs on a calm
-machine (load 0.5-1.9) once these cuts were merged: on 0.121 -> 0.108 s, off 0.283 -> 0.245 s,
-on / off 2.34x -> 2.15x (1.94-3.03x from run to run), tokens/s 1.63x -> 1.67x: not 3x there
-either.
+finish, and the p50 lies where the two groups meet (store on: between the first wave, ~95 ms,
+and the later ones, ~60 ms; off: the slowest of the later ones, the first wave waiting ~0.5 s
+for 16 prefills). Most of a request's wait is the engine's: the step in flight, then the step
+that admits it. A burst of 16 spends ~30-45 ms on the event loop before the engine (HTTP, the
+chat template on a worker thread, waiting for the interpreter lock), a lone request ~5 ms; the
+first text is on the wire 1-10 ms after its step. Four cuts since the table above: no worker
+hop for a response format nobody sent, a batch's K/V pool kept across bursts, a joining
+request's first forward in the step that admits it, and then the step's order: a plain
+decoder's step forwards, then commits from that forward (docs/engine.md, "A step's order"), so
+the step that admits a request commits its first tokens, into an empty batch too, and a step's
+commits leave with its events instead of after the next forward. Side by side with main before
+the last cut, six runs at load 1.4-2.5
+([prefix-ttft-serve-step-order.md](benchmarks/ab/prefix-ttft-serve-step-order.md)), TTFT p50
+at 16, medians: on 0.122 -> 0.088 s, off 0.230 -> 0.203 s (the off server's p50 lies among the
+requests that join one at a time, which commit in their admitting step on both trees), on / off
+1.65-2.96x (median 1.85x) before and 2.14-3.01x (2.34x) after, tokens/s 1.60x -> 1.69x: **the 3x
+goal still not met** (once in six runs); the texts the same on all four servers, NFE and
+token-forwards the same on both trees. Before that cut (benchmarks/ab/prefix-ttft-serve.md), the same comparison over the
+first three cuts: on 0.130 -> 0.121 s, off 0.262 -> 0.255 s, within noise; five runs on a calm
+machine (load 0.5-1.9) once they were merged (benchmarks/ab/prefix-ttft-serve-calm/): on 0.121 ->
+0.108 s, off 0.283 -> 0.245 s, on / off 2.34x -> 2.15x.
 EOF
   cat <<EOF
 

@@ -114,6 +114,9 @@ class Rows:
     decided: np.ndarray  # generated positions committed by a forward's decision
     has_preds: np.ndarray  # bool: the row has predictions to commit from
     done: np.ndarray  # bool
+    # float32 max entropy of the tokens its last rule step committed (-inf: none), for the cache
+    # plan of the forward that follows it in the next step (Decoder's forward-first order)
+    new_entropy: np.ndarray
     knobs: np.ndarray  # ROW_DTYPE: the request's per-row knobs (temperature, threshold, ...)
 
     @classmethod
@@ -132,6 +135,7 @@ class Rows:
                    block_seen=full(-1), block_m=full(0), block_step=full(0),
                    steps_per_block=each([r.params.steps_per_block for r in reqs]), nfe=full(0),
                    tok_fw=full(0), decided=full(0), has_preds=full(False), done=full(False),
+                   new_entropy=np.full(n, -np.inf, dtype=np.float32),
                    knobs=row_knobs([r.params for r in reqs]))
 
     def take(self, index: np.ndarray) -> Rows:

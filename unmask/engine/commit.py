@@ -33,6 +33,8 @@ from unmask.syncs import to_host
 class HostCommit:
     """The forward's scores read at once; the rule on the host (numpy)."""
 
+    reads_at_once = True  # a forward's scores are on the host when it returns
+
     def scored(self, b: DecodeBatch, fw: Forwarded) -> None:
         """After a forward is queued: its scores into fw's host arrays, in one read."""
         s = fw.scores
@@ -53,6 +55,8 @@ class HostCommit:
 class DeviceCommit(HostCommit):
     """The scores left on the device; the next step's rule runs there, and one read brings
     the scores and its counts."""
+
+    reads_at_once = False
 
     def scored(self, b: DecodeBatch, fw: Forwarded) -> None:
         pass  # read with the next step's counts

@@ -1,16 +1,22 @@
-"""One step of one decoder over its batch: draft -> forward -> verify -> accept -> finish.
+"""One step of one decoder over its batch, in one of two orders (docs/engine.md, "A step's order"):
+
+- forward -> commit -> finish, for a decoder without drafts whose rule runs on the host: each
+  row's canvas is forwarded, then the rule's step commits from that forward's scores;
+- draft -> forward -> verify -> accept -> finish, for FreeDave and for a rule on the device: the
+  rule's step and the drafts commit from the last forward's scores, the forward scores (and
+  verifies) them. A row that has just joined has no predictions yet, so its only draft is its
+  canvas and its first step is the forward that scores it (`Decoder._prime`).
 
 A plain decoder (static, static-1, threshold) is the one-draft case: its only draft is the rule's
 step, which is always accepted. FreeDave adds drafts that commit more of the same ranking and
 keeps the longest chain that the rule itself would have produced (docs/design.md § FreeDave).
-All rows of the batch and all drafts of a row go through one model call per step; a row that
-has just joined has no predictions yet, so its only draft is its canvas and its first step is
-the forward that scores it.
+All rows of the batch and all drafts of a row go through one model call per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +96,15 @@ class Decoder:
         self.device = self.runner.device
         # where the rule runs, and so when a forward's scores are read (unmask.engine.commit)
         self.commit = make_commit(self.device, self.method)
+        # A step's order (docs/engine.md, "A step's order"). Forward, then commit from that
+        # forward's scores, where the rule reads them at once: a row's first step commits its
+        # first tokens, and a step's commits reach the client without waiting for another
+        # forward. Commit, then forward (the rule reads the last step's scores) where a forward
+        # verifies the drafts committed before it (FreeDave), and where the rule runs on the
+        # device, whose scores are read when the next step needs them (unmask.engine.commit).
+        forward_first = self.commit.reads_at_once and not self.method.drafts
+        self._order: Callable[[DecodeBatch, bool], StepResult] = (
+            self._forward_then_commit if forward_first else self._commit_then_forward)
         self.store_capacity = graphs.store_capacity(model) if self.runner.captures else None
 
     def new_batch(self) -> DecodeBatch:
@@ -101,6 +116,47 @@ class Decoder:
 
     # --- the step ----------------------------------------------------------------------------
     def step(self, b: DecodeBatch, trace: bool = False) -> StepResult:
+        """One step of the batch's rows, in this decoder's order (`__init__`)."""
+        return self._order(b, trace)
+
+    def _forward_then_commit(self, b: DecodeBatch, trace: bool) -> StepResult:
+        """Forward each row's canvas, then commit the rule's step from those scores (one draft
+        a row: the rule's own)."""
+        before = b.x.copy()
+        rows = np.arange(len(b))
+        cons = self._constraints(b, rows)
+        if cons is not None:
+            self._scaffold(b, cons)
+        gen_masked = self._gen_masked(b, b.x)  # (R, G)
+        start = self._block_start(b, gen_masked, b.rows.pad)
+        # the canvas as its own draft: what the last rule step committed (the cache plan reads it)
+        canvas = Drafts(b.x, rows, b.rows.new_entropy, np.zeros(b.x.shape, dtype=bool),
+                        np.zeros_like(rows))
+        # A row still here is not ready to exit: the commits that made it so finished it. Only
+        # a scaffold written this step can have settled a canvas up to an EOS.
+        exit_ready = None if cons is None else self._ready_to_exit(b, canvas, gen_masked)
+        need = gen_masked.any(-1) if exit_ready is None else gen_masked.any(-1) & ~exit_ready
+        fw = self._forward(b, canvas, need, start, cons)
+        fi = np.arange(int(need.sum()))  # (R',) the forwarded rows' places in `fw`
+        if fw is not None:
+            self.commit.scored(b, fw)
+            self._count(b, canvas, fw, need)
+            self._take_predictions(b, fw, rows[need], fi, start[need])
+        refreshed, kept = self._called(b, fw, need, fi, trace)
+        masked_before = gen_masked.sum(-1)
+        had_preds = b.rows.has_preds.copy()
+        drafts = self._draft(b, start, cons)
+        masked = self._gen_masked(b, drafts.x)
+        self._take_canvas(b, drafts, rows)
+        b.rows.new_entropy = drafts.new_entropy
+        stalled = had_preds & (masked.sum(-1) == masked_before) & (masked_before > 0)
+        finished, masked = self._finish(b, masked, self._ready_to_exit(b, drafts, masked))
+        return StepResult(before, np.zeros(b.x.shape, dtype=bool), need, refreshed, kept, start,
+                          stalled, finished, masked, int(fw is not None))
+
+    def _commit_then_forward(self, b: DecodeBatch, trace: bool) -> StepResult:
+        """Commit the rule's step (and drafts) from the last forward's scores, then forward the
+        drafts, verify them and accept the longest chain."""
         primed = self._prime(b)
         before = b.x.copy()
         # each row's structured-output constraint, read once a step (None: no row has one)
@@ -119,10 +175,8 @@ class Decoder:
         # Complete drafts need no call, nor (with early exit) drafts committed up to an EOS:
         # the row stops there whatever the forward would predict.
         need = draft_masked.any(-1)
-        exit_ready = None
-        early = b.rows.knobs["early_exit"] | self.layout.stops_at_eos
-        if early.any():
-            exit_ready = self._exit_ready(b, drafts.x, draft_masked, draft_pad) & early[drafts.parent]
+        exit_ready = self._ready_to_exit(b, drafts, draft_masked)
+        if exit_ready is not None:
             need &= ~exit_ready
         fw = self._forward(b, drafts, need, draft_start, cons)
         if fw is not None:
@@ -132,13 +186,7 @@ class Decoder:
         first = np.arange(len(b))  # each row's first draft: the rule's step
         fwd_index = need.cumsum() - 1  # (D,) each forwarded draft's row in `fw`
         forwarded = need[chosen]
-        refreshed = np.zeros_like(forwarded)
-        kept = None
-        if fw is not None:
-            refreshed[forwarded] = fw.refresh[fwd_index[chosen[forwarded]]]
-            if trace:
-                kept = np.zeros(b.x.shape, dtype=bool)
-                kept[forwarded] = fw.visible[fwd_index[chosen[forwarded]]]
+        refreshed, kept = self._called(b, fw, forwarded, fwd_index[chosen[forwarded]], trace)
         drafted = drafts.added[chosen] & ~drafts.added[first]
         # A row took part in the call if any of its drafts did, as its NFE counts (_count); the
         # accepted draft may be one that needed none (complete, or ready to exit).
@@ -171,6 +219,30 @@ class Decoder:
         res = self.step(sub)
         b.put(rows, sub)
         return res.model_calls
+
+    def _ready_to_exit(self, b: DecodeBatch, d: Drafts, masked: np.ndarray) -> np.ndarray | None:
+        """(D,) canvases d.x (masked: (D, G) their generated slots still [MASK]) whose row
+        stops at a committed EOS and that are committed up to one (`_exit_ready`); None when no
+        row stops early."""
+        early = b.rows.knobs["early_exit"] | self.layout.stops_at_eos
+        if not early.any():
+            return None
+        return self._exit_ready(b, d.x, masked, b.rows.pad[d.parent]) & early[d.parent]
+
+    @staticmethod
+    def _called(b: DecodeBatch, fw: Forwarded | None, forwarded: np.ndarray, fi: np.ndarray,
+                trace: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """(R,) whether each row's forward was a full refresh, and with `trace` (R, S) the slots
+        that took part in it (None without), for rows `forwarded` (R,) bool, whose rows in
+        the forward are `fi`."""
+        refreshed = np.zeros(len(b), dtype=bool)
+        kept = None
+        if fw is not None:
+            refreshed[forwarded] = fw.refresh[fi]
+            if trace:
+                kept = np.zeros(b.x.shape, dtype=bool)
+                kept[forwarded] = fw.visible[fi]
+        return refreshed, kept
 
     # --- pieces ------------------------------------------------------------------------------
     def _gen_masked(self, b: DecodeBatch, x: np.ndarray) -> np.ndarray:
@@ -432,19 +504,28 @@ class Decoder:
 
     def _accept(self, b: DecodeBatch, d: Drafts, fw: Forwarded | None, chosen: np.ndarray,
                 need: np.ndarray, fwd_index: np.ndarray, draft_start: np.ndarray) -> None:
-        rows = d.parent[chosen]  # every row, in order
+        self._take_canvas(b, d, chosen)
+        if fw is None:
+            return
+        has = need[chosen]
+        if has.any():
+            self._take_predictions(b, fw, np.flatnonzero(has), fwd_index[chosen[has]],
+                                   draft_start[chosen[has]])
+
+    @staticmethod
+    def _take_canvas(b: DecodeBatch, d: Drafts, chosen: np.ndarray) -> None:
+        """Every row's canvas := its accepted draft `chosen` (R,)."""
         added = d.added[chosen]
         written = d.x[chosen] != b.x  # the commits and what settling wrote with them
         b.x = d.x[chosen]
         b.commit_step = np.where(written, b.rows.step[:, None], b.commit_step)
         b.rows.decided += added.sum(-1)
         b.rows.step += 1
-        if fw is None:
-            return
-        has = need[chosen]
-        rows, fi = rows[has], fwd_index[chosen[has]]
-        if rows.size == 0:
-            return
+
+    def _take_predictions(self, b: DecodeBatch, fw: Forwarded, rows: np.ndarray, fi: np.ndarray,
+                          start: np.ndarray) -> None:
+        """Batch rows `rows` (R',) take the scores and K/V of the forward's rows `fi` (R'),
+        whose canvases' blocks start at `start` (R',)."""
         pr = b.preds
         keep_old = ~fw.fresh[fi]
         pr.token[rows] = np.where(keep_old, pr.token[rows], fw.token[fi])
@@ -457,7 +538,6 @@ class Decoder:
             refreshed = fw.refresh[fi]
             store_rows = b.store_row[rows]
             b.store.invalidate(store_rows[refreshed])
-            start = draft_start[chosen[has]]  # the accepted canvases' block starts
             ok = fw.ok
             storable = self.cache.storable(fw.idx[fi], start)
             if storable is not None:
