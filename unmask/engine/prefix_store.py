@@ -22,7 +22,7 @@ import hashlib
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -128,9 +128,8 @@ SEGMENT_BYTES = 32 << 20
 class _Pool:
     """Entries of one block each (block_size, L, 2, H_kv, D), in segments of `per` entries
     (entry e: segment e // per, row e % per). Growing adds a segment and never copies the
-    blocks held, as a single doubling tensor did at every growth (with a step's blocks
-    gathered straight into their entries: the store's share of 16 unshared ~540-token
-    prompts' CPU time under a profiler 4.0% -> 3.8%, benchmarks/probe/prefix-cost-profile.md)."""
+    blocks held, as a single doubling tensor did at every growth; a step's blocks are gathered
+    straight into their entries."""
 
     per: int
     segments: list[Tensor] = field(default_factory=list)
@@ -147,31 +146,31 @@ class _Pool:
                                           *kv.shape[2:]))
         return held + self.segments[-1].shape[0]
 
-    def write(self, entries: list[int], flat: Tensor, at: Tensor) -> None:
-        """Entry entries[i] := the positions at[i] of flat, a K/V store's (P, L, 2, H_kv, D)
-        (at: (n, block_size)), gathered straight into the entries (no copy in between)."""
+    def write(self, entries: np.ndarray, flat: Tensor, starts: np.ndarray) -> None:
+        """Entry entries[i] := the block_size positions of flat, a K/V store's (P, L, 2, H_kv,
+        D), from starts[i] on: gathered straight into the entries, one gather a run."""
+        bs = self.segments[0].shape[1]
+        at = torch.from_numpy(starts[:, None] + np.arange(bs)).to(flat.device)  # (n, bs)
         for seg, row, i, n in self._runs(entries):
             dst = self.segments[seg][row : row + n]  # (n, block_size, L, 2, H_kv, D)
             torch.index_select(flat, 0, at[i : i + n].reshape(-1),
                                out=dst.view(-1, *dst.shape[2:]))
 
-    def read(self, entries: list[int], out: Tensor) -> None:
+    def read(self, entries: np.ndarray, out: Tensor) -> None:
         """out[i] := entry entries[i] (out: (n, block_size, L, 2, H_kv, D))."""
         for seg, row, i, n in self._runs(entries):
             out[i : i + n] = self.segments[seg][row : row + n]
 
-    def _runs(self, entries: list[int]) -> list[list[int]]:
-        """[segment, first row, first index into entries, count] of each run of consecutive
-        entries within one segment: one copy each (new blocks take consecutive free entries, so
-        a step's or a hit's are mostly one run)."""
-        runs: list[list[int]] = []
-        for i, e in enumerate(entries):
-            seg, row = divmod(e, self.per)
-            if runs and runs[-1][0] == seg and runs[-1][1] + runs[-1][3] == row:
-                runs[-1][3] += 1
-            else:
-                runs.append([seg, row, i, 1])
-        return runs
+    def _runs(self, entries: np.ndarray) -> list[tuple[int, int, int, int]]:
+        """(segment, first row, first index into entries, count) of each run of consecutive
+        entries within one segment: one copy each (new blocks take consecutive free entries,
+        so a step's or a hit's are mostly one run)."""
+        seg, row = np.divmod(entries, self.per)  # (n,) each
+        cut = (np.diff(entries) != 1) | (np.diff(seg) != 0)  # (n - 1,) a run ends after i
+        first = np.concatenate(([0], np.flatnonzero(cut) + 1))  # (runs,)
+        count = np.diff(np.append(first, len(entries)))
+        return [(int(seg[i]), int(row[i]), int(i), int(n))
+                for i, n in zip(first, count, strict=True)]
 
 
 @dataclass
@@ -203,10 +202,14 @@ class PrefixStore:
 
     # --- keys ---------------------------------------------------------------------------------
     @staticmethod
-    def next_key(key: bytes, tokens: Sequence[int]) -> bytes:
-        """The key of a block of `tokens` after the block keyed `key` (b"": the first)."""
+    def keys(key: bytes, tokens: Sequence[int] | np.ndarray, block_size: int) -> Iterator[bytes]:
+        """The keys of the whole blocks of `tokens` in turn, the first after the block keyed
+        `key`: the token ids as int64 bytes made once, a block's key from a slice of them."""
         data = np.asarray(tokens, dtype=np.int64).tobytes()
-        return hashlib.blake2b(key + data, digest_size=16).digest()
+        width = block_size * 8
+        for lo in range(0, len(data) - width + 1, width):
+            key = hashlib.blake2b(key + data[lo : lo + width], digest_size=16).digest()
+            yield key
 
     # --- requests joining: hits copied into their store rows ----------------------------------
     def restore(self, b: DecodeBatch, reqs: list[Request]) -> None:
@@ -222,9 +225,7 @@ class PrefixStore:
         for i, req in enumerate(reqs):
             chain, hits = _Chain(), []
             limit = (req.prompt_len - 1) // self.block_size
-            while chain.blocks < limit:
-                lo = chain.blocks * self.block_size
-                key = self.next_key(chain.key, req.prompt_ids[lo : lo + self.block_size])
+            for key in self.keys(b"", req.prompt_ids[: limit * self.block_size], self.block_size):
                 entry = self._entry.get(key)
                 if entry is None:
                     break
@@ -241,7 +242,7 @@ class PrefixStore:
             n = chain.blocks * self.block_size
             row = int(b.store_row[first + i])
             dst = b.store.kv[row, :n].view(len(hits), self.block_size, *b.store.kv.shape[2:])
-            self._pool.read([e for _, e in hits], dst)  # (hits, bs, L, 2, H, D)
+            self._pool.read(np.array([e for _, e in hits]), dst)  # (hits, bs, L, 2, H, D)
             b.store.token[row, :n] = req.prompt_ids[:n]
             req.cached_tokens = n
             self.stats.hit_tokens += n
@@ -257,29 +258,43 @@ class PrefixStore:
         bs, width = self.block_size, b.store.shape[1]
         starts: list[int] = []  # the new blocks' first positions, flat (row * width + position)
         keys: dict[bytes, None] = {}  # their keys, in order (a key two rows finish: once)
-        for i, req in enumerate(b.requests):
-            chain = self._chains.get(req.request_id)
-            if chain is None:
-                continue
+        for i, chain, j, whole in self._finished(b):
             row = int(b.store_row[i])
-            token = b.store.token[row]  # (W,) position -> token its K/V came from (-1: none)
-            j, end = chain.blocks, min(width // bs, chain.limit)
-            # blocks are stored whole, in order: most steps finish none, and one look says so
-            if j >= end or token[(j + 1) * bs - 1] < 0:
-                continue
-            held = (token[j * bs : end * bs] >= 0).reshape(-1, bs).all(-1)  # (end - j,)
-            whole = j + (int(held.argmin()) if not held.all() else held.size)
-            while chain.blocks < whole:
-                lo = chain.blocks * bs
-                key = self.next_key(chain.key, token[lo : lo + bs])  # int64: as a list hashes
+            token = b.store.token[row, j * bs : whole * bs]  # (n * bs,) the new blocks' tokens
+            for k, key in enumerate(self.keys(chain.key, token, bs), j):
                 if key in self._entry:  # stored by another request
                     self._entry.move_to_end(key)
                 elif key not in keys:
-                    starts.append(row * width + lo)
+                    starts.append(row * width + k * bs)
                     keys[key] = None
-                chain.blocks, chain.key = chain.blocks + 1, key
+                chain.key = key
+            chain.blocks = whole
         if keys:
             self._put(b.store.kv, starts, list(keys))
+
+    def _finished(self, b: DecodeBatch) -> list[tuple[int, _Chain, int, int]]:
+        """(batch row, its chain, first block not offered yet, end of its whole blocks) of
+        each row with blocks to offer. Blocks are stored whole and in order, so most steps
+        finish none, and one look at every row's next block's last position says so (one
+        array read for the batch, not a few for each row)."""
+        bs, width = self.block_size, b.store.shape[1]
+        rows = [(i, c) for i, r in enumerate(b.requests)
+                if (c := self._chains.get(r.request_id)) is not None]
+        if not rows:
+            return []
+        at = np.array([i for i, _ in rows])  # (R,) batch rows with a chain
+        j = np.array([c.blocks for _, c in rows])  # (R,) blocks offered so far
+        end = np.minimum(np.array([c.limit for _, c in rows]), width // bs)  # (R,)
+        store_row = b.store_row[at]  # (R,)
+        last = np.minimum((j + 1) * bs - 1, width - 1)  # (R,) the next block's last position
+        maybe = np.flatnonzero((j < end) & (b.store.token[store_row, last] >= 0))
+        out = []
+        for m in maybe.tolist():
+            lo, hi = int(j[m]), int(end[m])
+            held = (b.store.token[store_row[m], lo * bs : hi * bs] >= 0).reshape(-1, bs).all(-1)
+            whole = lo + (int(held.argmin()) if not held.all() else held.size)
+            out.append((int(at[m]), rows[m][1], lo, whole))
+        return out
 
     def forget(self, request_id: str) -> None:
         """A request left: its progress is no longer needed."""
@@ -288,8 +303,8 @@ class PrefixStore:
 
     def _put(self, kv: Tensor, starts: list[int], keys: list[bytes]) -> None:
         """Store the blocks of a K/V store kv (N, W, L, 2, H, D) that start at flat positions
-        `starts` (row * W + position) under `keys` (none stored yet), in one gather; least
-        recently used blocks are evicted to make room."""
+        `starts` (row * W + position) under `keys` (none stored yet), a copy per run of them
+        (mostly one a row); least recently used blocks are evicted to make room."""
         bs = self.block_size
         size = bs * kv[0, 0].numel() * kv.element_size()  # bytes a block
         capacity = self.budget // size
@@ -297,28 +312,33 @@ class PrefixStore:
             return
         if len(keys) > capacity:  # more than the budget holds: the last ones are kept
             starts, keys = starts[-capacity:], keys[-capacity:]
-        entries = [self._claim(kv, capacity) for _ in keys]
-        at = np.asarray(starts)[:, None] + np.arange(bs)  # (n, bs) flat positions
-        self._pool.write(entries, kv.view(-1, *kv.shape[2:]), torch.from_numpy(at).to(kv.device))
+        entries = self._claim(kv, len(keys), capacity)
+        self._pool.write(np.array(entries), kv.view(-1, *kv.shape[2:]), np.array(starts))
         self._entry.update(zip(keys, entries, strict=True))
         self.stats.stored_blocks = len(self._entry)
         self.stats.stored_bytes = len(self._entry) * size
         self.stats.inserted_blocks += len(keys)
 
-    def _claim(self, kv: Tensor, capacity: int) -> int:
-        """A free entry of the pool for one block of the K/V store kv (N, W, L, 2, H, D): a free
-        one, a new one (the pool grown, at most to `capacity` entries), or the least recently
-        used block's."""
-        if not self._free:
-            if self._pool is None:
-                self._pool = _Pool(max(SEGMENT_BYTES // (kv[0, : self.block_size].numel()
-                                                         * kv.element_size()), 1))
-            held = self._pool.entries
-            if held < capacity:
+    def _claim(self, kv: Tensor, n: int, capacity: int) -> list[int]:
+        """n entries of the pool for blocks of the K/V store kv (N, W, L, 2, H, D): free ones
+        (a new segment's in order, so a step's blocks take consecutive entries), new ones (the
+        pool grown, at most to `capacity` entries), then the least recently used blocks'."""
+        if self._pool is None:
+            self._pool = _Pool(max(SEGMENT_BYTES // (kv[0, : self.block_size].numel()
+                                                     * kv.element_size()), 1))
+        got: list[int] = []
+        while len(got) < n:
+            if not self._free and self._pool.entries < capacity:
+                held = self._pool.entries
                 grown = self._pool.grow(kv, self.block_size, capacity)
                 self._free = list(range(grown - 1, held - 1, -1))
-            else:
-                _, old = self._entry.popitem(last=False)
-                self.stats.evictions += 1
-                return old
-        return self._free.pop()
+            if not self._free:
+                break
+            take = min(n - len(got), len(self._free))
+            got += self._free[: -take - 1 : -1]  # the last `take`, last first
+            del self._free[-take:]
+        for _ in range(n - len(got)):
+            _, old = self._entry.popitem(last=False)
+            self.stats.evictions += 1
+            got.append(old)
+        return got
