@@ -276,7 +276,7 @@ class Engine:
             return self._fail(b, f"{type(e).__name__}: {e}")
         self.model_calls += res.model_calls
         if self._reuses(dec):
-            self.prefix.offer(b)
+            self.prefix.offer(b, res.finished | res.stalled)
         self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before
         events = self._events(dec, b, res)
         gone = res.finished | res.stalled
