@@ -376,7 +376,9 @@ class PrefixStore:
                                                                       len(self._entry)))]
         self._let_go([key for key, _ in evicted], capacity)
         self.stats.evictions += len(evicted)
-        return got + [entry for _, entry in evicted]
+        # least recently used first is a chain's last block first: sorted, consecutive entries
+        # are one run to copy, not one each
+        return got + sorted(entry for _, entry in evicted)
 
     def _let_go(self, keys: list[bytes], capacity: int) -> None:
         """Remember blocks let go for lack of room, forgetting the oldest past `capacity` (the
