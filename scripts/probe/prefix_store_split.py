@@ -67,8 +67,10 @@ def timed(spent: dict[str, list[float]]) -> Iterator[None]:
 
 def emptied(store: ps.PrefixStore) -> ps.PrefixStore:
     """The store with its blocks dropped but its pool kept, every entry free."""
-    store._entry.clear()
-    store._chains.clear()
+    for name in ("_entry", "_chains", "_ghosts", "_prompts"):  # those the tree's store has
+        if hasattr(store, name):
+            getattr(store, name).clear()
+    store._wanted = 0
     if store._pool is not None:
         store._free = list(range(store._pool.entries - 1, -1, -1))
     return store
