@@ -302,6 +302,24 @@ def test_a_decoding_row_costs_the_store_nothing_until_it_leaves(monkeypatch) -> 
     assert store.stats.stored_blocks == (9 + 16) // BS  # the prompt's two, the answer's four
 
 
+def test_a_request_stopped_early_leaves_its_answers_blocks(monkeypatch) -> None:
+    """A request aborted mid-answer (as the server stops one whose text reached a stop string)
+    leaves the store every whole block its row holds, the answer's among them: the next turn
+    of a chat resends that answer."""
+    m = model("sdar", torch.float32)
+    store = PrefixStore(BS, 1 << 30)
+    eng = Engine(m, mask_id=MASK, eos_id=EOS, prefix=store)
+    req = eng.add_request(list(range(5, 14)), params("static-1", 24, 0))  # 9 tokens: 2 blocks
+    for _ in range(14):
+        eng.step()
+    b = next(iter(eng.batches.values()))
+    held = b.store.token[int(b.store_row[0]), : req.slots] >= 0
+    whole = int(held[: held.size // BS * BS].reshape(-1, BS).all(-1).argmin())
+    assert whole > 3  # the answer's blocks among them
+    eng.abort(req.request_id, reason="stop")
+    assert store.stats.stored_blocks == whole
+
+
 def test_a_block_two_rows_finish_in_one_step_is_stored_once() -> None:
     """Identical prompts decoded side by side finish the same blocks in the same steps: each
     is stored once (nothing evicted, so every block taken in is still held)."""

@@ -208,6 +208,8 @@ class Engine:
             b = self.batches[key]
             row = b.requests.index(req)
             req.token_ids = b.x[row, b.P : b.P + req.gen_length].tolist()
+            if self._reuses(self.decoders[key]):  # a stopped answer's blocks: the next turn's
+                self.prefix.offer(b, np.arange(len(b)) == row)
             b.filter([r is not req for r in b.requests])
         self._retire(req, reason)
         self._pending.append(self._final_event(req))

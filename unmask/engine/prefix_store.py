@@ -289,9 +289,9 @@ class PrefixStore:
         """Store the whole blocks of b's rows that hold final K/V and that the store was not
         offered yet (the exact block cache stores a slot's K/V only once its block is final):
         a row's prompt's at the first step they do (so that requests joining while it runs
-        read them), the rest when it leaves (`leaving` (R,) bool: its answer's blocks, which
-        the next turn of a chat reads once the answer is returned). Most steps have nothing to
-        look at: no per-row work while rows decode."""
+        read them), the rest when it leaves, finished or stopped (`leaving` (R,) bool: its
+        answer's blocks, which the next turn of a chat reads once the answer is returned).
+        Most steps have nothing to look at: no per-row work while rows decode."""
         with self._lock:
             if self._prompts or leaving.any():
                 self._offer(b, leaving)
