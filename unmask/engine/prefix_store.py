@@ -383,7 +383,7 @@ class PrefixStore:
     def _let_go(self, keys: list[bytes], capacity: int) -> None:
         """Remember blocks let go for lack of room, forgetting the oldest past `capacity` (the
         budget's count of blocks: one let go longer ago would not be held at the budget
-        either). A key costs ~100 bytes, a block's K/V thousands."""
+        either). A key costs ~150 bytes, a block's K/V 16 KiB or more."""
         for key in keys[-capacity:]:
             self._ghosts[key] = None
             self._ghosts.move_to_end(key)
