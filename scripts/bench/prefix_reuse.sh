@@ -199,11 +199,15 @@ This run shared the 2 cores with other work (load average 0.5-2.5). Two identica
 by 0.86-1.18x in a round (the last column; medians 0.98-1.04x), so a ratio inside that spread
 is no claim. With the store on against off the medians are 0.95-0.98x for the short prompts
 and 0.99-1.00x for the ~540-token ones, every cell's range overlapping the noise's
-(0.95x [0.92, 1.06] and 0.98x [0.85, 1.03] the lowest): **within noise**. The store's own
+(0.95x [0.92, 1.06] and 0.98x [0.85, 1.03] the lowest): **within noise**. A second run the
+same way (load average 1.7-3.6): 0.96-1.03x short, 0.96-1.00x ~540-token, every range again
+holding 1.0, identical runs 0.98-1.03x. Over both runs the on / off medians lie ~2% below
+the identical runs' on average (11 of 16 below 1.0), which is what the store's own time
+comes to when timed alone. The store's own
 CPU time, timed directly without a profiler
 ([prefix-store-split.md](benchmarks/probe/prefix-store-split.md),
 \`scripts/probe/prefix_store_split.py\`), is 1.9% of 16 short prompts' at 16 at a time (it was
-4.9%) and 0.8-1.2% of 16 ~540-token ones' (it was 1.5%): a cost these runs cannot resolve, not
+4.9%) and 0.8-1.2% of 16 ~540-token ones' (it was 1.5%): a cost one run cannot resolve, not
 none. What changed (docs/engine.md, "Prefix reuse"): a row is offered to the store at its
 prompt's step and when it leaves, not at every step; the pool stays one 8 MiB segment until
 requests miss blocks it let go for lack of room, so traffic that shares nothing copies at
