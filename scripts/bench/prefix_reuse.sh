@@ -200,7 +200,8 @@ by 0.86-1.18x in a round (the last column; medians 0.98-1.04x), so a ratio insid
 is no claim. With the store on against off the medians are 0.95-0.98x for the short prompts
 and 0.99-1.00x for the ~540-token ones, every cell's range overlapping the noise's
 (0.95x [0.92, 1.06] and 0.98x [0.85, 1.03] the lowest): **within noise**. A second run the
-same way (load average 1.7-3.6): 0.96-1.03x short, 0.96-1.00x ~540-token, every range again
+same way (load average 1.7-3.6;
+[prefix-cost-second-run.md](benchmarks/ab/prefix-cost-second-run.md)): 0.96-1.03x short, 0.96-1.00x ~540-token, every range again
 holding 1.0, identical runs 0.98-1.03x. Over both runs the on / off medians lie ~2% below
 the identical runs' on average (11 of 16 below 1.0), which is what the store's own time
 comes to when timed alone. The store's own
