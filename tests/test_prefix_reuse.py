@@ -95,18 +95,25 @@ tokens = st.integers(3, VOCAB - 3)
        dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        shared=st.lists(tokens, min_size=0, max_size=14), n=st.integers(1, 16),
        max_running=st.integers(1, 16), spec=st.sampled_from(SPECS),
-       chunk=st.sampled_from([8, runner_mod.SPAN_CHUNK]))
-def test_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec, chunk) -> None:
+       chunk=st.sampled_from([8, runner_mod.SPAN_CHUNK]),
+       tight=st.booleans())
+def test_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec, chunk,
+                              tight) -> None:
     """Requests sharing a prefix (or parts of it), joining at random steps, one aborted: with a
     store (fed by a first round, then by the requests themselves) every step's canvas, scores
     and stored K/V are the bits of the same requests without one. Finished blocks attend in
-    chunks of `chunk` positions (8: two blocks, so that short prompts span several)."""
+    chunks of `chunk` positions (8: two blocks, so that short prompts span several); `tight`:
+    the pool's segments hold one block, so that the store lets blocks go and grows as they are
+    asked for again."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runner_mod, "SPAN_CHUNK", chunk)
-        check_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec)
+        if tight:
+            mp.setattr(prefix_store_mod, "SEGMENT_BYTES", 1)
+        check_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec, tight)
 
 
-def check_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec) -> None:
+def check_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec,
+                               tight) -> None:
     m = model(family, dtype)
     jobs = [(shared[: data.draw(st.integers(0, len(shared)))]
              + data.draw(st.lists(tokens, min_size=1, max_size=6)), spec,
@@ -119,9 +126,10 @@ def check_reuse_changes_no_bit(data, family, dtype, shared, n, max_running, spec
     again = decode_all(m, jobs, store, max_running, join_at, abort)  # the store warm
     assert_same(off, first)
     assert_same(off, again)
-    # every prompt's whole blocks but the one holding its last token came from the store
+    # every prompt's whole blocks but the one holding its last token came from the store (a
+    # tight pool may still be growing to hold them all)
     for i, (prompt, _, _) in enumerate(jobs):
-        if abort is None or abort[0] != i:
+        if not tight and (abort is None or abort[0] != i):
             assert again["cached"][i] == (len(prompt) - 1) // BS * BS
 
 
@@ -158,8 +166,8 @@ def test_a_finished_blocks_kv_is_the_same_bits_from_any_call(dtype, chunk) -> No
 @pytest.mark.parametrize("chunk", [8, runner_mod.SPAN_CHUNK])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_answers_blocks_have_the_bits_a_prefill_gives_them(dtype, chunk) -> None:
-    """The K/V of blocks finished while decoding (stored by the step after each finished, as
-    the next turn of a chat reads them) is the K/V a prefill of the same tokens computes."""
+    """The K/V of blocks finished while decoding (stored when the request leaves, as the next
+    turn of a chat reads them) is the K/V a prefill of the same tokens computes."""
     m = model("sdar", dtype)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(runner_mod, "SPAN_CHUNK", chunk)
@@ -188,8 +196,8 @@ def test_eviction_under_pressure_changes_nothing_and_keeps_the_budget() -> None:
     high = []
     offer = PrefixStore._offer
 
-    def watch(self, b):
-        offer(self, b)
+    def watch(self, b, leaving):
+        offer(self, b, leaving)
         high.append(self.stats.stored_bytes)
 
     join_at = [i // 3 for i in range(len(jobs))]
@@ -212,7 +220,7 @@ def test_the_pool_reads_back_what_it_wrote_in_any_order_across_segments() -> Non
     assert [seg.shape[0] for seg in pool.segments] == [3, 3, 3, 1]
     src = torch.randn(10, 2, 2, 2, 1, 3)
     order = [9, 2, 3, 4, 5, 0, 1, 8, 7, 6]
-    pool.write(order, src.view(20, 2, 2, 1, 3), torch.arange(20).view(10, 2))
+    pool.write(order, src.view(20, 2, 2, 1, 3), np.arange(0, 20, 2))
     out = torch.empty_like(src)
     pool.read(list(range(10)), out)
     assert torch.equal(out[order], src)
@@ -234,6 +242,82 @@ def test_a_pool_of_many_segments_changes_nothing(monkeypatch) -> None:
                 decode_all(m, jobs, store, 4, join_at, None))
     assert store.stats.evictions > 0 and store.stats.hit_tokens > 0
     assert len(store._pool.segments) == 5  # 9 blocks: four of two, one of one
+
+
+def one_block(m: torch.nn.Module) -> int:
+    """Bytes of one block's K/V of the float32 model m."""
+    return 2 * m.config.n_layers * m.config.n_kv_heads * m.config.head_dim * 4 * BS
+
+
+def test_traffic_that_shares_nothing_keeps_the_pool_at_one_segment(monkeypatch) -> None:
+    """Prompts that share nothing, twelve times the blocks a segment holds: the pool never
+    grows past its first segment (it evicts, and lets go of what a step finishes past it,
+    instead of touching new memory), and every bit is that of no store."""
+    m = model("sdar", torch.float32)
+    monkeypatch.setattr(prefix_store_mod, "SEGMENT_BYTES", 4 * one_block(m))
+    rng = np.random.default_rng(2)
+    jobs = [(rng.integers(3, VOCAB - 3, 9 + i % 4).tolist(), "threshold,threshold=0.5", 8)
+            for i in range(12)]
+    store = PrefixStore(BS, 1 << 30)
+    join_at = [i // 4 for i in range(len(jobs))]
+    assert_same(decode_all(m, jobs, None, 4, join_at, None),
+                decode_all(m, jobs, store, 4, join_at, None))
+    assert len(store._pool.segments) == 1 and store._pool.entries == 4
+    assert store.stats.evictions > 0 and store.stats.stored_blocks == 4
+
+
+def test_a_prefix_let_go_for_lack_of_room_grows_the_pool_when_asked_again(monkeypatch) -> None:
+    """A prompt of ten whole blocks into a pool of four: the store keeps four and remembers the
+    rest; the same prompt again misses them, so the pool grows and takes them; the third time
+    reads every block but the one holding the prompt's last token. Bits as without a store."""
+    m = model("sdar", torch.float32)
+    monkeypatch.setattr(prefix_store_mod, "SEGMENT_BYTES", 4 * one_block(m))
+    job = [(list(range(3, 44)), "static-1", 4)]  # 41 tokens
+    store = PrefixStore(BS, 1 << 30)
+    off = decode_all(m, job, None, 1, [0], None)
+    assert_same(off, decode_all(m, job, store, 1, [0], None))
+    assert store._pool.entries == 4 and store.stats.stored_blocks == 4
+    assert_same(off, decode_all(m, job, store, 1, [0], None))
+    assert store._pool.entries > 4
+    third = decode_all(m, job, store, 1, [0], None)
+    assert_same(off, third)
+    assert third["cached"][0] == 40
+
+
+def test_a_decoding_row_costs_the_store_nothing_until_it_leaves(monkeypatch) -> None:
+    """static-1 commits a token a step: the store looks at the row at its prompt's step and
+    when it leaves, never at the steps between, and holds its answer's blocks then."""
+    m = model("sdar", torch.float32)
+    looked = []
+    offer = PrefixStore._offer
+
+    def watch(self, b, leaving):
+        looked.append(len(b))
+        offer(self, b, leaving)
+
+    monkeypatch.setattr(PrefixStore, "_offer", watch)
+    store = PrefixStore(BS, 1 << 30)
+    run = decode_all(m, [(list(range(5, 14)), "static-1", 16)], store, 1, [0], None)
+    assert len(run["steps"]) >= 16 and looked == [1, 1]
+    assert store.stats.stored_blocks == (9 + 16) // BS  # the prompt's two, the answer's four
+
+
+def test_a_request_stopped_early_leaves_its_answers_blocks(monkeypatch) -> None:
+    """A request aborted mid-answer (as the server stops one whose text reached a stop string)
+    leaves the store every whole block its row holds, the answer's among them: the next turn
+    of a chat resends that answer."""
+    m = model("sdar", torch.float32)
+    store = PrefixStore(BS, 1 << 30)
+    eng = Engine(m, mask_id=MASK, eos_id=EOS, prefix=store)
+    req = eng.add_request(list(range(5, 14)), params("static-1", 24, 0))  # 9 tokens: 2 blocks
+    for _ in range(14):
+        eng.step()
+    b = next(iter(eng.batches.values()))
+    held = b.store.token[int(b.store_row[0]), : req.slots] >= 0
+    whole = int(held[: held.size // BS * BS].reshape(-1, BS).all(-1).argmin())
+    assert whole > 3  # the answer's blocks among them
+    eng.abort(req.request_id, reason="stop")
+    assert store.stats.stored_blocks == whole
 
 
 def test_a_block_two_rows_finish_in_one_step_is_stored_once() -> None:

@@ -96,9 +96,9 @@ def store_share(llm: LLM, prompts: list[list[int]], params: DecodeParams, conc: 
     spent = [0.0]
 
     class Timed(PrefixStore):
-        def offer(self, b) -> None:
+        def offer(self, b, leaving) -> None:
             t = time.process_time()
-            super().offer(b)
+            super().offer(b, leaving)
             spent[0] += time.process_time() - t
 
         def restore(self, b, reqs) -> None:

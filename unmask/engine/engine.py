@@ -209,6 +209,8 @@ class Engine:
             b = self.batches[key]
             row = b.requests.index(req)
             req.token_ids = b.x[row, b.P : b.P + req.gen_length].tolist()
+            if self._reuses(self.decoders[key]):  # a stopped answer's blocks: the next turn's
+                self.prefix.offer(b, np.arange(len(b)) == row)
             b.filter([r is not req for r in b.requests])
         self._retire(req, reason)
         self._pending.append(self._final_event(req))
@@ -277,7 +279,7 @@ class Engine:
             return self._fail(b, f"{type(e).__name__}: {e}")
         self.model_calls += res.model_calls
         if self._reuses(dec):
-            self.prefix.offer(b)
+            self.prefix.offer(b, res.finished | res.stalled)
         self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before
         events = self._events(dec, b, res)
         gone = res.finished | res.stalled

@@ -19,10 +19,11 @@ change or fail a request in flight (docs/engine.md, "Prefix reuse").
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,38 +119,41 @@ class _Chain:
     limit: int = 0
 
 
-# The pool's segment: large enough that a prompt's blocks fall in one or two, small enough that
-# a segment added for a few blocks holds little memory it does not use (it is written, and so
-# paid for, only as blocks arrive on the CPU; a GPU allocates it whole).
-SEGMENT_BYTES = 32 << 20
+# The pool's segment, and so the store's size until traffic shows that a larger one would be
+# read (PrefixStore): small, since a store of traffic that shares nothing holds (and copies,
+# and first touches the memory of) only blocks that are never read; a few of them hold a
+# shared system prompt of a small model, and a larger model's grows in a request or two.
+SEGMENT_BYTES = 8 << 20
+
+
+# Blocks whose token ids are made bytes at once when keys are computed (PrefixStore.keys).
+KEY_CHUNK = 16
 
 
 @dataclass
 class _Pool:
     """Entries of one block each (block_size, L, 2, H_kv, D), in segments of `per` entries
     (entry e: segment e // per, row e % per). Growing adds a segment and never copies the
-    blocks held, as a single doubling tensor did at every growth (with a step's blocks
-    gathered straight into their entries: the store's share of 16 unshared ~540-token
-    prompts' CPU time under a profiler 4.0% -> 3.8%, benchmarks/probe/prefix-cost-profile.md)."""
+    blocks held, as a single doubling tensor did at every growth; a step's blocks are gathered
+    straight into their entries."""
 
     per: int
     segments: list[Tensor] = field(default_factory=list)
-
-    @property
-    def entries(self) -> int:
-        return sum(seg.shape[0] for seg in self.segments)
+    entries: int = 0  # in all segments
 
     def grow(self, kv: Tensor, block_size: int, capacity: int) -> int:
         """Add a segment like the K/V store kv's blocks, at most up to `capacity` entries in
         all; returns the new count of entries."""
-        held = self.entries
-        self.segments.append(kv.new_empty(min(self.per, capacity - held), block_size,
+        self.segments.append(kv.new_empty(min(self.per, capacity - self.entries), block_size,
                                           *kv.shape[2:]))
-        return held + self.segments[-1].shape[0]
+        self.entries += self.segments[-1].shape[0]
+        return self.entries
 
-    def write(self, entries: list[int], flat: Tensor, at: Tensor) -> None:
-        """Entry entries[i] := the positions at[i] of flat, a K/V store's (P, L, 2, H_kv, D)
-        (at: (n, block_size)), gathered straight into the entries (no copy in between)."""
+    def write(self, entries: list[int], flat: Tensor, starts: np.ndarray) -> None:
+        """Entry entries[i] := the block_size positions of flat, a K/V store's (P, L, 2, H_kv,
+        D), from starts[i] on: gathered straight into the entries, one gather a run."""
+        bs = self.segments[0].shape[1]
+        at = torch.from_numpy(starts[:, None] + np.arange(bs)).to(flat.device)  # (n, bs)
         for seg, row, i, n in self._runs(entries):
             dst = self.segments[seg][row : row + n]  # (n, block_size, L, 2, H_kv, D)
             torch.index_select(flat, 0, at[i : i + n].reshape(-1),
@@ -162,15 +166,16 @@ class _Pool:
 
     def _runs(self, entries: list[int]) -> list[list[int]]:
         """[segment, first row, first index into entries, count] of each run of consecutive
-        entries within one segment: one copy each (new blocks take consecutive free entries, so
-        a step's or a hit's are mostly one run)."""
+        entries within one segment: one copy each (new blocks take consecutive free entries,
+        so a step's or a hit's are mostly one run)."""
         runs: list[list[int]] = []
+        last = -2
         for i, e in enumerate(entries):
-            seg, row = divmod(e, self.per)
-            if runs and runs[-1][0] == seg and runs[-1][1] + runs[-1][3] == row:
+            if e == last + 1 and e % self.per:
                 runs[-1][3] += 1
             else:
-                runs.append([seg, row, i, 1])
+                runs.append([e // self.per, e % self.per, i, 1])
+            last = e
         return runs
 
 
@@ -183,6 +188,14 @@ class PrefixStore:
     budget's count of blocks: a row's newly finished blocks are written with one copy per run
     of consecutive entries (most steps: one), a request's hits read likewise, and an eviction
     frees an entry for the next block (no allocation per block).
+
+    The pool starts with one segment and grows only when a request misses blocks the store let
+    go for lack of room (evicted, or not taken in because a step finished more blocks than
+    the pool holds): their keys are kept (`_ghosts`, as many as the budget holds blocks), and
+    a request whose prompt runs into them asks for that many more entries. Traffic that shares
+    nothing never does, so its store stays one segment, whose memory is written again instead
+    of new memory touched for the first time, and copies at most a segment a step
+    (benchmarks/probe/prefix-store-split.md).
     """
 
     block_size: int
@@ -192,7 +205,13 @@ class PrefixStore:
     # its block's index in _pool, least recently used first
     _pool: _Pool | None = field(default=None, repr=False)
     _free: list[int] = field(default_factory=list, repr=False)  # entries of _pool unused
+    _ghosts: OrderedDict[bytes, None] = field(default_factory=OrderedDict, repr=False)  # keys
+    # of blocks let go for lack of room, most recent last
+    _wanted: int = field(default=0, repr=False)  # entries requests missed in _ghosts since the
+    # pool last grew
     _chains: dict[str, _Chain] = field(default_factory=dict, repr=False)
+    _prompts: set[str] = field(default_factory=set, repr=False)  # requests whose prompt's
+    # whole blocks were not offered yet
     # engines of one LLM (a server's, LLM.generate's) may run on different threads
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -203,10 +222,16 @@ class PrefixStore:
 
     # --- keys ---------------------------------------------------------------------------------
     @staticmethod
-    def next_key(key: bytes, tokens: Sequence[int]) -> bytes:
-        """The key of a block of `tokens` after the block keyed `key` (b"": the first)."""
-        data = np.asarray(tokens, dtype=np.int64).tobytes()
-        return hashlib.blake2b(key + data, digest_size=16).digest()
+    def keys(key: bytes, tokens: Sequence[int] | np.ndarray, block_size: int) -> Iterator[bytes]:
+        """The keys of the whole blocks of `tokens` in turn, the first after the block keyed
+        `key`: the token ids as int64 bytes made KEY_CHUNK blocks at a time (a lookup stops
+        at its first miss), a block's key from a slice of them."""
+        width, chunk = block_size * 8, block_size * KEY_CHUNK
+        for lo in range(0, len(tokens) - block_size + 1, chunk):
+            data = np.asarray(tokens[lo : lo + chunk], dtype=np.int64).tobytes()
+            for at in range(0, len(data) - width + 1, width):
+                key = hashlib.blake2b(key + data[at : at + width], digest_size=16).digest()
+                yield key
 
     # --- requests joining: hits copied into their store rows ----------------------------------
     def restore(self, b: DecodeBatch, reqs: list[Request]) -> None:
@@ -222,11 +247,11 @@ class PrefixStore:
         for i, req in enumerate(reqs):
             chain, hits = _Chain(), []
             limit = (req.prompt_len - 1) // self.block_size
-            while chain.blocks < limit:
-                lo = chain.blocks * self.block_size
-                key = self.next_key(chain.key, req.prompt_ids[lo : lo + self.block_size])
+            keys = self.keys(b"", req.prompt_ids[: limit * self.block_size], self.block_size)
+            for key in keys:
                 entry = self._entry.get(key)
                 if entry is None:
+                    self._wanted += self._missed(itertools.chain([key], keys))
                     break
                 hits.append((key, entry))
                 chain = _Chain(chain.blocks + 1, key)
@@ -234,6 +259,8 @@ class PrefixStore:
                 # else its blocks would only evict each other: it runs without storing
                 chain.limit = req.slots // self.block_size
                 self._chains[req.request_id] = chain
+                if chain.blocks < req.prompt_len // self.block_size:
+                    self._prompts.add(req.request_id)
             if not hits:
                 continue
             for key, _ in reversed(hits):  # a chain's first block is its most recently used
@@ -246,38 +273,53 @@ class PrefixStore:
             req.cached_tokens = n
             self.stats.hit_tokens += n
 
-    # --- after a step: finished blocks offered ------------------------------------------------
-    def offer(self, b: DecodeBatch) -> None:
-        """Store every whole block of b's rows that holds final K/V and is not stored yet (the
-        exact block cache stores a slot's K/V only once its block is final)."""
-        with self._lock:
-            self._offer(b)
+    def _missed(self, keys: Iterator[bytes]) -> int:
+        """How many of a prompt's blocks from its first miss on (`keys`) the store let go for
+        lack of room: up to the first it never had."""
+        n = 0
+        for key in keys:
+            if key in self._ghosts:
+                n += 1
+            elif key not in self._entry:
+                break
+        return n
 
-    def _offer(self, b: DecodeBatch) -> None:
+    # --- after a step: finished blocks offered ------------------------------------------------
+    def offer(self, b: DecodeBatch, leaving: np.ndarray) -> None:
+        """Store the whole blocks of b's rows that hold final K/V and that the store was not
+        offered yet (the exact block cache stores a slot's K/V only once its block is final):
+        a row's prompt's at the first step they do (so that requests joining while it runs
+        read them), the rest when it leaves, finished or stopped (`leaving` (R,) bool: its
+        answer's blocks, which the next turn of a chat reads once the answer is returned).
+        Most steps have nothing to look at: no per-row work while rows decode."""
+        with self._lock:
+            if self._prompts or leaving.any():
+                self._offer(b, leaving)
+
+    def _offer(self, b: DecodeBatch, leaving: np.ndarray) -> None:
         bs, width = self.block_size, b.store.shape[1]
         starts: list[int] = []  # the new blocks' first positions, flat (row * width + position)
         keys: dict[bytes, None] = {}  # their keys, in order (a key two rows finish: once)
         for i, req in enumerate(b.requests):
             chain = self._chains.get(req.request_id)
-            if chain is None:
+            if chain is None or not (leaving[i] or req.request_id in self._prompts):
                 continue
             row = int(b.store_row[i])
             token = b.store.token[row]  # (W,) position -> token its K/V came from (-1: none)
             j, end = chain.blocks, min(width // bs, chain.limit)
-            # blocks are stored whole, in order: most steps finish none, and one look says so
-            if j >= end or token[(j + 1) * bs - 1] < 0:
-                continue
-            held = (token[j * bs : end * bs] >= 0).reshape(-1, bs).all(-1)  # (end - j,)
-            whole = j + (int(held.argmin()) if not held.all() else held.size)
-            while chain.blocks < whole:
-                lo = chain.blocks * bs
-                key = self.next_key(chain.key, token[lo : lo + bs])  # int64: as a list hashes
-                if key in self._entry:  # stored by another request
-                    self._entry.move_to_end(key)
-                elif key not in keys:
-                    starts.append(row * width + lo)
-                    keys[key] = None
-                chain.blocks, chain.key = chain.blocks + 1, key
+            if j < end and token[(j + 1) * bs - 1] >= 0:  # blocks are stored whole, in order
+                held = (token[j * bs : end * bs] >= 0).reshape(-1, bs).all(-1)  # (end - j,)
+                whole = j + (int(held.argmin()) if not held.all() else held.size)
+                for k, key in enumerate(self.keys(chain.key, token[j * bs : whole * bs], bs), j):
+                    if key in self._entry:  # stored by another request
+                        self._entry.move_to_end(key)
+                    elif key not in keys:
+                        starts.append(row * width + k * bs)
+                        keys[key] = None
+                    chain.key = key
+                chain.blocks = whole
+            if chain.blocks >= req.prompt_len // bs:
+                self._prompts.discard(req.request_id)
         if keys:
             self._put(b.store.kv, starts, list(keys))
 
@@ -285,11 +327,12 @@ class PrefixStore:
         """A request left: its progress is no longer needed."""
         with self._lock:
             self._chains.pop(request_id, None)
+            self._prompts.discard(request_id)
 
     def _put(self, kv: Tensor, starts: list[int], keys: list[bytes]) -> None:
         """Store the blocks of a K/V store kv (N, W, L, 2, H, D) that start at flat positions
-        `starts` (row * W + position) under `keys` (none stored yet), in one gather; least
-        recently used blocks are evicted to make room."""
+        `starts` (row * W + position) under `keys` (none stored yet), a copy per run of them
+        (mostly one a row); least recently used blocks are evicted to make room."""
         bs = self.block_size
         size = bs * kv[0, 0].numel() * kv.element_size()  # bytes a block
         capacity = self.budget // size
@@ -297,28 +340,52 @@ class PrefixStore:
             return
         if len(keys) > capacity:  # more than the budget holds: the last ones are kept
             starts, keys = starts[-capacity:], keys[-capacity:]
-        entries = [self._claim(kv, capacity) for _ in keys]
-        at = np.asarray(starts)[:, None] + np.arange(bs)  # (n, bs) flat positions
-        self._pool.write(entries, kv.view(-1, *kv.shape[2:]), torch.from_numpy(at).to(kv.device))
-        self._entry.update(zip(keys, entries, strict=True))
+        entries = self._claim(kv, len(keys), capacity)
+        self._let_go(keys[len(entries) :], capacity)  # past what the pool holds: remembered
+        keys = keys[: len(entries)]
+        self._pool.write(entries, kv.view(-1, *kv.shape[2:]),
+                         np.array(starts[: len(entries)]))
+        # a chain's first block most recently used (as a hit leaves it): evicted last
+        self._entry.update(zip(reversed(keys), reversed(entries), strict=True))
         self.stats.stored_blocks = len(self._entry)
         self.stats.stored_bytes = len(self._entry) * size
         self.stats.inserted_blocks += len(keys)
 
-    def _claim(self, kv: Tensor, capacity: int) -> int:
-        """A free entry of the pool for one block of the K/V store kv (N, W, L, 2, H, D): a free
-        one, a new one (the pool grown, at most to `capacity` entries), or the least recently
-        used block's."""
-        if not self._free:
-            if self._pool is None:
-                self._pool = _Pool(max(SEGMENT_BYTES // (kv[0, : self.block_size].numel()
-                                                         * kv.element_size()), 1))
+    def _claim(self, kv: Tensor, n: int, capacity: int) -> list[int]:
+        """Up to n entries of the pool for blocks of the K/V store kv (N, W, L, 2, H, D): free
+        ones (a new segment's in order, so a step's blocks take consecutive entries), new ones
+        (the pool's first segment, or more while requests missed blocks let go: `_wanted`, at
+        most `capacity` entries in all), then the least recently used blocks'. Fewer than n
+        when the pool holds fewer blocks than that."""
+        if self._pool is None:
+            self._pool = _Pool(max(SEGMENT_BYTES // (kv[0, : self.block_size].numel()
+                                                     * kv.element_size()), 1))
+        got: list[int] = []
+        while len(got) < n:
             held = self._pool.entries
-            if held < capacity:
+            if not self._free and held < capacity and (held == 0 or self._wanted > 0):
                 grown = self._pool.grow(kv, self.block_size, capacity)
                 self._free = list(range(grown - 1, held - 1, -1))
-            else:
-                _, old = self._entry.popitem(last=False)
-                self.stats.evictions += 1
-                return old
-        return self._free.pop()
+                self._wanted = max(self._wanted - (grown - held), 0)
+            if not self._free:
+                break
+            take = min(n - len(got), len(self._free))
+            got += self._free[: -take - 1 : -1]  # the last `take`, last first
+            del self._free[-take:]
+        evicted = [self._entry.popitem(last=False) for _ in range(min(n - len(got),
+                                                                      len(self._entry)))]
+        self._let_go([key for key, _ in evicted], capacity)
+        self.stats.evictions += len(evicted)
+        # least recently used first is a chain's last block first: sorted, consecutive entries
+        # are one run to copy, not one each
+        return got + sorted(entry for _, entry in evicted)
+
+    def _let_go(self, keys: list[bytes], capacity: int) -> None:
+        """Remember blocks let go for lack of room, forgetting the oldest past `capacity` (the
+        budget's count of blocks: one let go longer ago would not be held at the budget
+        either). A key costs ~150 bytes, a block's K/V 16 KiB or more."""
+        for key in keys[-capacity:]:
+            self._ghosts[key] = None
+            self._ghosts.move_to_end(key)
+        for _ in range(len(self._ghosts) - capacity):
+            self._ghosts.popitem(last=False)
