@@ -569,8 +569,10 @@ def pattern_positions(pattern: str) -> int:
     written out (`a{0,500}` is 500): the automaton's states grow with it, so it is checked
     before outlines-core builds anything. Read with Python's own parser, which is what checks a
     request's regular expression (`ResponseFormat.regex`)."""
-    from re import _parser
-    from re._constants import MAXREPEAT
+    from _sre import MAXREPEAT
+
+    # the parser `re` uses: re._parser from Python 3.11, sre_parse before
+    parser = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
 
     def size(items: Iterable) -> int:
         n = 0
@@ -592,7 +594,7 @@ def pattern_positions(pattern: str) -> int:
         return n
 
     try:
-        return size(_parser.parse(pattern))
+        return size(parser.parse(pattern))
     except re.error as e:
         raise GrammarError(f"invalid regular expression {pattern!r:.80}: {e}") from None
 
