@@ -40,6 +40,7 @@ import asyncio
 import contextvars
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -123,10 +124,10 @@ def stamped_serve(out: str, argv: list[str]) -> int:
 
     add = EngineClient._add
 
-    async def _add(self: EngineClient, item: Any, ids: Any, trace: bool) -> Any:
+    async def _add(self: EngineClient, item: Any, ids: Any, *rest: Any) -> Any:
         rec = current.get()
         rec["put"] = now()
-        h = await add(self, item, ids, trace)
+        h = await add(self, item, ids, *rest)
         rec["id"] = h.request.request_id
         return h
 
@@ -262,6 +263,9 @@ def main() -> None:
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--tree", action="append", metavar="NAME=PATH",
                    help="a tree to serve (repeat to put trees side by side; default: this one)")
+    p.add_argument("--flags", action="append", default=[], metavar="NAME=FLAGS",
+                   help="more `unmask serve` flags for tree NAME's servers, e.g. "
+                        "after='--admission-window-ms 10'")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--n", type=int, default=32, help="requests per run")
     p.add_argument("--concurrency", type=int, default=16)
@@ -275,7 +279,9 @@ def main() -> None:
 
     system = SYSTEM.read_text().strip()
     trees = dict(t.split("=", 1) for t in args.tree or [f"this={ROOT}"])
-    servers = {f"{t}-{store}": (path, ["--no-prefix-cache"] if store == "off" else [])
+    flags = {name: shlex.split(f) for name, f in (t.split("=", 1) for t in args.flags)}
+    servers = {f"{t}-{store}": (path, (["--no-prefix-cache"] if store == "off" else [])
+                                + flags.get(t, []))
                for t, path in trees.items() for store in ("off", "on")}
     names = list(servers)
     port = {name: args.port + i for i, name in enumerate(names)}
