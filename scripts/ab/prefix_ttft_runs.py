@@ -62,6 +62,16 @@ def _fmt(row: list[float]) -> list[str]:
     return [f"{x:.3f}" for x in row[:len(SERVERS)]] + [f"{x:.2f}x" for x in row[len(SERVERS):]]
 
 
+def tokens_per_s(found: list[dict], conc: int) -> str:
+    """Each server's tokens/s at `conc`, the median over the runs, and on / off per tree."""
+    med = {s: statistics.median(run["cells"][(s, conc)]["tokens_per_s"] for run in found)
+           for s in SERVERS}
+    each = ", ".join(f"{s} {med[s]:.1f}" for s in SERVERS)
+    return (f"Tokens/s at concurrency {conc}, medians over the runs: {each}; on / off "
+            f"{med['before-on'] / med['before-off']:.2f}x before, "
+            f"{med['after-on'] / med['after-off']:.2f}x after.")
+
+
 def same_texts(found: list[dict]) -> str:
     """How many (run, concurrency, request) have the same text on all four servers."""
     same = total = 0
@@ -84,6 +94,7 @@ def main() -> None:
         print(f"TTFT p50 at concurrency {conc}, per run:\n\n{table(found, conc)}\n")
     print(f"TTFT p50 of the first wave at concurrency {concs[0]} (the {concs[0]} requests a round "
           f"sends at once), per run:\n\n{table(found, concs[0], first_wave_p50)}\n")
+    print(tokens_per_s(found, concs[0]) + "\n")
     print(same_texts(found) + ".")
 
 
