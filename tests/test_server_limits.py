@@ -97,6 +97,8 @@ def test_client_leaving_during_submission_stops_it(server: LiveServer, monkeypat
 
     monkeypatch.setattr(Engine, "step", slow_step)
     monkeypatch.setattr(Engine, "add_request", add)
+    # without its admission window: an idle engine would take all 64 before its first step
+    monkeypatch.setattr(server.app.state.unmask.engine, "window", 0.0)
     body = {"prompt": [[5, 6, 7]] * MAX_PROMPTS, "max_tokens": 32, "decoder": "static-1"}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)

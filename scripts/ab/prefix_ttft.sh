@@ -6,6 +6,9 @@
 # load). Tables in OUT/ab1.md and OUT/ab2.md, the load in OUT/load.txt.
 #
 #     PATH=$PWD/.venv/bin:$PATH bash scripts/ab/prefix_ttft.sh REV OUT
+#
+# AFTER_FLAGS: more `unmask serve` flags for this tree's two servers (e.g. AFTER_FLAGS=
+# '--admission-window-ms 20'), to compare a setting against REV's defaults.
 set -euo pipefail
 REV=$1
 OUT=$(realpath -m "$2")
@@ -21,15 +24,16 @@ BASE=$(mktemp -d)
 git -C "$ROOT" archive "$REV" | tar -x -C "$BASE"
 pids=()
 trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$BASE"' EXIT
-serve() {  # TREE PORT [--no-prefix-cache]; from / so that the tree on PYTHONPATH is the one run
+serve() {  # TREE PORT [FLAGS]; from / so that the tree on PYTHONPATH is the one run
+  # shellcheck disable=SC2086  # FLAGS are words
   (cd /; exec env PYTHONPATH="$1" "$PY" -m unmask.cli serve --model unmask-sdar --threads 1 \
      --port "$2" --max-running 16 ${3:-} --log-level warning) &
   pids+=($!)
 }
 serve "$BASE" 8861 --no-prefix-cache
 serve "$BASE" 8862
-serve "$ROOT" 8863 --no-prefix-cache
-serve "$ROOT" 8864
+serve "$ROOT" 8863 "--no-prefix-cache ${AFTER_FLAGS:-}"
+serve "$ROOT" 8864 "${AFTER_FLAGS:-}"
 for port in 8861 8862 8863 8864; do
   for _ in $(seq 240); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.5; done
 done

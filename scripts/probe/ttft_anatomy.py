@@ -24,13 +24,15 @@ stamps, per request:
   written    the server writes the SSE chunk with it (the ASGI send)
   client     the client reads it (bench-serve's TTFT ends)
 
-    .venv/bin/python scripts/probe/ttft_anatomy.py [--tree NAME=PATH[:SWITCH]]... [--rounds 4]
+    .venv/bin/python scripts/probe/ttft_anatomy.py [--tree NAME=PATH[:SWITCH]]... \
+        [--flags NAME='SERVE FLAGS']... [--rounds 4]
 
 Each --tree serves two servers (store off and on) of the tree at PATH (default: this one; a
-SWITCH sets that server's sys.setswitchinterval); every server gets the same questions, in
-rotated order. Prints a markdown table of each stage's median milliseconds per server, for the
-requests of a run's first wave (sent together) and the later ones (each sent as one finishes)
-apart: benchmarks/probe/ttft-anatomy.md.
+SWITCH sets that server's sys.setswitchinterval; --flags adds `unmask serve` flags to them);
+every server gets the same questions, in rotated order. Prints a markdown table of each stage's
+median milliseconds per server, for the requests of a run's first wave (sent together) and the
+later ones (each sent as one finishes) apart, then how each first wave was admitted (the groups
+that began in one step, and when): benchmarks/probe/ttft-anatomy.md.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import asyncio
 import contextvars
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -47,6 +50,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -123,10 +127,10 @@ def stamped_serve(out: str, argv: list[str]) -> int:
 
     add = EngineClient._add
 
-    async def _add(self: EngineClient, item: Any, ids: Any, trace: bool) -> Any:
+    async def _add(self: EngineClient, item: Any, ids: Any, *rest: Any) -> Any:
         rec = current.get()
         rec["put"] = now()
-        h = await add(self, item, ids, trace)
+        h = await add(self, item, ids, *rest)
         rec["id"] = h.request.request_id
         return h
 
@@ -257,11 +261,47 @@ def stage_table(runs: dict[str, list[dict]], steps: dict[str, list[list[float]]]
     return "\n".join(lines)
 
 
+def first_waves(runs: dict[str, list[dict]]) -> str:
+    """Per server and run, the groups its first wave was admitted in: "16 at 62" is 16 requests
+    whose first step began 62 ms after they were sent; and that wave's TTFT p50."""
+    lines = ["| server | " + " | ".join(f"run {i + 1}" for i in range(_most_runs(runs))) + " |",
+             "|:---|" + "---|" * _most_runs(runs)]
+    for name, recs in runs.items():
+        cells = []
+        for wave in _waves(recs):
+            t0 = min(r["sent"] for r in wave)
+            groups = Counter(round(1000 * (r["admitted"] - t0)) for r in wave)
+            ttft = statistics.median(1000 * (r["client"] - r["sent"]) for r in wave)
+            cells.append(" + ".join(f"{n} at {t}" for t, n in sorted(groups.items()))
+                         + f" (TTFT p50 {ttft:.0f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _waves(recs: list[dict]) -> list[list[dict]]:
+    """A server's first waves, one per run, in the order sent (those with every stamp)."""
+    first = sorted((r for r in recs if r["wave"] == "first"
+                    and all(r.get(s) is not None for s in STAGES)), key=lambda r: r["sent"])
+    waves: list[list[dict]] = []
+    for r in first:  # a wave is sent within a millisecond; runs are seconds apart
+        if not waves or r["sent"] - waves[-1][0]["sent"] > 0.5:
+            waves.append([])
+        waves[-1].append(r)
+    return waves
+
+
+def _most_runs(runs: dict[str, list[dict]]) -> int:
+    return max(len(_waves(recs)) for recs in runs.values())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--tree", action="append", metavar="NAME=PATH",
                    help="a tree to serve (repeat to put trees side by side; default: this one)")
+    p.add_argument("--flags", action="append", default=[], metavar="NAME=FLAGS",
+                   help="more `unmask serve` flags for tree NAME's servers, e.g. "
+                        "after='--admission-window-ms 10'")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--n", type=int, default=32, help="requests per run")
     p.add_argument("--concurrency", type=int, default=16)
@@ -275,7 +315,9 @@ def main() -> None:
 
     system = SYSTEM.read_text().strip()
     trees = dict(t.split("=", 1) for t in args.tree or [f"this={ROOT}"])
-    servers = {f"{t}-{store}": (path, ["--no-prefix-cache"] if store == "off" else [])
+    flags = {name: shlex.split(f) for name, f in (t.split("=", 1) for t in args.flags)}
+    servers = {f"{t}-{store}": (path, (["--no-prefix-cache"] if store == "off" else [])
+                                + flags.get(t, []))
                for t, path in trees.items() for store in ("off", "on")}
     names = list(servers)
     port = {name: args.port + i for i, name in enumerate(names)}
@@ -317,6 +359,8 @@ def main() -> None:
     print(f"Load average (1 min) at the start and after each round: "
           f"{', '.join(f'{x:.2f}' for x in load_avg)}\n")
     print(stage_table(runs, steps))
+    print("\nHow each run's first wave was admitted (milliseconds after it was sent):\n")
+    print(first_waves(runs))
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "steps": steps}))
 

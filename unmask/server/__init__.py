@@ -4,6 +4,8 @@
 - state.py          the server's config and state, as the routes read it
 - engine_client.py  the one door into the engine (EngineClient: checks, submits, aborts, counts
                     outcomes) and the engine's thread; the concurrency rule is its docstring
+- admission.py      the admission window: the requests on their way to the engine, which an
+                    idle engine waits for so that a burst is admitted in one step
 - output.py         a request's text as it grows (TextStream), usage and unmask's numbers
 - intake.py         a request body before the engine: early checks, token ids, decoder params
 - errors.py         every error in OpenAI's error body; the body size limit (413)

@@ -34,6 +34,7 @@ from unmask.api import LLM
 from unmask.engine import Engine, SchedulerConfig
 from unmask.server import completions, info, live
 from unmask.server.access import add_access
+from unmask.server.admission import CountArrivals
 from unmask.server.engine_client import EngineClient
 from unmask.server.errors import BodyLimit, add_error_handlers
 from unmask.server.metrics import ServerMetrics
@@ -49,7 +50,7 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
                     prefix=llm.prefix_store, graphs=llm.graphs)
     metrics = ServerMetrics()
     metrics.watch_prefix(llm.prefix_store)
-    door = EngineClient(engine, metrics)
+    door = EngineClient(engine, metrics, window=config.admission_window_ms / 1000)
     # A vocabulary entry is at least as long as the text its token decodes to (byte-level BPE:
     # one character per byte; SentencePiece: one per character; WordPiece adds "##"), so no
     # token covers more characters than the longest entry.
@@ -67,6 +68,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="unmask", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for diffusion language models")
     app.state.unmask = state
+    # innermost: a request refused by the body limit or the API key never counts as arriving
+    app.add_middleware(CountArrivals, arrivals=door.arrivals)
     app.add_middleware(BodyLimit, limit=config.max_body_bytes)
     add_access(app, config.api_key, config.cors_origins)  # outside the body limit: 401 first
     add_error_handlers(app)

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from unmask.decoding.params import DecodeParams
+from unmask.server.admission import arrival_of
 from unmask.server.errors import APIError
 from unmask.server.intake import (
     check_request,
@@ -71,7 +72,8 @@ async def _respond(state: ServerState, body: _Common, ids: list[list[int]], requ
     constraint = await constraint_of(state, body, params)
     items = submissions(body, [p for p in ids for _ in seeded], seeded * len(ids),
                         [f for f in fields for _ in seeded], constraint)
-    handles = await state.engine.submit(items, "choices", left=request.is_disconnected)
+    handles = await state.engine.submit(items, "choices", left=request.is_disconnected,
+                                        arrival=arrival_of(request))
     if handles is None:
         return Response(status_code=499)
     # usage counts a prompt's tokens once, however many choices it has (as OpenAI's)

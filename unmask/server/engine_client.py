@@ -8,7 +8,8 @@ thread calls into the Engine (so its own lock, there for callers that share an e
 threads, is never contended here), and the event loop never waits on a step: a command is a
 queue put, and the counts /health reports are published by the engine thread after each pass.
 An abort takes effect before the next step: a cancelled request costs at most the step in
-flight.
+flight. An idle engine's first step waits, for at most `window` seconds, for the requests
+already inside the server (`arrivals`), so that a burst is admitted in one step (admission.py).
 
 Validation. `submit` refuses a response's engine requests all together or not at all, with the
 engine's own checks, made once (Engine.check: the ids and the canvas; the scheduler's slot budget,
@@ -34,6 +35,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, QueueFull, Request, StepEvent
 from unmask.engine.engine import CheckedPrompt
 from unmask.errors import CanvasTooLong, DecoderMismatch, InputError
+from unmask.server.admission import Arrivals, Ticket
 from unmask.server.metrics import ServerMetrics
 from unmask.server.protocol import FieldError
 
@@ -70,9 +72,11 @@ class Handle:
 
 
 class EngineClient:
-    def __init__(self, engine: Engine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, window: float = 0.0) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.window = window  # seconds an idle engine waits for arrivals (ServerConfig)
+        self.arrivals = Arrivals(on_release=self._wake)
         self.n_running = self.n_waiting = 0  # published by the engine thread (_publish)
         self._cmds: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._handles: dict[str, Handle] = {}
@@ -98,22 +102,25 @@ class EngineClient:
 
     # --- the door (the event loop) -------------------------------------------------------------
     async def submit(self, items: list[Submission], what: str, trace: bool = False,
-                     left: Callable[[], Awaitable[bool]] | None = None) -> list[Handle] | None:
+                     left: Callable[[], Awaitable[bool]] | None = None,
+                     arrival: Ticket | None = None) -> list[Handle] | None:
         """Check every item, then submit them in order, one engine round trip each (a round trip
         waits for the step in flight). None when `left()` says the client left before all were
         submitted: those that were are aborted. Raises FieldError (a refusal naming the field),
         QueueFull (none aborted but those submitted before it) or EngineStopped. `what` names
-        the items in messages ("choices", "decoder lanes")."""
+        the items in messages ("choices", "decoder lanes"). `arrival`: the request's Ticket,
+        released by the engine thread when it takes the last item."""
         if self.error is not None:
             raise EngineStopped("the engine has stopped; see the server log")
         checked = self.check(items, what)
         handles: list[Handle] = []
         try:
-            for item, ids in zip(items, checked, strict=True):
+            for i, (item, ids) in enumerate(zip(items, checked, strict=True)):
                 if left is not None and await left():
                     self._abort_all(handles)
                     return None
-                handles.append(await self._add(item, ids, trace))
+                last = i == len(items) - 1
+                handles.append(await self._add(item, ids, trace, arrival if last else None))
         except QueueFull:
             self.metrics.requests.labels("rejected").inc()
             self._abort_all(handles)
@@ -176,12 +183,13 @@ class EngineClient:
         if first_text is not None:
             self.metrics.ttft.observe(first_text - handle.submitted)
 
-    async def _add(self, item: Submission, ids: CheckedPrompt, trace: bool) -> Handle:
+    async def _add(self, item: Submission, ids: CheckedPrompt, trace: bool,
+                   arrival: Ticket | None = None) -> Handle:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Handle] = loop.create_future()
         request_id = f"{item.id_prefix}-{uuid.uuid4().hex}"
         self._cmds.put(("add", (ids, item.params, request_id, trace, item.constraint, loop,
-                                done)))
+                                done, arrival)))
         try:
             return await done
         except asyncio.CancelledError:  # the client left before the engine took it
@@ -198,7 +206,10 @@ class EngineClient:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.engine.has_unfinished)
+                idle = not self.engine.has_unfinished
+                self._drain(block=idle)
+                if idle and self.engine.has_unfinished:
+                    self._gather()
                 if self.engine.has_unfinished:
                     self._dispatch(self.engine.step())
                 self._publish()
@@ -220,15 +231,37 @@ class EngineClient:
             except queue.Empty:
                 return
 
+    def _gather(self) -> None:
+        """Before an idle engine's first step: take the requests inside the server as they
+        arrive, until none is left on its way or `window` seconds have passed (admission.py)."""
+        deadline = time.perf_counter() + self.window
+        while self.arrivals.pending and not self._stop.is_set():
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            try:  # an add, or the wake-up of a release on the event loop
+                cmd = self._cmds.get(timeout=left)
+            except queue.Empty:
+                return
+            self._apply(*cmd)
+
+    def _wake(self) -> None:
+        """A release on another thread: a gathering engine thread looks at the count again."""
+        if threading.current_thread() is not self._thread:
+            self._cmds.put(("wake", None))
+
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "add":
-            prompt_ids, params, request_id, trace, constraint, loop, done = arg
+            prompt_ids, params, request_id, trace, constraint, loop, done, arrival = arg
             try:
                 req = self.engine.add_request(prompt_ids, params, request_id, trace=trace,
                                               constraint=constraint)
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 loop.call_soon_threadsafe(_set_exception, done, e)
                 return
+            finally:  # taken (or refused): no longer on its way
+                if arrival is not None:
+                    arrival.release()
             h = Handle(req, asyncio.Queue(), loop)
             self._handles[req.request_id] = h
             loop.call_soon_threadsafe(_set_result, done, h)

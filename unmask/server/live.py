@@ -26,6 +26,7 @@ from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from unmask.decoding.params import METHODS, PRESETS, DecodeParams, to_spec
+from unmask.server.admission import arrival_of
 from unmask.server.engine_client import Handle
 from unmask.server.errors import APIError
 from unmask.server.intake import (
@@ -95,7 +96,8 @@ async def trace(body: TraceRequest, request: Request, state: State) -> Streaming
     for p in params:
         constraint = await constraint_of(state, body, p)
         items += submissions(body, [ids], [p], ["prompt"], constraint)
-    handles = await state.engine.submit(items, "decoder lanes", trace=True)
+    handles = await state.engine.submit(items, "decoder lanes", trace=True,
+                                        arrival=arrival_of(request))
     lanes = [Lane(state.llm, i, body.prompt, h.request) for i, h in enumerate(handles)]
     return StreamingResponse(_stream(state, handles, lanes, request),
                              media_type="text/event-stream",

@@ -34,6 +34,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         add_prefix_arguments,
         positive,
     )
+    from unmask.server.admission import DEFAULT_ADMISSION_WINDOW_MS
 
     add_model_arguments(p)
     add_prefix_arguments(p)
@@ -50,6 +51,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-slots", type=positive, default=None,
                    help="canvas/K-V slots held at once (padded per decoder batch; default: no "
                         "limit); a request that could never fit is a 400, others wait")
+    p.add_argument("--admission-window-ms", type=float, default=DEFAULT_ADMISSION_WINDOW_MS,
+                   metavar="MS",
+                   help=f"how long an idle engine waits for requests already inside the server "
+                        f"before its first step, so that a burst is admitted together; a lone "
+                        f"request never waits (default: {DEFAULT_ADMISSION_WINDOW_MS:g}; 0: off)")
     p.add_argument("--model-name", default=None,
                    help="model id in /v1/models and responses (default: the folder's name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -126,7 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(decoder=args.decoder, max_running=args.max_running,
                           max_queue=args.max_queue, max_slots=args.max_slots,
                           model_name=args.model_name, shutdown_timeout=args.shutdown_timeout,
-                          api_key=api_key(args), cors_origins=tuple(args.cors_origin or ()))
+                          api_key=api_key(args), cors_origins=tuple(args.cors_origin or ()),
+                          admission_window_ms=args.admission_window_ms)
     if getattr(args, "ray", False):
         return _run_ray(args, config)
     given = [n for n in RAY_ONLY if getattr(args, n, None) is not None]

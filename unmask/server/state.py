@@ -15,6 +15,7 @@ from unmask.api import LLM
 from unmask.decoding.params import DEFAULT_DECODER, DecodeParams
 from unmask.engine.layout import model_defaults
 from unmask.errors import InputError, is_bearer_token
+from unmask.server.admission import DEFAULT_ADMISSION_WINDOW_MS, MAX_ADMISSION_WINDOW_MS
 from unmask.server.engine_client import EngineClient
 from unmask.server.metrics import ServerMetrics
 
@@ -38,6 +39,9 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # origins a browser may call from ("*": any)
     # seconds running requests get to finish once a shutdown begins; then they are cut off
     shutdown_timeout: float = 30.0
+    # how long an idle engine's first step waits for requests already inside the server, so
+    # that a burst is admitted in one step (admission.py); 0: it steps at once
+    admission_window_ms: float = DEFAULT_ADMISSION_WINDOW_MS
 
     def __post_init__(self) -> None:
         DecodeParams.parse(self.decoder)  # a bad default spec fails at startup, not per request
@@ -52,6 +56,11 @@ class ServerConfig:
         # nan passed every comparison, and aborted the process at the first stream it cut
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t >= 0):
             raise InputError(f"--shutdown-timeout must be a number of seconds >= 0, got {t!r}")
+        w = self.admission_window_ms
+        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                and 0 <= w <= MAX_ADMISSION_WINDOW_MS):
+            raise InputError(f"--admission-window-ms must be a number of milliseconds in "
+                             f"0..{MAX_ADMISSION_WINDOW_MS:g} (0: off), got {w!r}")
         key = self.api_key
         if key is not None and not (isinstance(key, str) and is_bearer_token(key)):
             raise InputError("the API key (--api-key or $UNMASK_API_KEY) must be non-empty "
