@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import numpy as np
@@ -330,6 +331,33 @@ def test_a_block_two_rows_finish_in_one_step_is_stored_once() -> None:
     assert_same(decode_all(m, jobs, None, 3, [0, 0, 0], None), on)
     assert store.stats.evictions == 0
     assert store.stats.inserted_blocks == store.stats.stored_blocks == (11 + 8) // BS
+
+
+def test_the_stores_read_only_lookup_counts_what_a_join_would_read() -> None:
+    """PrefixStore.held and Engine.uncached, for the admission window: a prompt stored whole,
+    partly (its first miss ends the count), not at all, with no store, and with a decoder that
+    does not reuse the store; and the look moves nothing in the LRU order and counts nothing."""
+    m = model("Fast_dLLM_Qwen", torch.float32)  # it can run a decoder that does not reuse
+    store = PrefixStore(BS, 1 << 30)
+    eng = Engine(m, mask_id=MASK, eos_id=EOS, prefix=store)
+    stored = list(range(3, 20))  # 17 tokens: four whole blocks, the last token's block beyond
+    eng.add_request(stored, params("static-1", 4, 0))
+    eng.run()
+    order, stats = list(store._entry), dataclasses.replace(store.stats)
+    partly = stored[:8] + [40] * 9  # two stored blocks, then a miss
+    cases = {"stored": (stored, 16), "partly": (partly, 8), "not stored": ([41] * 17, 0),
+             "last token's block": (stored[:16], 12)}  # that block is always forwarded
+    for name, (prompt, held) in cases.items():
+        assert store.held(prompt) == held, name
+        req = eng.add_request(prompt, params("static-1", 4, 0))
+        assert eng.uncached(req) == len(prompt) - held, name
+        eng.abort(req.request_id)
+    assert list(store._entry) == order and store.stats == stats and store._wanted == 0
+    sub = eng.add_request(stored, DecodeParams.parse("static-1", gen_length=4, block_length=BS,
+                                                     cache="sub_block", sub_block_length=2))
+    assert not prefix_store_mod.reuses(sub.params) and eng.uncached(sub) == 17
+    bare = Engine(m, mask_id=MASK, eos_id=EOS)
+    assert bare.uncached(bare.add_request(stored, params("static-1", 4, 0))) == 17
 
 
 # --- (d) budgets ---------------------------------------------------------------------------------

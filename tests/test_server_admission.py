@@ -18,6 +18,7 @@ from helpers import LiveServer, tiny_model
 from unmask import LLM
 from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, SchedulerConfig
+from unmask.engine.prefix_store import PrefixStore
 from unmask.errors import InputError
 from unmask.server.app import build_app
 from unmask.server.engine_client import EngineClient, Handle, Submission
@@ -121,6 +122,74 @@ def test_a_running_batch_does_not_wait(door: EngineClient) -> None:
             held.release()
 
     asyncio.run(run())
+
+
+# --- the bound: prompt tokens the prefix store does not hold -----------------------------------
+BOUND = 8  # a lone 18-token prompt passes it; two whose first 16 tokens are stored do not
+STORED = list(range(10, 27))  # 17 tokens: its first four blocks of 4 end up in the store
+
+
+@functools.cache
+def sdar():
+    return tiny_model("sdar")  # blocks of 4
+
+
+def sdar_door(store: PrefixStore | None) -> EngineClient:
+    engine = Engine(sdar(), SchedulerConfig(), prefix=store)
+    client = EngineClient(engine, ServerMetrics(), window=LONG, bound=BOUND)
+    client.start()
+    return client
+
+
+def sdar_item(prompt: list[int]) -> Submission:
+    return Submission(prompt, DecodeParams.parse("static-1", gen_length=8, block_length=4),
+                      "prompt")
+
+
+async def finish(h: Handle) -> None:
+    while not (await first_event(h)).finished:
+        pass
+
+
+async def burst_of_two(door: EngineClient, prompts: list[list[int]]) -> tuple[Handle, Handle]:
+    """Two requests inside the server; the second reaches the engine once the first has had
+    time to step alone, or has been waited for."""
+    first, second = door.arrivals.ticket(), door.arrivals.ticket()
+    a = (await door.submit([sdar_item(prompts[0])], "choices", arrival=first))[0]
+    await asyncio.sleep(0.3)
+    b = (await door.submit([sdar_item(prompts[1])], "choices", arrival=second))[0]
+    await finish(a)
+    await finish(b)
+    return a, b
+
+
+def test_a_long_unstored_prompt_is_not_waited_for() -> None:
+    """Past the bound with its first request (no store: every prompt token is prefilled), the
+    engine steps at once instead of waiting its window for the request still on its way."""
+    door = sdar_door(None)
+    try:
+        a, b = asyncio.run(burst_of_two(door, [STORED + [30], STORED + [31]]))
+        assert a.request.started < b.request.started and door.arrivals.pending == 0
+    finally:
+        door.stop()
+
+
+def test_a_burst_after_a_stored_prefix_is_still_admitted_in_one_step() -> None:
+    """The same two prompts once the store holds their first 16 tokens: what is left to
+    prefill (2 tokens each) is within the bound, so the engine waits and admits both at once."""
+    store = PrefixStore(4, 1 << 30)
+    door = sdar_door(store)
+    try:
+        async def run() -> tuple[Handle, Handle]:
+            await finish((await door.submit([sdar_item(STORED)], "choices"))[0])
+            assert store.held(STORED + [30]) == 16
+            return await burst_of_two(door, [STORED + [30], STORED + [31]])
+
+        a, b = asyncio.run(run())
+        assert a.request.started == b.request.started
+        assert a.request.cached_tokens == b.request.cached_tokens == 16
+    finally:
+        door.stop()
 
 
 def test_a_ticket_is_released_once() -> None:

@@ -216,6 +216,14 @@ class Engine:
         self._pending.append(self._final_event(req))
         return True
 
+    def uncached(self, req: Request) -> int:
+        """How many of a just-added request's prompt tokens its first step would forward: those
+        the prefix store does not hold now (all of them when its decoder does not reuse the
+        store, or there is none). A read-only look (PrefixStore.held), for the admission window."""
+        if self.prefix is None or not reuses(req.params):
+            return req.prompt_len
+        return req.prompt_len - self.prefix.held(req.prompt_ids)
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending)

@@ -245,16 +245,9 @@ class PrefixStore:
         first = len(b) - len(reqs)
         per_position = b.store.kv[0, 0].numel() * b.store.kv.element_size()
         for i, req in enumerate(reqs):
-            chain, hits = _Chain(), []
-            limit = (req.prompt_len - 1) // self.block_size
-            keys = self.keys(b"", req.prompt_ids[: limit * self.block_size], self.block_size)
-            for key in keys:
-                entry = self._entry.get(key)
-                if entry is None:
-                    self._wanted += self._missed(itertools.chain([key], keys))
-                    break
-                hits.append((key, entry))
-                chain = _Chain(chain.blocks + 1, key)
+            hits, rest = self._lookup(req.prompt_ids)
+            self._wanted += self._missed(rest)
+            chain = _Chain(len(hits), hits[-1][0]) if hits else _Chain()
             if req.slots * per_position <= self.budget:
                 # else its blocks would only evict each other: it runs without storing
                 chain.limit = req.slots // self.block_size
@@ -272,6 +265,26 @@ class PrefixStore:
             b.store.token[row, :n] = req.prompt_ids[:n]
             req.cached_tokens = n
             self.stats.hit_tokens += n
+
+    def held(self, prompt_ids: Sequence[int]) -> int:
+        """How many of a prompt's leading tokens the store holds now (whole blocks, up to its last
+        token's block, as `restore` would copy them): a read-only look, which moves no entry in
+        the LRU order and counts nothing (the admission window asks it before a step)."""
+        with self._lock:
+            return len(self._lookup(prompt_ids)[0]) * self.block_size
+
+    def _lookup(self, prompt_ids: Sequence[int]) -> tuple[list[tuple[bytes, int]], Iterator[bytes]]:
+        """The stored leading blocks of a prompt, (key, entry) each, up to its last token's block
+        (always forwarded: `restore`), and the keys of the rest from its first miss on."""
+        limit = (len(prompt_ids) - 1) // self.block_size
+        keys = self.keys(b"", prompt_ids[: limit * self.block_size], self.block_size)
+        hits = []
+        for key in keys:
+            entry = self._entry.get(key)
+            if entry is None:
+                return hits, itertools.chain([key], keys)
+            hits.append((key, entry))
+        return hits, iter(())
 
     def _missed(self, keys: Iterator[bytes]) -> int:
         """How many of a prompt's blocks from its first miss on (`keys`) the store let go for

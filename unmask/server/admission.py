@@ -7,8 +7,12 @@ smaller one's step, beside which its own intake runs slower (one interpreter loc
 benchmarks/probe/ttft-anatomy.md). So the engine thread, when its batch is empty and a request
 has just reached it, waits for the requests between the server's door and its own queue before
 its first step, for at most the window (`unmask serve --admission-window-ms`), and the burst
-is admitted in one step. A lone request has nothing to wait for: it steps at once. A running
-batch never waits: its rows would stall for requests that join at the next step anyway.
+is admitted in one step. It stops waiting as soon as the requests it has taken hold more prompt
+tokens than ADMISSION_PREFILL_TOKENS that the prefix store does not hold (Engine.uncached): a
+step of many full prefills gives each its text later than a small group's step would, while a
+burst of questions after a stored system prompt is cheap to admit together. A lone request has
+nothing to wait for: it steps at once. A running batch never waits: its rows would stall for
+requests that join at the next step anyway.
 
 `Arrivals` counts those requests. `CountArrivals` (ASGI middleware) takes a `Ticket` when the
 app is called for a route that submits to the engine, and releases it when that call returns,
@@ -25,13 +29,22 @@ from typing import Any
 
 # Milliseconds an idle engine waits for a burst (ServerConfig.admission_window_ms): a burst of
 # 16 reaches the engine thread over ~10-40 ms on two cores, and 20 ms admitted every measured
-# burst in one step (benchmarks/probe/ttft-anatomy.md). Off by default: side by side it cut a
-# burst's time to first token where its prompts are in the prefix store (first wave 0.88x) and
-# raised it where they are not (1.09x: one step of 16 full prefills instead of a small group's
-# first; benchmarks/ab/prefix-ttft-serve-admission-window.md), and a server does not know which
-# traffic it will see. Past a second it would be a queue, not a window.
-DEFAULT_ADMISSION_WINDOW_MS = 0.0
+# burst in one step (benchmarks/probe/ttft-anatomy.md). Bounded by ADMISSION_PREFILL_TOKENS,
+# it costs traffic whose prompts the store does not hold nothing (the first request's prefill
+# already passes the bound: no wait), so it is on by default
+# (benchmarks/ab/prefix-ttft-serve-admission-bound.md). Past a second it would be a queue.
+DEFAULT_ADMISSION_WINDOW_MS = 20.0
 MAX_ADMISSION_WINDOW_MS = 1000.0
+
+# Prompt tokens the prefix store does not hold, summed over the requests an idle engine has
+# taken, past which it stops waiting: their first step is a long prefill already, and a request
+# that waited for it would get its text later, not earlier. Without the bound, a burst of 16
+# unstored ~560-token prompts admitted in one step raised time to first token 1.09x, while 16
+# questions after a stored ~540-token system prompt admitted together cut it (first wave 0.88x;
+# benchmarks/ab/prefix-ttft-serve-admission-window.md). On that traffic (unmask-sdar's chat
+# template, blocks of 4) a prompt is 552-571 tokens, and what the store does not hold of each
+# of 16 stored-prefix questions sums to 272 tokens (median) and at most 439: 512 lies between.
+ADMISSION_PREFILL_TOKENS = 512
 
 # The routes whose requests go to the engine (completions.py, live.py).
 ENGINE_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/unmask/trace"})

@@ -9,7 +9,8 @@ threads, is never contended here), and the event loop never waits on a step: a c
 queue put, and the counts /health reports are published by the engine thread after each pass.
 An abort takes effect before the next step: a cancelled request costs at most the step in
 flight. An idle engine's first step waits, for at most `window` seconds, for the requests
-already inside the server (`arrivals`), so that a burst is admitted in one step (admission.py).
+already inside the server (`arrivals`), so that a burst is admitted in one step, unless those it
+has taken hold more than `bound` prompt tokens the prefix store does not (admission.py).
 
 Validation. `submit` refuses a response's engine requests all together or not at all, with the
 engine's own checks, made once (Engine.check: the ids and the canvas; the scheduler's slot budget,
@@ -35,7 +36,7 @@ from unmask.decoding.params import DecodeParams
 from unmask.engine import Engine, QueueFull, Request, StepEvent
 from unmask.engine.engine import CheckedPrompt
 from unmask.errors import CanvasTooLong, DecoderMismatch, InputError
-from unmask.server.admission import Arrivals, Ticket
+from unmask.server.admission import ADMISSION_PREFILL_TOKENS, Arrivals, Ticket
 from unmask.server.metrics import ServerMetrics
 from unmask.server.protocol import FieldError
 
@@ -72,10 +73,12 @@ class Handle:
 
 
 class EngineClient:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, window: float = 0.0) -> None:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, window: float = 0.0,
+                 bound: int = ADMISSION_PREFILL_TOKENS) -> None:
         self.engine = engine
         self.metrics = metrics
         self.window = window  # seconds an idle engine waits for arrivals (ServerConfig)
+        self.bound = bound  # uncached prompt tokens past which it stops waiting (_gather)
         self.arrivals = Arrivals(on_release=self._wake)
         self.n_running = self.n_waiting = 0  # published by the engine thread (_publish)
         self._cmds: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -233,9 +236,14 @@ class EngineClient:
 
     def _gather(self) -> None:
         """Before an idle engine's first step: take the requests inside the server as they
-        arrive, until none is left on its way or `window` seconds have passed (admission.py)."""
+        arrive, until none is left on its way, `window` seconds have passed, or those taken
+        since the engine went idle hold more than `bound` prompt tokens the prefix store does
+        not (their first step is long already: the rest join the next; admission.py)."""
+        if self.window <= 0:
+            return
         deadline = time.perf_counter() + self.window
-        while self.arrivals.pending and not self._stop.is_set():
+        work = sum(self.engine.uncached(r) for r in self.engine.scheduler.waiting)
+        while self.arrivals.pending and work <= self.bound and not self._stop.is_set():
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
@@ -243,14 +251,17 @@ class EngineClient:
                 cmd = self._cmds.get(timeout=left)
             except queue.Empty:
                 return
-            self._apply(*cmd)
+            req = self._apply(*cmd)
+            if req is not None:
+                work += self.engine.uncached(req)
 
     def _wake(self) -> None:
         """A release on another thread: a gathering engine thread looks at the count again."""
         if threading.current_thread() is not self._thread:
             self._cmds.put(("wake", None))
 
-    def _apply(self, kind: str, arg: Any) -> None:
+    def _apply(self, kind: str, arg: Any) -> Request | None:
+        """Carry out a command from the event loop; the Request an add queued, else None."""
         if kind == "add":
             prompt_ids, params, request_id, trace, constraint, loop, done, arrival = arg
             try:
@@ -258,18 +269,20 @@ class EngineClient:
                                               constraint=constraint)
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 loop.call_soon_threadsafe(_set_exception, done, e)
-                return
+                return None
             finally:  # taken (or refused): no longer on its way
                 if arrival is not None:
                     arrival.release()
             h = Handle(req, asyncio.Queue(), loop)
             self._handles[req.request_id] = h
             loop.call_soon_threadsafe(_set_result, done, h)
-        elif kind == "abort":
+            return req
+        if kind == "abort":
             request_id, reason = arg
             self.engine.abort(request_id, reason)
         elif kind == "cut":
             self._cut(arg)
+        return None
 
     def _cut(self, why: str) -> None:
         for request_id, h in list(self._handles.items()):

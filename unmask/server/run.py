@@ -34,7 +34,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         add_prefix_arguments,
         positive,
     )
-    from unmask.server.admission import DEFAULT_ADMISSION_WINDOW_MS
+    from unmask.server.admission import ADMISSION_PREFILL_TOKENS, DEFAULT_ADMISSION_WINDOW_MS
 
     add_model_arguments(p)
     add_prefix_arguments(p)
@@ -55,7 +55,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="MS",
                    help=f"how long an idle engine waits for requests already inside the server "
                         f"before its first step, so that a burst is admitted together; a lone "
-                        f"request never waits (default: {DEFAULT_ADMISSION_WINDOW_MS:g}; 0: off)")
+                        f"request never waits, nor one whose first step holds more than "
+                        f"{ADMISSION_PREFILL_TOKENS} prompt tokens the prefix store does not "
+                        f"(default: {DEFAULT_ADMISSION_WINDOW_MS:g}; 0: off)")
     p.add_argument("--model-name", default=None,
                    help="model id in /v1/models and responses (default: the folder's name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
