@@ -1,5 +1,6 @@
 """The admission window (unmask.server.admission): an idle engine waits, up to its window, for
-the requests already inside the server, so that a burst is admitted in one step; a lone request
+the requests already inside the server, so that a burst is admitted in one step, unless those it
+has taken hold more prompt tokens than its bound that the prefix store does not; a lone request
 and a running batch never wait; and the count of requests on their way to the engine is
 released on every path, or every later idle step would wait its whole window."""
 

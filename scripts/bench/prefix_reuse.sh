@@ -146,9 +146,14 @@ medians at 16: store on, the first wave 0.114 -> 0.101 s and all requests 0.093 
 store off 0.206 -> 0.229 s (1.09x: one step of 16 full prefills, where main's first small group
 got its text early); on / off 2.23x -> 2.75x (1.72-3.44x -> 2.33-3.20x), part of it the off
 server's loss: **the 3x goal is still not met**; at 1 and 4 within noise; the texts the same.
-As it helps a burst whose prompts the store holds and costs one that prefills them, and a
-server does not know which it will see, the window is off by default (\`--admission-window-ms
-20\` turns it on): the table above, with the server defaults, does not use it.
+Bounded by prefill work (the engine stops waiting once the requests it has taken hold more than
+512 prompt tokens the store does not: a lone unstored ~560-token prompt passes it, 16 questions
+after the stored prompt do not), twelve runs side by side with main at load 1.2-5.4
+([prefix-ttft-serve-admission-bound.md](benchmarks/ab/prefix-ttft-serve-admission-bound.md)),
+medians at 16: store off 0.96x (the 1.09x cost gone), but store on the first wave 0.092 ->
+0.104 s (1.04x, 0.85-1.73x from run to run) and all requests 1.02x: no gain where the store
+holds the prompts either, so the window stays off by default (\`--admission-window-ms 20\`
+turns it on, with the bound): the table above, with the server defaults, does not use it.
 
 On a calm machine (load 1.0-1.9, nothing else running), the tree with the step's new order and
 the leaner store against the tree before both, four runs side by side with server defaults

@@ -29,11 +29,12 @@ from typing import Any
 
 # Milliseconds an idle engine waits for a burst (ServerConfig.admission_window_ms): a burst of
 # 16 reaches the engine thread over ~10-40 ms on two cores, and 20 ms admitted every measured
-# burst in one step (benchmarks/probe/ttft-anatomy.md). Bounded by ADMISSION_PREFILL_TOKENS,
-# it costs traffic whose prompts the store does not hold nothing (the first request's prefill
-# already passes the bound: no wait), so it is on by default
-# (benchmarks/ab/prefix-ttft-serve-admission-bound.md). Past a second it would be a queue.
-DEFAULT_ADMISSION_WINDOW_MS = 20.0
+# burst in one step (benchmarks/probe/ttft-anatomy.md). Off by default: bounded by
+# ADMISSION_PREFILL_TOKENS it no longer costs traffic whose prompts the store does not hold
+# (store off 0.96x, was 1.09x unbounded), but side by side it did not cut the time to first
+# token of a burst whose prompts it holds either (first wave 1.04x, 12 runs:
+# benchmarks/ab/prefix-ttft-serve-admission-bound.md). Past a second it would be a queue.
+DEFAULT_ADMISSION_WINDOW_MS = 0.0
 MAX_ADMISSION_WINDOW_MS = 1000.0
 
 # Prompt tokens the prefix store does not hold, summed over the requests an idle engine has
