@@ -162,6 +162,16 @@ def test_bench_serve_sends_a_shared_system_prompt_and_counts_reuse(folder: Path,
     assert cell["prefill_forwards"] == sum(r["prompt_tokens"] - r["cached_tokens"] for r in reqs)
     assert "--system" in json.loads(out.read_text())["command"]
     assert main(["bench-serve", "--system", str(tmp_path / "none.txt")]) == 2
+    # the warm-up sends the system prompt too: on a fresh server (a new LLM: the store is its)
+    # every measured request reads it
+    fresh = LLM(str(folder), device="cpu")
+    with LiveServer(build_app(fresh, ServerConfig(decoder="threshold", max_running=4))) as s:
+        assert main(["bench-serve", "--url", s.url, "--system", str(system), "--n", "2",
+                     "--concurrency", "1", "--max-tokens", "8", "--warmup", "1",
+                     "--json", str(out)]) == 0
+    shared = min(r["cached_tokens"] for r in reqs[1:])  # the system prompt's blocks, at least
+    warm = json.loads(out.read_text())["cells"][0]["requests"]
+    assert all(r["cached_tokens"] >= shared for r in warm)
 
 
 def test_fresh_prompts_give_each_run_its_own_prompts_on_every_server() -> None:

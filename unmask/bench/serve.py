@@ -587,9 +587,11 @@ async def warm_up(client: Any, cells: list[Cell], prompts: list[str],
             seen.add((cell.server, d))
             own = cell.gen_length(k)
             for i in range(args.warmup):
+                # with the runs' system prompt: a server's first measured requests then meet
+                # what its later ones do (a prefix store already holding the shared prompt)
                 job = Job(-1, prompts[-1 - i % len(prompts)], d,
                           max(max_tokens_values(args)) if own is None else own, 0.0,
-                          send_max_tokens=own is None)
+                          send_max_tokens=own is None, system=getattr(args, "system_text", None))
                 out = await send(client, cell.server.url, job, args.endpoint,
                                  time.perf_counter(), args.timeout)
                 if out.error:
