@@ -286,11 +286,11 @@ class Engine:
             log.exception("a decoder step failed; its %d requests fail with it", len(b))
             return self._fail(b, f"{type(e).__name__}: {e}")
         self.model_calls += res.model_calls
+        gone = res.finished | res.stalled  # (R,) rows leaving the batch after this step
         if self._reuses(dec):
-            self.prefix.offer(b, res.finished | res.stalled)
+            self.prefix.offer(b, gone)
         self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before
         events = self._events(dec, b, res)
-        gone = res.finished | res.stalled
         if gone.any():
             b.filter((~gone).tolist())
         return events
