@@ -57,9 +57,9 @@ class CallLogits:
             spy.plan = plan
             return forward(runner, plan)
 
-        def _call(runner, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols):
+        def _call(runner, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols, *rest):
             logits, kv, at = call(runner, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks,
-                                  rows, cols)
+                                  rows, cols, *rest)
             slots = pos.cpu().numpy()[rows, cols] + spy.plan.pad[rows]
             spy.calls.append((spy.plan, rows, slots, logits.detach().clone()))
             return logits, kv, at

@@ -901,8 +901,8 @@ def plain_forward_spy(m, monkeypatch) -> list[tuple[int, int]]:
 
     inner, seen = runner_mod.Runner._call, []
 
-    def spy(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols):
-        out = inner(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols)
+    def spy(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols, *rest):
+        out = inner(self, ids, pos, ok, n_tokens, t_hat, embeds, past, blocks, rows, cols, *rest)
         assert past is None and embeds is None  # the plain forward has neither
         for i in np.unique(rows):
             n = int(ok[i].sum())

@@ -167,6 +167,55 @@ class _Half(Sequence):
 
 
 @dataclass
+class InPlace:
+    """Rows of a call that attend over their store row where it lies (`Frame.in_place`), instead
+    of over a gathered copy of it joined to their fresh K/V: a row whose stored keys are its
+    positions 0..n-1 and whose forwarded tokens are its next t positions (`Past.in_place`; the
+    runner takes those of one block: a decode step's current block, `Runner._in_place`).
+    Each layer's fresh K/V of these rows is first written into its store row, at slots that hold
+    no stored token (the store reads them only once a write marks them), then each row attends
+    by its spans (`Frame.spans`) over positions 0..end of its store row as a strided view: the
+    same keys, values and shapes as the gathered call, so the same bits (keys a span's mask
+    hides may hold other finite values than the gathered call's zeros: they add exactly
+    nothing), without copying a row's context twice a layer (BENCHMARKS.md, "Attention in
+    place").
+
+    kv: the store (N, W, L, 2, H_kv, D).
+    rows: each row's store row; spans: its spans; keys: the most keys they read (lists: read
+        per row and layer).
+    queries: each row's (call row, first column, count t) in the layer's q (B, H, T, D); a packed
+        call's q is (1, H, N, D), its rows' columns their packed tokens.
+    dst: (M,) flat store index (store row * W + position) of each of these rows' forwarded
+        tokens, src (M,) its index among the call's B * T tokens (None: all of them, in order).
+    span_rows: as `Frame.span_rows`.
+    """
+
+    kv: Tensor
+    rows: list[int]
+    spans: list[list[Span]]
+    keys: list[int]
+    queries: list[tuple[int, int, int]]
+    dst: Tensor
+    src: Tensor | None
+    span_rows: int = 1
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
+        """Write the rows' fresh k/v (B, H_kv, T, D) of `layer` into the store, then their
+        attention of q (B, H, T, D) into out (B, H, T, D) at their places."""
+        kv = self.kv.select(2, layer)  # (N, W, 2, H_kv, D)
+        fresh = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2)  # (B, T, 2, H_kv, D)
+        fresh = fresh.view(-1, *fresh.shape[2:])
+        if self.src is not None:
+            fresh = fresh.index_select(0, self.src)
+        kv.view(-1, *kv.shape[2:]).index_copy_(0, self.dst, fresh)
+        for r, spans, n, (b, a, t) in zip(self.rows, self.spans, self.keys, self.queries,
+                                          strict=True):
+            seen = kv[r, :n].permute(1, 2, 0, 3)  # (2, H_kv, n, D)
+            out[b, :, a : a + t] = by_block(q[b : b + 1, :, a : a + t], seen[None, 0],
+                                            seen[None, 1], spans, self.span_rows)[0]
+
+
+@dataclass
 class Span:
     """One attention call of a block-causal row's forwarded tokens [a, b) over its first `keys`
     keys (stored ones first, then the forwarded: key i is position i), as `Frame.spans` lists
@@ -229,6 +278,9 @@ class Frame:
         finished block is the same bits whichever request computed it
         (unmask.engine.prefix_store; docs/engine.md, "Prefix reuse"). span_rows: the model's
         block size, the fewest queries a call runs with.
+    in_place: rows that attend over their store row where it lies (`InPlace`): an unpacked
+        frame's every row (it has no past then), or some of a packed frame's (its groups hold
+        the others).
     After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens as attention
     got them: (B, H_kv, T, D), or packed (1, H_kv, N, D).
     """
@@ -244,13 +296,14 @@ class Frame:
     extra: int = 0  # packed: tokens after the rows' own, which no group attends with
     spans: list[Span] | None = None
     span_rows: int = 1
+    in_place: InPlace | None = None
     fresh: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     _mask: Tensor | None = field(default=None, repr=False)  # the keys' mask, once built
     _mask_built: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.packed and (self.key_mask is None or self.attn_mask is not None or not self.groups
-                            or self.past is not None):
+        if self.packed and (self.key_mask is None or self.attn_mask is not None
+                            or not (self.groups or self.in_place) or self.past is not None):
             raise ValueError("a packed frame needs key_mask (where each token goes) and row "
                              "groups (with their own stored keys), no attn_mask")
 
@@ -261,10 +314,19 @@ class Frame:
         layer = len(self.fresh)
         self.fresh.append((k, v))
         if not self.packed:
-            return self._attend(layer, q, k, v)
+            if self.in_place is None:
+                return self._attend(layer, q, k, v)
+            # a widened call's added places get zeros (see `_by_block`)
+            covered = all(t == q.shape[2] for _, _, t in self.in_place.queries)
+            out = torch.empty_like(q) if covered else torch.zeros_like(q)
+            self.in_place.attend(layer, q, k, v, out)
+            return out
         tokens = [t[0].transpose(0, 1) for t in (q, k, v)]  # (N, H, D) each
         out = None
-        for g in self.groups:
+        if self.in_place is not None:  # (N, H, D); the extra tokens, which no row writes: zeros
+            out = q.new_zeros(tokens[0].shape) if self.extra else q.new_empty(tokens[0].shape)
+            self.in_place.attend(layer, q, k, v, out.transpose(0, 1)[None])
+        for g in self.groups or ():
             rows = [t.index_select(0, g.grid).view(*g.shape, *t.shape[1:]).transpose(1, 2)
                     for t in tokens]  # (G, H, T_g, D) each
             o = g.frame._attend(layer, *rows)
@@ -294,36 +356,10 @@ class Frame:
         """Unpacked rows: q (B, H, T, D), k/v (B, H_kv, T, D) with the stored keys -> (B, H, T, D)."""
         if self.spans is not None:
             width = max(s.keys for s in self.spans)
-            return self._by_block(q, *self._concat(layer, k, v, width))
+            return by_block(q, *self._concat(layer, k, v, width), self.spans, self.span_rows)
         k, v, mask = self._keys(layer, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                               enable_gqa=q.shape[1] != k.shape[1])
-
-    def _by_block(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """`spans` one call each: q (B, H, T, D) over k/v (B, H_kv, K, D) -> (B, H, T, D). A
-        span of fewer queries than span_rows is padded with copies of its first: the kernel
-        rounds a query's result differently with a lone query or two beside it
-        (benchmarks/probe/block-attention-bits.md). Keys past K that a span counts (its chunk
-        reaches past the forwarded tokens) are zeros, which its mask hides."""
-        gqa = q.shape[1] != k.shape[1]
-        t, s0 = q.shape[2], self.spans[0]
-        if (len(self.spans) == 1 and s0.mask is None and s0.a == 0 and s0.b == t
-                and s0.keys == k.shape[2] and t >= self.span_rows):
-            # a decode step's one block over every key: the call as it comes
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-        # queries past the last span (a widened call's added places: `Runner._widened`) get
-        # zeros, not whatever empty memory holds: later layers' chunk spans read their keys
-        # (masked), and a NaN masked is still NaN
-        out = torch.empty_like(q) if self.spans[-1].b == t else torch.zeros_like(q)
-        for s in self.spans:
-            qa = q[:, :, s.a : s.b]
-            n = s.b - s.a
-            if n < self.span_rows:
-                qa = torch.cat([qa, qa[:, :, :1].expand(-1, -1, self.span_rows - n, -1)], dim=2)
-            o = F.scaled_dot_product_attention(qa, k[:, :, : s.keys], v[:, :, : s.keys],
-                                               attn_mask=s.mask, enable_gqa=gqa)
-            out[:, :, s.a : s.b] = o[:, :, :n]
-        return out
 
     def _concat(self, layer: int, k: Tensor, v: Tensor, width: int = 0,
                 ) -> tuple[Tensor, Tensor]:
@@ -369,6 +405,34 @@ class Frame:
         return mask if keys is None else mask & keys
 
 
+def by_block(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], span_rows: int) -> Tensor:
+    """`Frame.spans` one call each: q (B, H, T, D) over k/v (B, H_kv, K, D) -> (B, H, T, D). A
+    span of fewer queries than span_rows is padded with copies of its first: the kernel
+    rounds a query's result differently with a lone query or two beside it
+    (benchmarks/probe/block-attention-bits.md). Keys that a span counts past the forwarded
+    tokens (its chunk reaches past them) are zeros (`Frame._concat`) or whatever the store row
+    holds there (`InPlace`), which its mask hides."""
+    gqa = q.shape[1] != k.shape[1]
+    t, s0 = q.shape[2], spans[0]
+    if (len(spans) == 1 and s0.mask is None and s0.a == 0 and s0.b == t
+            and s0.keys == k.shape[2] and t >= span_rows):
+        # a decode step's one block over every key: the call as it comes
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    # queries past the last span (a widened call's added places: `Runner._widened`) get
+    # zeros, not whatever empty memory holds: later layers' chunk spans read their keys
+    # (masked), and a NaN masked is still NaN
+    out = torch.empty_like(q) if spans[-1].b == t else torch.zeros_like(q)
+    for s in spans:
+        qa = q[:, :, s.a : s.b]
+        n = s.b - s.a
+        if n < span_rows:
+            qa = torch.cat([qa, qa[:, :, :1].expand(-1, -1, span_rows - n, -1)], dim=2)
+        o = F.scaled_dot_product_attention(qa, k[:, :, : s.keys], v[:, :, : s.keys],
+                                           attn_mask=s.mask, enable_gqa=gqa)
+        out[:, :, s.a : s.b] = o[:, :, :n]
+    return out
+
+
 @dataclass
 class Past:
     """What a call reads from the store: store row `rows[i]` at positions `pos[i]` (R, K) for
@@ -389,6 +453,22 @@ class Past:
         return Past(self.store, self.rows[index], self.pos[index, :k], self.mask[index, :k],
                     self.n[index], self.shape[index],
                     None if self.blocks is None else self.blocks[index, :k])
+
+    def in_place(self, positions: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """(R,) the rows that may attend over their store row in place (`InPlace`), for their
+        forwarded tokens' positions (R, T) (the first t (R,) of each real): their stored keys
+        are positions 0..n-1, their forwarded tokens the next t positions, inside the store and
+        at slots that hold no stored token; and no other row of the call reads their store row
+        (FreeDave's drafts share one: none of the call's rows may then write it)."""
+        r = np.arange(self.rows.size)
+        if np.unique(self.rows).size != r.size:
+            return np.zeros(r.size, dtype=bool)
+        n = self.n
+        ok = ((n == 0) | (self.pos[r, np.maximum(n - 1, 0)] == n - 1)) & (positions[:, 0] == n)
+        ok &= (positions[r, np.maximum(t - 1, 0)] == n + t - 1) & (n + t <= self.store.shape[1])
+        cols = np.arange(positions.shape[1])[None, :]
+        held = self.store.tokens_at(self.rows, n[:, None] + cols) >= 0  # (R, T)
+        return ok & ~(held & (cols < t[:, None])).any(-1)
 
     def frame(self, key_mask: Tensor, blocks: Tensor | None, spans: list[Span] | None = None,
               span_rows: int = 1) -> Frame:

@@ -105,11 +105,15 @@ def main() -> None:
     print("| workload | off | on | on / off | same tokens |")
     print("|:---|---:|---:|:---|:---|")
     for w in runs:
-        off, on = rates[(w, "off")], rates[(w, "on")]
-        ratios = [b / a for a, b in zip(off, on, strict=True)]
-        print(f"| {w} | {statistics.median(off):.0f} | {statistics.median(on):.0f} | "
-              f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}] | "
+        print(f"| {w} | {side_by_side(rates[(w, 'off')], rates[(w, 'on')])} | "
               f"{'yes' if same[w] else 'NO'} |")
+
+
+def side_by_side(off: list[float], on: list[float]) -> str:
+    """Table cells: the median of each, and the median (range) of the rounds' on / off."""
+    ratios = [b / a for a, b in zip(off, on, strict=True)]
+    return (f"{statistics.median(off):.0f} | {statistics.median(on):.0f} | "
+            f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]")
 
 
 if __name__ == "__main__":

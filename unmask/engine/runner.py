@@ -25,7 +25,7 @@ from unmask.engine.batch import Scores
 from unmask.engine.buckets import Buckets, CallRows
 from unmask.engine.graphs import CudaGraphs, capturer
 from unmask.engine.product_rows import ProductRows, product_rows
-from unmask.kv import Frame, KVStore, Past, RowGroup, Span
+from unmask.kv import Frame, InPlace, KVStore, Past, RowGroup, Span
 from unmask.suffix import SuffixPolicy
 
 # A row's shape in a model call depends on the row alone, whoever shares the call, because the
@@ -179,6 +179,12 @@ class Runner:
     # block by block run as rows widened to that many places (`_widened`: the packed call's
     # bits without its gathers); False: packed.
     widen_small_calls: bool = True
+    # Rows attending block by block whose call forwards their current block alone (a decode
+    # step) attend over their store row where it lies (kv.InPlace: the same bits without
+    # copying their context twice a layer). None: on a CPU only, where those copies bound a
+    # step; on a GPU each row would be a kernel launch of its own (BENCHMARKS.md, "Attention in
+    # place").
+    attend_in_place: bool | None = None
 
     def __init__(self, model: nn.Module, params: DecodeParams, mask_id: int, eos_id: int,
                  suffix: SuffixPolicy, graphs: CudaGraphs | None = None) -> None:
@@ -266,13 +272,15 @@ class Runner:
         ids_t = self._to_device(ids)
         embeds = self.suffix.embeds(self.model, ids, idx, ok, plan.prev_token,
                                     block_start + self.params.block_length, ids_t)
+        positions = idx - pad[:, None]
         if self.buckets is not None and embeds is None:
-            logits, kv = self.buckets.call(self.model, CallRows(ids, idx - pad[:, None], ok, n_tokens,
+            logits, kv = self.buckets.call(self.model, CallRows(ids, positions, ok, n_tokens,
                                                                 blocks, rows, cols), past)
             kv_at = None
         else:
-            logits, kv, kv_at = self._call(ids_t, self._to_device(idx - pad[:, None]), ok,
-                                           n_tokens, t_hat, embeds, past, blocks, rows, cols)
+            logits, kv, kv_at = self._call(ids_t, self._to_device(positions), ok, n_tokens,
+                                           t_hat, embeds, past, blocks, rows, cols,
+                                           self._in_place(past, positions, n_tokens))
         u = None
         if noise is not None:
             offset = np.minimum(np.maximum(tslots - block_start[rows], 0), noise.shape[1] - 1)
@@ -309,9 +317,51 @@ class Runner:
         return Past(read.store, read.rows, pos, mask, n, k_hat,
                     None if block_size is None else pos // block_size)
 
+    def _in_place(self, past: Past | None, positions: np.ndarray,
+                  n_tokens: np.ndarray) -> np.ndarray | None:
+        """(R,) the call's rows that attend in place (`attend_in_place`), None: none."""
+        on = self.device.type == "cpu" if self.attend_in_place is None else self.attend_in_place
+        if not (on and self.by_block) or past is None:
+            return None
+        which = past.in_place(positions, n_tokens)
+        # rows forwarding finished blocks too (a prompt's tail, the step after a block
+        # finished) attend one call per span and row in place, where the gathered call runs a
+        # span for its whole shape group at once: at 16 rows 0.87x with short prompts, no gain
+        # with ~600-token ones (BENCHMARKS.md, "Attention in place"), so they gather
+        bs = self.block_size
+        last = positions[np.arange(which.size), np.maximum(n_tokens - 1, 0)]
+        which &= positions[:, 0] // bs == last // bs
+        return which if which.any() else None
+
+    def _in_place_rows(self, past: Past, which: np.ndarray, n_tokens: np.ndarray,
+                       blocks: np.ndarray, at: np.ndarray | None, width: int,
+                       total: int) -> InPlace:
+        """`InPlace` of the call rows `which` (R,) bool (blocks (R, T): each forwarded token's
+        block), whose fresh K/V is each token's packed index at (R, T), or (at None) unpacked
+        rows of `width` places; the call forwards `total` tokens or places."""
+        i = np.flatnonzero(which)
+        t, n, srow = n_tokens[i], past.n[i], past.rows[i]
+        spans = [self._spans(blocks, int(j), int(c), past) for j, c in zip(i, t, strict=True)]
+        cols = np.arange(int(t.max()))[None, :]
+        real = cols < t[:, None]  # (R', T')
+        dst = (srow[:, None] * past.store.shape[1] + n[:, None] + cols)[real]
+        if at is None:
+            src = (i[:, None] * width + cols)[real]
+            queries = [(int(b), 0, int(c)) for b, c in zip(i, t, strict=True)]
+        else:
+            src = at[i, : cols.shape[1]][real]
+            queries = [(0, int(a), int(c)) for a, c in zip(at[i, 0], t, strict=True)]
+        dev = past.store.kv.device
+        whole = src.size == total and (src == np.arange(src.size)).all()
+        return InPlace(past.store.kv, srow.tolist(), spans,
+                       [max(s.keys for s in row) for row in spans], queries,
+                       torch.from_numpy(dst).to(dev),
+                       None if whole else torch.from_numpy(src).to(dev), self.block_size)
+
     def _call(self, ids: Tensor, pos: Tensor, ok: np.ndarray, n_tokens: np.ndarray,
               t_hat: np.ndarray, embeds: Tensor | None, past: Past | None,
               blocks: np.ndarray | None, rows: np.ndarray, cols: np.ndarray,
+              in_place: np.ndarray | None = None,
               ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray | None]:
         """The model call: logits (N, V) at (rows, cols), each layer's fresh (k, v) (`Frame.fresh`)
         and, packed, each token's index among the packed ones ((R, T); None: unpacked). Only the
@@ -330,19 +380,26 @@ class Runner:
         ok_t = self._to_device(ok)
         # rows attending by span read no mask, so no blocks (`Frame.spans`)
         blocks_t = None if blocks is None or self.by_block else self._to_device(blocks)
+        every = in_place is not None and bool(in_place.all())
         if self.widen_small_calls and self.by_block and len(groups) == 1 and r * t < self.rows.blocks:
-            return self._widened(ids, pos, ok_t, embeds, past, blocks, rows, cols)
-        if self.unpacked(len(groups), r, t, n):
-            frame = self._frame(past, ok_t, blocks_t, self._spans(blocks, 0, t, past))
+            return self._widened(ids, pos, ok_t, embeds, past, blocks, rows, cols,
+                                 in_place if every else None)
+        if self.unpacked(len(groups), r, t, n) and (in_place is None or every):
+            frame = (Frame(in_place=self._in_place_rows(past, in_place, n_tokens, blocks, None, t, r * t))
+                     if every else self._frame(past, ok_t, blocks_t, self._spans(blocks, 0, t, past)))
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=self._at_least(rows, cols))
             return logits[: rows.size], frame.fresh, None
         at = (np.cumsum(ok.reshape(-1)) - 1).reshape(r, t)  # (R, T) packed index of each token
         extra = max(self.rows.blocks - n, 0)  # tokens that no row attends with, for the products' sake
-        whole = len(groups) == 1 and not extra
+        if in_place is not None:  # the other rows attend by group
+            groups = [h for h in (g[~in_place[g]] for g in groups) if h.size]
+        whole = len(groups) == 1 and not extra and in_place is None
         frame = Frame(key_mask=ok_t, packed=True, extra=extra,
                       groups=[self._group(g, whole, at, ok, t_hat, ok_t, past, blocks, blocks_t)
-                              for g in groups])
+                              for g in groups],
+                      in_place=None if in_place is None else self._in_place_rows(
+                          past, in_place, n_tokens, blocks, at, t, n + extra))
         logits = self.model(self._packed(ids[ok_t], extra), self._packed(pos[ok_t], extra),
                             frame=frame,
                             embeds=None if embeds is None else self._packed(embeds[ok_t], extra),
@@ -350,22 +407,27 @@ class Runner:
         return logits[: rows.size], frame.fresh, at
 
     def _widened(self, ids: Tensor, pos: Tensor, ok_t: Tensor, embeds: Tensor | None,
-                 past: Past | None, blocks: np.ndarray, rows: np.ndarray,
-                 cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray]:
+                 past: Past | None, blocks: np.ndarray, rows: np.ndarray, cols: np.ndarray,
+                 in_place: np.ndarray | None = None,
+                 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray]:
         """A call of fewer than `self.rows.blocks` places whose rows attend block by block (one
         shape group, every place real), as rows widened to that many places in all: the products
         get as many rows as a packed call's do, and attention, which reads only the blocks' own
         spans, never sees the added places, so the bits are the packed call's without its
         gathers in every layer (a batch-1 block-4 call: BENCHMARKS.md, "Host overhead").
         Returns the logits, the fresh K/V (R, H_kv, W, D) and each real token's index among
-        the R*W places."""
+        the R*W places. in_place: every row attends in place (`attend_in_place`)."""
         r, t = ids.shape
         w = -(-self.rows.blocks // r)
 
         def widened(x: Tensor, fill: int | bool = 0) -> Tensor:  # (R, T, ...) -> (R, W, ...)
             return torch.cat([x, x.new_full((r, w - t, *x.shape[2:]), fill)], dim=1)
 
-        frame = self._frame(past, widened(ok_t, False), None, self._spans(blocks, 0, t, past))
+        if in_place is not None:
+            every = np.full(r, t)  # one shape group, every place real
+            frame = Frame(in_place=self._in_place_rows(past, in_place, every, blocks, None, w, r * w))
+        else:
+            frame = self._frame(past, widened(ok_t, False), None, self._spans(blocks, 0, t, past))
         logits = self.model(widened(ids), widened(pos), frame=frame,
                             embeds=None if embeds is None else widened(embeds),
                             logits_at=self._at_least(rows, cols))

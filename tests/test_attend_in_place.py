@@ -1,0 +1,115 @@
+"""Rows whose call forwards their current block alone attend over their store row where it lies
+(unmask/kv.py, `InPlace`; unmask/engine/runner.py, `Runner.attend_in_place`): every call's logits
+and every stored K/V bit are those of the gathered call, in float32 and bfloat16, alone, in a batch
+(unpacked, packed beside rows that attend by group, widened) and with FreeDave, whose drafts share
+their row's store row and so never attend in place (`test_which_rows_qualify`)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from helpers import peaky_model
+
+from unmask.decoding.params import DecodeParams
+from unmask.engine import decode
+from unmask.engine import runner as runner_mod
+from unmask.engine.prefix_store import PrefixStore
+from unmask.kv import InPlace, KVStore, Past
+
+VOCAB, MASK, EOS = 64, 63, 1
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [20],
+           [7] * 9, [9, 8, 7, 6, 5]]
+# a shared first 13 tokens (3 blocks of 4 stored), then tails of 0-9 tokens: with the prefix
+# store, rows join with restored blocks
+SHARED = [list(range(3, 16)) + tail for tail in ([], [20], [21, 22, 23, 24, 25], [26] * 9,
+                                                 [30, 31], [40, 41, 42, 43])]
+
+
+def decoded(kind: str, spec: str, dtype: torch.dtype, on: bool, batch: int, monkeypatch,
+            store: bool = False):
+    model = copy.deepcopy(peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)).to(dtype)
+    seen: list[torch.Tensor] = []
+    rows: list[int] = []
+    real_score, real_write, real_attend = runner_mod.score, KVStore.write, InPlace.attend
+
+    def spy(logits, *a, **k):
+        seen.append(logits.detach().clone())
+        return real_score(logits, *a, **k)
+
+    def write(self, *a, **k):
+        real_write(self, *a, **k)
+        # what a later call can read: the slots that hold a token (in-place rows also leave
+        # their current block's K/V at slots that hold none, which nothing reads)
+        seen.append(self.kv[torch.from_numpy(self.token >= 0)].clone())
+
+    def attend(self, layer, *a, **k):
+        if layer == 0:
+            rows.append(len(self.rows))
+        return real_attend(self, layer, *a, **k)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(runner_mod.Runner, "attend_in_place", on)
+        mp.setattr(runner_mod, "score", spy)
+        mp.setattr(KVStore, "write", write)
+        mp.setattr(InPlace, "attend", attend)
+        params = DecodeParams.parse(spec, gen_length=16, block_length=4)
+        prefix = PrefixStore(model.config.block_size, 1 << 24) if store else None
+        reqs = decode(model, params, SHARED if store else PROMPTS, mask_id=MASK, eos_id=EOS,
+                      max_running=batch, prefix=prefix)
+    return [(r.token_ids, r.nfe, r.token_forwards) for r in reqs], seen, rows
+
+
+@pytest.mark.parametrize("kind", ["sdar", "Fast_dLLM_Qwen", "llada2_moe"])
+@pytest.mark.parametrize("spec", ["threshold,threshold=0.7", "static-1", "freedave++,threshold=0.7"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_in_place_give_the_gathered_calls_bits(kind, spec, dtype, monkeypatch) -> None:
+    for batch in (1, 3, 6):
+        want, want_seen, none = decoded(kind, spec, dtype, False, batch, monkeypatch)
+        got, got_seen, rows = decoded(kind, spec, dtype, True, batch, monkeypatch)
+        assert not none
+        assert got == want
+        assert len(got_seen) == len(want_seen)
+        assert all(torch.equal(a, b) for a, b in zip(got_seen, want_seen, strict=True))
+        if kind == "sdar" and not spec.startswith("freedave"):
+            # decode steps took the path, with several rows at once in a batch
+            assert rows and max(rows) == min(batch, len(PROMPTS)) or batch == 1 and rows
+
+
+@pytest.mark.parametrize("kind", ["sdar", "Fast_dLLM_Qwen", "llada2_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_joining_with_restored_blocks_attend_in_place_with_the_same_bits(kind, dtype,
+                                                                              monkeypatch) -> None:
+    """Rows join with restored blocks and forward their tails by span (gathered), then decode
+    in place."""
+    for batch in (1, 2):  # later rows join after the first ones stored the shared blocks
+        want, want_seen, _ = decoded(kind, "static-1", dtype, False, batch, monkeypatch, True)
+        got, got_seen, rows = decoded(kind, "static-1", dtype, True, batch, monkeypatch, True)
+        assert got == want
+        assert len(got_seen) == len(want_seen)
+        assert all(torch.equal(a, b) for a, b in zip(got_seen, want_seen, strict=True))
+        # Fast-dLLM v2's sub-block steps recompute slots its store holds: never in place
+        assert bool(rows) == (kind != "Fast_dLLM_Qwen")
+
+
+def test_which_rows_qualify() -> None:
+    store = KVStore.empty(2, 3, 1, 16, 2, torch.float32, torch.device("cpu"))
+    store.token[:, :8] = 5  # rows hold positions 0..7
+    store.token[2, 9] = 5  # row 2 holds a slot of its next block (a stale kept K/V)
+    rows = np.array([0, 1, 2])
+    n = np.array([8, 4, 8])
+    pos = np.tile(np.arange(8), (3, 1))
+    past = Past(store, rows, pos, pos < n[:, None], n, n, pos // 4)
+    positions = np.array([[8, 9, 10, 11], [8, 9, 10, 11], [8, 9, 10, 11]])
+    t = np.array([4, 4, 4])
+    # row 1's stored keys stop at 4 but its tokens start at 8; row 2's next slots hold a token
+    assert past.in_place(positions, t).tolist() == [True, False, False]
+    # tokens after a gap, or past the store's width
+    assert past.in_place(positions + 2, t)[0] == False  # noqa: E712
+    assert past.in_place(positions + 6, np.array([4, 4, 4]))[0] == False  # noqa: E712
+    # two call rows on one store row (drafts): none writes it
+    shared = Past(store, np.array([0, 0]), pos[:2], (pos < 8)[:2], np.array([8, 8]),
+                  np.array([8, 8]), (pos // 4)[:2])
+    assert not shared.in_place(positions[:2], t[:2]).any()
