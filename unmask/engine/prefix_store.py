@@ -356,6 +356,8 @@ class PrefixStore:
         entries = self._claim(kv, len(keys), capacity)
         self._let_go(keys[len(entries) :], capacity)  # past what the pool holds: remembered
         keys = keys[: len(entries)]
+        for key in keys:  # held again: no longer let go (`_missed`)
+            self._ghosts.pop(key, None)
         self._pool.write(entries, kv.view(-1, *kv.shape[2:]),
                          np.array(starts[: len(entries)]))
         # a chain's first block most recently used (as a hit leaves it): evicted last
