@@ -46,10 +46,8 @@ class KVStore:
     @classmethod
     def empty(cls, n_layers: int, rows: int, n_kv_heads: int, width: int, head_dim: int,
               dtype: torch.dtype, device: torch.device) -> KVStore:
-        return cls(
-            kv=torch.zeros(rows, width, n_layers, 2, n_kv_heads, head_dim, dtype=dtype, device=device),
-            token=np.full((rows, width), -1, dtype=np.int64),
-        )
+        return cls(kv=_zeros(rows, width, (n_layers, 2, n_kv_heads, head_dim), dtype, device),
+                   token=np.full((rows, width), -1, dtype=np.int64))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,7 +90,7 @@ class KVStore:
         if rows <= n and width <= w:
             return self
         rows, width = max(rows, n), max(width, w)
-        kv = self.kv.new_zeros(rows, width, *self.kv.shape[2:])
+        kv = _zeros(rows, width, self.kv.shape[2:], self.kv.dtype, self.kv.device)
         kv[:n, :w] = self.kv
         token = np.full((rows, width), -1, dtype=np.int64)
         token[:n, :w] = self.token
@@ -101,7 +99,9 @@ class KVStore:
     def compacted(self, rows: np.ndarray, width: int) -> KVStore:
         """A pool of just `rows` (in that order), `width` positions wide."""
         index = torch.from_numpy(rows).to(self.kv.device)
-        return KVStore(self.kv[index, :width].contiguous(), self.token[rows, :width].copy())
+        kv = _zeros(rows.size, width, self.kv.shape[2:], self.kv.dtype, self.kv.device)
+        kv.copy_(self.kv[index, :width])
+        return KVStore(kv, self.token[rows, :width].copy())
 
     def invalidate(self, rows: np.ndarray) -> None:
         """Forget every position of store rows `rows` (a refresh rebuilds them)."""
@@ -133,6 +133,24 @@ class KVStore:
         # view, not reshape: a copy here would drop the write silently
         self.kv.view(n * w, n_layers, 2, h, d).index_copy_(0, dst, new)
         self.token[b, p] = tokens[c, t_idx]
+
+
+# Bytes between one position's K/V and the next's in a `KVStore` beyond the K/V itself. Without
+# them a position's record (every layer's K and V: 4 KiB on the shipped SDAR, a multiple of 4 KiB
+# on most models) puts a row's keys of one layer a power of two apart, where they share the same
+# few cache sets: attention over a row where it lies (`InPlace`) read 600 keys in 69 us, with
+# 64 bytes more a record in 45 us (a contiguous copy: 39 us; BENCHMARKS.md, "Attention in place").
+RECORD_PAD_BYTES = 64
+
+
+def _zeros(rows: int, width: int, record: Sequence[int], dtype: torch.dtype,
+           device: torch.device) -> Tensor:
+    """A `KVStore.kv` of zeros, (rows, width, *record), each position's record padded by
+    `RECORD_PAD_BYTES` (a view: rows and positions still merge into one flat index)."""
+    size = int(np.prod(record))
+    pad = -(-RECORD_PAD_BYTES // torch.empty(0, dtype=dtype).element_size())
+    flat = torch.zeros(rows, width, size + pad, dtype=dtype, device=device)
+    return flat[:, :, :size].view(rows, width, *record)
 
 
 class _LayerReads:
