@@ -334,27 +334,27 @@ class Runner:
         return which if which.any() else None
 
     def _in_place_rows(self, past: Past, which: np.ndarray, n_tokens: np.ndarray,
-                       blocks: np.ndarray, at: np.ndarray | None, width: int,
-                       total: int) -> InPlace:
-        """`InPlace` of the call rows `which` (R,) bool (blocks (R, T): each forwarded token's
-        block), whose fresh K/V is each token's packed index at (R, T), or (at None) unpacked
-        rows of `width` places; the call forwards `total` tokens or places."""
+                       at: np.ndarray | None, width: int, total: int) -> InPlace:
+        """`InPlace` of the call rows `which` (R,) bool, whose fresh K/V is each token's packed
+        index at (R, T), or (at None) unpacked rows of `width` places; the call forwards
+        `total` tokens or places."""
         i = np.flatnonzero(which)
         t, n, srow = n_tokens[i], past.n[i], past.rows[i]
-        spans = [self._spans(blocks, int(j), int(c), past) for j, c in zip(i, t, strict=True)]
+        # each row forwards one block (`_in_place`): one span, over every key (`_spans`)
+        keys = (n + t).tolist()
+        spans = [[Span(0, c, k)] for c, k in zip(t.tolist(), keys, strict=True)]
         cols = np.arange(int(t.max()))[None, :]
         real = cols < t[:, None]  # (R', T')
         dst = (srow[:, None] * past.store.shape[1] + n[:, None] + cols)[real]
         if at is None:
             src = (i[:, None] * width + cols)[real]
-            queries = [(int(b), 0, int(c)) for b, c in zip(i, t, strict=True)]
+            queries = [(b, 0, c) for b, c in zip(i.tolist(), t.tolist(), strict=True)]
         else:
             src = at[i, : cols.shape[1]][real]
-            queries = [(0, int(a), int(c)) for a, c in zip(at[i, 0], t, strict=True)]
+            queries = [(0, a, c) for a, c in zip(at[i, 0].tolist(), t.tolist(), strict=True)]
         dev = past.store.kv.device
         whole = src.size == total and (src == np.arange(src.size)).all()
-        return InPlace(past.store.kv, srow.tolist(), spans,
-                       [max(s.keys for s in row) for row in spans], queries,
+        return InPlace(past.store.kv, srow.tolist(), spans, keys, queries,
                        torch.from_numpy(dst).to(dev),
                        None if whole else torch.from_numpy(src).to(dev), self.block_size)
 
@@ -385,7 +385,7 @@ class Runner:
             return self._widened(ids, pos, ok_t, embeds, past, blocks, rows, cols,
                                  in_place if every else None)
         if self.unpacked(len(groups), r, t, n) and (in_place is None or every):
-            frame = (Frame(in_place=self._in_place_rows(past, in_place, n_tokens, blocks, None, t, r * t))
+            frame = (Frame(in_place=self._in_place_rows(past, in_place, n_tokens, None, t, r * t))
                      if every else self._frame(past, ok_t, blocks_t, self._spans(blocks, 0, t, past)))
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=self._at_least(rows, cols))
@@ -399,7 +399,7 @@ class Runner:
                       groups=[self._group(g, whole, at, ok, t_hat, ok_t, past, blocks, blocks_t)
                               for g in groups],
                       in_place=None if in_place is None else self._in_place_rows(
-                          past, in_place, n_tokens, blocks, at, t, n + extra))
+                          past, in_place, n_tokens, at, t, n + extra))
         logits = self.model(self._packed(ids[ok_t], extra), self._packed(pos[ok_t], extra),
                             frame=frame,
                             embeds=None if embeds is None else self._packed(embeds[ok_t], extra),
@@ -425,7 +425,7 @@ class Runner:
 
         if in_place is not None:
             every = np.full(r, t)  # one shape group, every place real
-            frame = Frame(in_place=self._in_place_rows(past, in_place, every, blocks, None, w, r * w))
+            frame = Frame(in_place=self._in_place_rows(past, in_place, every, None, w, r * w))
         else:
             frame = self._frame(past, widened(ok_t, False), None, self._spans(blocks, 0, t, past))
         logits = self.model(widened(ids), widened(pos), frame=frame,
