@@ -334,9 +334,7 @@ class Frame:
         if not self.packed:
             if self.in_place is None:
                 return self._attend(layer, q, k, v)
-            # a widened call's added places get zeros (see `_by_block`)
-            covered = all(t == q.shape[2] for _, _, t in self.in_place.queries)
-            out = torch.empty_like(q) if covered else torch.zeros_like(q)
+            out = torch.empty_like(q)  # every place a row's (`Runner._call`: one shape group)
             self.in_place.attend(layer, q, k, v, out)
             return out
         tokens = [t[0].transpose(0, 1) for t in (q, k, v)]  # (N, H, D) each

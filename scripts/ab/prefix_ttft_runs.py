@@ -1,7 +1,9 @@
 """The runs of scripts/ab/prefix_ttft.sh, side by side: each bench-serve run's TTFT p50 per server
 (before/after x store off/on) at each concurrency, the ratios, their medians over the runs, and
 whether every request's text is the same on the four servers. At the highest concurrency also
-the first wave's TTFT p50 alone (the requests a round sends together, before any finishes).
+the first wave's TTFT p50 alone (the requests a round sends together, before any finishes) and
+the later requests' (sent as earlier ones finish): the p50 over all of them lies where the two
+groups meet.
 
     .venv/bin/python scripts/ab/prefix_ttft_runs.py OUT1 OUT2 ...   # the OUT folders of prefix_ttft.sh
 """
@@ -41,6 +43,13 @@ def first_wave_p50(cell: dict) -> float:
     """The TTFT p50 of the requests each round sends at once (index < concurrency)."""
     return statistics.median(r["ttft"] for r in cell["requests"]
                              if r["index"] < cell["concurrency"] and r["ttft"] is not None)
+
+
+def later_p50(cell: dict) -> float:
+    """The TTFT p50 of the requests each round sends one at a time as earlier ones finish
+    (index >= concurrency): they join a running batch."""
+    return statistics.median(r["ttft"] for r in cell["requests"]
+                             if r["index"] >= cell["concurrency"] and r["ttft"] is not None)
 
 
 def table(found: list[dict], conc: int, stat: Callable[[dict], float] = p50) -> str:
@@ -94,6 +103,9 @@ def main() -> None:
         print(f"TTFT p50 at concurrency {conc}, per run:\n\n{table(found, conc)}\n")
     print(f"TTFT p50 of the first wave at concurrency {concs[0]} (the {concs[0]} requests a round "
           f"sends at once), per run:\n\n{table(found, concs[0], first_wave_p50)}\n")
+    print(f"TTFT p50 of the later requests at concurrency {concs[0]} (sent one at a time as "
+          f"earlier ones finish: they join a running batch), per run:\n\n"
+          f"{table(found, concs[0], later_p50)}\n")
     print(tokens_per_s(found, concs[0]) + "\n")
     print(same_texts(found) + ".")
 

@@ -45,6 +45,12 @@ KEY_STEP = 16  # canonical: stored keys up to KEY_STEP * 4 to a multiple of this
 # Block-by-block attention (`Runner._spans`): a row's finished blocks attend in one call per
 # chunk of at least this many positions (whole blocks), each over the keys up to its chunk's end.
 SPAN_CHUNK = 64
+# Attention in place (`Runner.attend_in_place`) for calls of at least this many rows that qualify:
+# in CPU time against the gathered call, rows of ~100 / ~600 keys, static-1 (BENCHMARKS.md,
+# "Attention in place"): 1 row 0.94x / 0.97x, 2-4 rows 0.99-1.02x, 8 rows 1.07x / 1.03x, 16 rows
+# 1.07x / 1.05x (rows read apart, as the store keeps them, where a gathered copy is read in
+# one run).
+IN_PLACE_MIN_ROWS = 8
 
 
 def exact(n: np.ndarray) -> np.ndarray:
@@ -331,7 +337,7 @@ class Runner:
         bs = self.block_size
         last = positions[np.arange(which.size), np.maximum(n_tokens - 1, 0)]
         which &= positions[:, 0] // bs == last // bs
-        return which if which.any() else None
+        return which if which.sum() >= IN_PLACE_MIN_ROWS else None
 
     def _in_place_rows(self, past: Past, which: np.ndarray, n_tokens: np.ndarray,
                        at: np.ndarray | None, width: int, total: int) -> InPlace:
@@ -382,8 +388,8 @@ class Runner:
         blocks_t = None if blocks is None or self.by_block else self._to_device(blocks)
         every = in_place is not None and bool(in_place.all())
         if self.widen_small_calls and self.by_block and len(groups) == 1 and r * t < self.rows.blocks:
-            return self._widened(ids, pos, ok_t, embeds, past, blocks, rows, cols,
-                                 in_place if every else None)
+            # gathered: a call this small has few rows (in place pays from IN_PLACE_MIN_ROWS)
+            return self._widened(ids, pos, ok_t, embeds, past, blocks, rows, cols)
         if self.unpacked(len(groups), r, t, n) and (in_place is None or every):
             frame = (Frame(in_place=self._in_place_rows(past, in_place, n_tokens, None, t, r * t))
                      if every else self._frame(past, ok_t, blocks_t, self._spans(blocks, 0, t, past)))
@@ -407,27 +413,22 @@ class Runner:
         return logits[: rows.size], frame.fresh, at
 
     def _widened(self, ids: Tensor, pos: Tensor, ok_t: Tensor, embeds: Tensor | None,
-                 past: Past | None, blocks: np.ndarray, rows: np.ndarray, cols: np.ndarray,
-                 in_place: np.ndarray | None = None,
-                 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray]:
+                 past: Past | None, blocks: np.ndarray, rows: np.ndarray,
+                 cols: np.ndarray) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray]:
         """A call of fewer than `self.rows.blocks` places whose rows attend block by block (one
         shape group, every place real), as rows widened to that many places in all: the products
         get as many rows as a packed call's do, and attention, which reads only the blocks' own
         spans, never sees the added places, so the bits are the packed call's without its
         gathers in every layer (a batch-1 block-4 call: BENCHMARKS.md, "Host overhead").
         Returns the logits, the fresh K/V (R, H_kv, W, D) and each real token's index among
-        the R*W places. in_place: every row attends in place (`attend_in_place`)."""
+        the R*W places."""
         r, t = ids.shape
         w = -(-self.rows.blocks // r)
 
         def widened(x: Tensor, fill: int | bool = 0) -> Tensor:  # (R, T, ...) -> (R, W, ...)
             return torch.cat([x, x.new_full((r, w - t, *x.shape[2:]), fill)], dim=1)
 
-        if in_place is not None:
-            every = np.full(r, t)  # one shape group, every place real
-            frame = Frame(in_place=self._in_place_rows(past, in_place, every, None, w, r * w))
-        else:
-            frame = self._frame(past, widened(ok_t, False), None, self._spans(blocks, 0, t, past))
+        frame = self._frame(past, widened(ok_t, False), None, self._spans(blocks, 0, t, past))
         logits = self.model(widened(ids), widened(pos), frame=frame,
                             embeds=None if embeds is None else widened(embeds),
                             logits_at=self._at_least(rows, cols))
