@@ -192,14 +192,12 @@ class InPlace:
     runner takes those of one block: a decode step's current block, `Runner._in_place`).
     Each layer's fresh K/V of these rows is first written into its store row, at slots that hold
     no stored token (the store reads them only once a write marks them), then each row attends
-    by its spans (`Frame.spans`) over positions 0..end of its store row as a strided view: the
-    same keys, values and shapes as the gathered call, so the same bits (keys a span's mask
-    hides may hold other finite values than the gathered call's zeros: they add exactly
-    nothing), without copying a row's context twice a layer (BENCHMARKS.md, "Attention in
-    place").
+    by its span (`Frame.spans`: one, over every key) over positions 0..n+t-1 of its store row as
+    a strided view: the same keys, values and shapes as the gathered call, so the same bits,
+    without copying a row's context twice a layer (BENCHMARKS.md, "Attention in place").
 
     kv: the store (N, W, L, 2, H_kv, D).
-    rows: each row's store row; spans: its spans; keys: the most keys they read (lists: read
+    rows: each row's store row; spans: its spans; keys: the keys they read, n + t (lists: read
         per row and layer).
     queries: each row's (call row, first column, count t) in the layer's q (B, H, T, D); a packed
         call's q is (1, H, N, D), its rows' columns their packed tokens.
