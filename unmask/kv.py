@@ -7,7 +7,7 @@ are forwarded and which are read from the store; the model code is the same eith
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,7 +46,7 @@ class KVStore:
     @classmethod
     def empty(cls, n_layers: int, rows: int, n_kv_heads: int, width: int, head_dim: int,
               dtype: torch.dtype, device: torch.device) -> KVStore:
-        return cls(kv=_zeros(rows, width, (n_layers, 2, n_kv_heads, head_dim), dtype, device),
+        return cls(kv=_records(rows, width, (n_layers, 2, n_kv_heads, head_dim), dtype, device),
                    token=np.full((rows, width), -1, dtype=np.int64))
 
     @property
@@ -90,7 +90,7 @@ class KVStore:
         if rows <= n and width <= w:
             return self
         rows, width = max(rows, n), max(width, w)
-        kv = _zeros(rows, width, self.kv.shape[2:], self.kv.dtype, self.kv.device)
+        kv = _records(rows, width, self.kv.shape[2:], self.kv.dtype, self.kv.device)
         kv[:n, :w] = self.kv
         token = np.full((rows, width), -1, dtype=np.int64)
         token[:n, :w] = self.token
@@ -99,7 +99,8 @@ class KVStore:
     def compacted(self, rows: np.ndarray, width: int) -> KVStore:
         """A pool of just `rows` (in that order), `width` positions wide."""
         index = torch.from_numpy(rows).to(self.kv.device)
-        kv = _zeros(rows.size, width, self.kv.shape[2:], self.kv.dtype, self.kv.device)
+        kv = _records(rows.size, width, self.kv.shape[2:], self.kv.dtype, self.kv.device,
+                      torch.empty)  # every place copied below
         kv.copy_(self.kv[index, :width])
         return KVStore(kv, self.token[rows, :width].copy())
 
@@ -143,13 +144,14 @@ class KVStore:
 RECORD_PAD_BYTES = 64
 
 
-def _zeros(rows: int, width: int, record: Sequence[int], dtype: torch.dtype,
-           device: torch.device) -> Tensor:
-    """A `KVStore.kv` of zeros, (rows, width, *record), each position's record padded by
+def _records(rows: int, width: int, record: Sequence[int], dtype: torch.dtype,
+             device: torch.device, make: Callable[..., Tensor] = torch.zeros) -> Tensor:
+    """A `KVStore.kv` (rows, width, *record) made by `make` (zeros: unwritten places may be read
+    as masked keys, and a masked NaN is still NaN), each position's record padded by
     `RECORD_PAD_BYTES` (a view: rows and positions still merge into one flat index)."""
     size = int(np.prod(record))
-    pad = -(-RECORD_PAD_BYTES // torch.empty(0, dtype=dtype).element_size())
-    flat = torch.zeros(rows, width, size + pad, dtype=dtype, device=device)
+    pad = -(-RECORD_PAD_BYTES // dtype.itemsize)
+    flat = make(rows, width, size + pad, dtype=dtype, device=device)
     return flat[:, :, :size].view(rows, width, *record)
 
 

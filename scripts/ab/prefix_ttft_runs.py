@@ -41,15 +41,19 @@ def p50(cell: dict) -> float:
 
 def first_wave_p50(cell: dict) -> float:
     """The TTFT p50 of the requests each round sends at once (index < concurrency)."""
-    return statistics.median(r["ttft"] for r in cell["requests"]
-                             if r["index"] < cell["concurrency"] and r["ttft"] is not None)
+    return _p50_of(cell, first=True)
 
 
 def later_p50(cell: dict) -> float:
     """The TTFT p50 of the requests each round sends one at a time as earlier ones finish
     (index >= concurrency): they join a running batch."""
+    return _p50_of(cell, first=False)
+
+
+def _p50_of(cell: dict, first: bool) -> float:
     return statistics.median(r["ttft"] for r in cell["requests"]
-                             if r["index"] >= cell["concurrency"] and r["ttft"] is not None)
+                             if (r["index"] < cell["concurrency"]) == first
+                             and r["ttft"] is not None)
 
 
 def table(found: list[dict], conc: int, stat: Callable[[dict], float] = p50) -> str:

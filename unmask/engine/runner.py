@@ -327,8 +327,8 @@ class Runner:
                   n_tokens: np.ndarray) -> np.ndarray | None:
         """(R,) the call's rows that attend in place (`attend_in_place`), None: none."""
         on = self.device.type == "cpu" if self.attend_in_place is None else self.attend_in_place
-        if not (on and self.by_block) or past is None:
-            return None
+        if not (on and self.by_block) or past is None or past.rows.size < IN_PLACE_MIN_ROWS:
+            return None  # (a call of fewer rows never qualifies: no step pays the checks)
         which = past.in_place(positions, n_tokens)
         # rows forwarding finished blocks too (a prompt's tail, the step after a block
         # finished) attend one call per span and row in place, where the gathered call runs a
