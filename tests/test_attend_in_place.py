@@ -1,8 +1,11 @@
-"""Rows whose call forwards their current block alone attend over their store row where it lies
-(unmask/kv.py, `InPlace`; unmask/engine/runner.py, `Runner.attend_in_place`): every call's logits
-and every stored K/V bit are those of the gathered call, in float32 and bfloat16, alone, in a batch
-(unpacked, packed beside rows that attend by group, widened) and with FreeDave, whose drafts share
-their row's store row and so never attend in place (`test_which_rows_qualify`)."""
+"""Rows whose stored keys are their first positions attend over their context where it lies
+(unmask/kv.py, `InPlace`; unmask/engine/runner.py, `Runner.attend_in_place`): over their store row
+(a decode step's current block), or over the context buffer that rows sharing leading blocks fill
+one after another (`shared_context`; decode steps and steps forwarding finished blocks alike).
+Every call's logits and every stored K/V bit are those of the gathered call, in float32 and
+bfloat16, alone, in a batch (unpacked, packed beside rows that attend by group, widened) and with
+FreeDave, whose drafts share their row's store row and so never attend in place
+(`test_which_rows_qualify`)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 from helpers import peaky_model
 
+from unmask import kv as kv_mod
 from unmask.decoding.params import DecodeParams
 from unmask.engine import decode
 from unmask.engine import runner as runner_mod
@@ -26,10 +30,17 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 
 # store, rows join with restored blocks
 SHARED = [list(range(3, 16)) + tail for tail in ([], [20], [21, 22, 23, 24, 25], [26] * 9,
                                                  [30, 31], [40, 41, 42, 43])]
+# a longer shared start (10 blocks), most of each row's keys: rows share the context buffer
+LONG = [list(range(3, 45)) + tail for tail in ([], [50], [51, 52, 53], [54] * 6, [55, 56],
+                                                [57, 58, 59, 60, 61], [4, 5], [6] * 3)]
 
 
 def decoded(kind: str, spec: str, dtype: torch.dtype, on: bool, batch: int, monkeypatch,
-            store: bool = False, min_rows: int = 1, prompts: list[list[int]] | None = None):
+            store: bool = False, min_rows: int = 1, prompts: list[list[int]] | None = None,
+            places: list | None = None):
+    """((token ids, NFE, token-forwards) of each request, every call's logits and stored K/V,
+    the count of rows of each call in place); places: given, gets each in-place call's rows'
+    (start, span count) (`InPlace.starts`)."""
     model = copy.deepcopy(peaky_model(kind, 0, 4.0, VOCAB, MASK, EOS)).to(dtype)
     seen: list[torch.Tensor] = []
     rows: list[int] = []
@@ -48,6 +59,9 @@ def decoded(kind: str, spec: str, dtype: torch.dtype, on: bool, batch: int, monk
     def attend(self, layer, *a, **k):
         if layer == 0:
             rows.append(len(self.rows))
+            if places is not None:
+                places.append([(st, len(sp)) for st, sp in zip(
+                    self.starts or [-1] * len(self.rows), self.spans, strict=True)])
         return real_attend(self, layer, *a, **k)
 
     with monkeypatch.context() as mp:
@@ -91,8 +105,49 @@ def test_rows_joining_with_restored_blocks_attend_in_place_with_the_same_bits(ki
         assert got == want
         assert len(got_seen) == len(want_seen)
         assert all(torch.equal(a, b) for a, b in zip(got_seen, want_seen, strict=True))
-        # Fast-dLLM v2's sub-block steps recompute slots its store holds: never in place
-        assert bool(rows) == (kind != "Fast_dLLM_Qwen")
+        # Fast-dLLM v2's steps also recompute the slot before their block, which its store
+        # holds: in place over the context buffer only, which the shared blocks take them to
+        assert rows
+
+
+@pytest.mark.parametrize("kind", ["sdar", "Fast_dLLM_Qwen", "llada2_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("share_min", [0.0, kv_mod.SHARE_MIN])
+@pytest.mark.parametrize("store", [False, True])
+def test_rows_over_the_context_buffer_give_the_gathered_calls_bits(kind, dtype, share_min, store,
+                                                                   monkeypatch) -> None:
+    """Rows sharing leading blocks (restored, or computed by each) attend over the context
+    buffer one after another, decode steps and steps forwarding finished blocks alike; at
+    SHARE_MIN 0 every row goes there, sharing or not."""
+    monkeypatch.setattr(kv_mod, "SHARE_MIN", share_min)
+    want, want_seen, _ = decoded(kind, "static-1", dtype, False, 8, monkeypatch, store,
+                                 prompts=LONG)
+    places: list = []
+    got, got_seen, _ = decoded(kind, "static-1", dtype, True, 8, monkeypatch, store,
+                               prompts=LONG, places=places)
+    assert got == want
+    assert len(got_seen) == len(want_seen)
+    assert all(torch.equal(a, b) for a, b in zip(got_seen, want_seen, strict=True))
+    rows = [p for call in places for p in call]
+    assert any(st > 0 for st, _ in rows)  # rows joined the row before them in the buffer
+    assert any(st >= 0 and spans > 1 for st, spans in rows)  # finished blocks too
+    if share_min == 0.0:
+        assert all(st >= 0 for st, _ in rows)
+
+
+def test_shared_context_orders_rows_by_their_blocks() -> None:
+    a = np.arange(12)  # 3 blocks of 4
+    b = np.concatenate([np.arange(8), [99, 98, 97, 96]])  # shares 2 blocks with a
+    c = np.array([50, 51, 52, 53])  # shares none
+    d = np.concatenate([np.arange(10), [70, 71]])  # 2 whole blocks (then 2 tokens) with a
+    order, starts = kv_mod.shared_context([a, c, b, d], [14, 6, 14, 14], 4)
+    assert order == [0, 3, 2, 1]  # a, d, b: one prefix, next to each other; c alone
+    # a loads the buffer; d shares 8 of its 14 keys with a, b 8 with d (>= half); c attends
+    # over its store row
+    assert starts == [0, 8, 8, -1]
+    # sharing less than SHARE_MIN of its keys: over its store row
+    order, starts = kv_mod.shared_context([a, b], [14, 40], 4)
+    assert starts == [-1, -1]
 
 
 def test_calls_of_few_rows_gather(monkeypatch) -> None:
@@ -114,12 +169,15 @@ def test_which_rows_qualify() -> None:
     past = Past(store, rows, pos, pos < n[:, None], n, n, pos // 4)
     positions = np.array([[8, 9, 10, 11], [8, 9, 10, 11], [8, 9, 10, 11]])
     t = np.array([4, 4, 4])
-    # row 1's stored keys stop at 4 but its tokens start at 8; row 2's next slots hold a token
-    assert past.in_place(positions, t).tolist() == [True, False, False]
+    # row 1's stored keys stop at 4 but its tokens start at 8; row 2's next slots hold a token:
+    # it may attend in place over the context buffer only
+    lined, free = past.in_place(positions, t)
+    assert lined.tolist() == [True, False, True]
+    assert free.tolist() == [True, False, False]
     # tokens after a gap, or past the store's width
-    assert past.in_place(positions + 2, t)[0] == False  # noqa: E712
-    assert past.in_place(positions + 6, np.array([4, 4, 4]))[0] == False  # noqa: E712
-    # two call rows on one store row (drafts): none writes it
+    assert not past.in_place(positions + 2, t)[0][0]
+    assert not past.in_place(positions + 6, np.array([4, 4, 4]))[0][0]
+    # two call rows on one store row (drafts): none attends in place
     shared = Past(store, np.array([0, 0]), pos[:2], (pos < 8)[:2], np.array([8, 8]),
                   np.array([8, 8]), (pos // 4)[:2])
-    assert not shared.in_place(positions[:2], t[:2]).any()
+    assert not np.concatenate(shared.in_place(positions[:2], t[:2])).any()

@@ -7,6 +7,7 @@ are forwarded and which are read from the store; the model code is the same eith
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -188,24 +189,36 @@ class _Half(Sequence):
 
 @dataclass
 class InPlace:
-    """Rows of a call that attend over their store row where it lies (`Frame.in_place`), instead
+    """Rows of a call that attend over their context where it lies (`Frame.in_place`), instead
     of over a gathered copy of it joined to their fresh K/V: a row whose stored keys are its
-    positions 0..n-1 and whose forwarded tokens are its next t positions (`Past.in_place`; the
-    runner takes those of one block: a decode step's current block, `Runner._in_place`).
-    Each layer's fresh K/V of these rows is first written into its store row, at slots that hold
-    no stored token (the store reads them only once a write marks them), then each row attends
-    by its span (`Frame.spans`: one, over every key) over positions 0..n+t-1 of its store row as
-    a strided view: the same keys, values and shapes as the gathered call, so the same bits,
-    without copying a row's context twice a layer (BENCHMARKS.md, "Attention in place").
+    positions 0..n-1 and whose forwarded tokens are its next t positions (`Past.in_place`;
+    `Runner._in_place` picks them). Each attends by its spans (`Frame.spans`) over positions
+    0.. of one of two places, as a strided view: the same keys, values and shapes as the
+    gathered call, so the same bits, without copying its whole context twice a layer
+    (BENCHMARKS.md, "Attention in place"):
+    - its store row (`starts` -1): a row forwarding one block into slots that hold no stored
+      token (the store reads them only once a write marks them). Its fresh K/V of each layer
+      is first written there.
+    - the context buffer (`starts` s >= 0): rows sharing leading blocks attend one after another
+      (`shared_context`); each copies its stored keys from position s on from its store row,
+      and its fresh K/V after them, into the buffer, whose first s positions the row before it
+      left there. A row forwarding finished blocks too (a prompt's tail, the step after a block
+      finished) may take this place only.
 
     kv: the store (N, W, L, 2, H_kv, D).
-    rows: each row's store row; spans: its spans; keys: the keys they read, n + t (lists: read
-        per row and layer).
+    rows: each row's store row; spans: its spans; keys: the keys they read (the view's length:
+        n + t, or a finished block's chunk end past it, masked); stored: its n (lists: read per
+        row and layer, in the order rows attend).
     queries: each row's (call row, first column, count t) in the layer's q (B, H, T, D); a packed
-        call's q is (1, H, N, D), its rows' columns their packed tokens.
-    dst: (M,) flat store index (store row * W + position) of each of these rows' forwarded
-        tokens, src (M,) its index among the call's B * T tokens (None: all of them, in order).
+        call's q is (1, H, N, D), its rows' columns their packed tokens. Its fresh K/V is at the
+        same places.
+    dst: (M,) flat store index (store row * W + position) of the forwarded tokens of the rows
+        attending over their store row, src (M,) its index among the call's B * T tokens (None:
+        all of them, in order).
     span_rows: as `Frame.span_rows`.
+    starts: each row's place: -1 its store row; s >= 0 the buffer (None: every row's store row).
+    buffer: (2, H_kv, >= keys, D) zeros or K/V (a masked key is read; a masked NaN is still NaN),
+        at least the widest buffer row's keys.
     """
 
     kv: Tensor
@@ -216,21 +229,77 @@ class InPlace:
     dst: Tensor
     src: Tensor | None
     span_rows: int = 1
+    starts: list[int] | None = None
+    stored: list[int] | None = None
+    buffer: Tensor | None = None
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
-        """Write the rows' fresh k/v (B, H_kv, T, D) of `layer` into the store, then their
-        attention of q (B, H, T, D) into out (B, H, T, D) at their places."""
+        """Write the fresh k/v (B, H_kv, T, D) of `layer` of the rows attending over their store
+        row there, then every row's attention of q (B, H, T, D) into out (B, H, T, D) at its
+        places."""
         kv = self.kv.select(2, layer)  # (N, W, 2, H_kv, D)
         fresh = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2)  # (B, T, 2, H_kv, D)
-        fresh = fresh.view(-1, *fresh.shape[2:])
-        if self.src is not None:
-            fresh = fresh.index_select(0, self.src)
-        kv.view(-1, *kv.shape[2:]).index_copy_(0, self.dst, fresh)
-        for r, spans, n, (b, a, t) in zip(self.rows, self.spans, self.keys, self.queries,
-                                          strict=True):
-            seen = kv[r, :n].permute(1, 2, 0, 3)  # (2, H_kv, n, D)
+        if self.dst.numel():
+            flat = fresh.view(-1, *fresh.shape[2:])
+            if self.src is not None:
+                flat = flat.index_select(0, self.src)
+            kv.view(-1, *kv.shape[2:]).index_copy_(0, self.dst, flat)
+        n_rows = len(self.rows)
+        for r, spans, w, (b, a, t), s, n in zip(self.rows, self.spans, self.keys, self.queries,
+                                                self.starts or [-1] * n_rows,
+                                                self.stored or [0] * n_rows, strict=True):
+            if s < 0:
+                seen = kv[r, :w].permute(1, 2, 0, 3)  # (2, H_kv, w, D)
+            else:
+                self.buffer[:, :, s:n] = kv[r, s:n].permute(1, 2, 0, 3)
+                self.buffer[:, :, n : n + t] = fresh[b, a : a + t].permute(1, 2, 0, 3)
+                seen = self.buffer[:, :, :w]
             out[b, :, a : a + t] = by_block(q[b : b + 1, :, a : a + t], seen[None, 0],
                                             seen[None, 1], spans, self.span_rows)[0]
+
+
+# A row attends over the context buffer (`shared_context`) when the finished blocks it shares
+# with the row before it are at least this share of its keys: it then copies the rest of its
+# keys there and attends over keys in cache, where over its store row it reads every key from
+# memory (a step of 16 rows of a shared ~540-token prompt: BENCHMARKS.md, "Attention in place").
+SHARE_MIN = 0.5
+
+
+def shared_context(prefixes: list[np.ndarray], keys: list[int], block_size: int,
+                   ) -> tuple[list[int], list[int]]:
+    """(order, starts): the order in which rows attend in place, and where each row, in that
+    order, starts copying its keys into the context buffer (`InPlace.starts`; -1: it attends
+    where it lies).
+
+    prefixes[i]: the tokens of row i's stored finished blocks (its store row's `token` at
+    positions 0..); keys[i]: how many keys it attends over. Rows go in lexicographic order of
+    their prefixes, so that rows sharing leading blocks are next to each other. A block's K/V
+    under the exact block cache is the same bits whichever row computed it, given its tokens
+    and those before it (docs/engine.md, "Prefix reuse"), so the keys that a row shares in
+    whole blocks with the row before it in the buffer are its own bits: it copies only the
+    rest. A row shares with the one before it when those blocks are at least SHARE_MIN of its
+    keys; the first row of a run of such rows loads the buffer whole."""
+    raw = [p.tobytes() for p in prefixes]
+    order = sorted(range(len(prefixes)), key=raw.__getitem__)
+    first = block_size * prefixes[0].itemsize if prefixes else 0  # a block's bytes
+    common = [_common_blocks(prefixes[a], prefixes[b], block_size)
+              if len(raw[a]) >= first and raw[a][:first] == raw[b][:first] else 0
+              for a, b in itertools.pairwise(order)]  # with the row after, in order
+    shares = [c >= SHARE_MIN * keys[b] for c, b in zip(common, order[1:], strict=True)]
+    starts = []
+    for j in range(len(order)):
+        if j and shares[j - 1]:
+            starts.append(common[j - 1])  # the row before it is in the buffer
+        else:
+            starts.append(0 if j < len(shares) and shares[j] else -1)
+    return order, starts
+
+
+def _common_blocks(a: np.ndarray, b: np.ndarray, block_size: int) -> int:
+    """Positions of the whole blocks token arrays a and b begin with alike."""
+    m = min(a.size, b.size)
+    differ = np.flatnonzero(a[:m] != b[:m])
+    return (int(differ[0]) if differ.size else m) // block_size * block_size
 
 
 @dataclass
@@ -470,21 +539,24 @@ class Past:
                     self.n[index], self.shape[index],
                     None if self.blocks is None else self.blocks[index, :k])
 
-    def in_place(self, positions: np.ndarray, t: np.ndarray) -> np.ndarray:
-        """(R,) the rows that may attend over their store row in place (`InPlace`), for their
-        forwarded tokens' positions (R, T) (the first t (R,) of each real): their stored keys
-        are positions 0..n-1, their forwarded tokens the next t positions, inside the store and
-        at slots that hold no stored token; and no other row of the call reads their store row
-        (FreeDave's drafts share one: none of the call's rows may then write it)."""
+    def in_place(self, positions: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows that may attend in place (`InPlace`), for their forwarded tokens' positions (R,
+        T) (the first t (R,) of each real): (R,) those whose stored keys are positions 0..n-1
+        and whose forwarded tokens are the next t positions, inside the store, and whose store
+        row no other row of the call reads (FreeDave's drafts share one: none of the call's
+        rows then attends in place); and (R,) those of them whose forwarded tokens' slots hold
+        no stored token, where their fresh K/V may be written before the store takes what it
+        keeps (a row attending over its store row)."""
         r = np.arange(self.rows.size)
         if np.unique(self.rows).size != r.size:
-            return np.zeros(r.size, dtype=bool)
+            none = np.zeros(r.size, dtype=bool)
+            return none, none
         n = self.n
         ok = ((n == 0) | (self.pos[r, np.maximum(n - 1, 0)] == n - 1)) & (positions[:, 0] == n)
         ok &= (positions[r, np.maximum(t - 1, 0)] == n + t - 1) & (n + t <= self.store.shape[1])
         cols = np.arange(positions.shape[1])[None, :]
         held = self.store.tokens_at(self.rows, n[:, None] + cols) >= 0  # (R, T)
-        return ok & ~(held & (cols < t[:, None])).any(-1)
+        return ok, ok & ~(held & (cols < t[:, None])).any(-1)
 
     def frame(self, key_mask: Tensor, blocks: Tensor | None, spans: list[Span] | None = None,
               span_rows: int = 1) -> Frame:

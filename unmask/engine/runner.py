@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from unmask.engine.batch import Scores
 from unmask.engine.buckets import Buckets, CallRows
 from unmask.engine.graphs import CudaGraphs, capturer
 from unmask.engine.product_rows import ProductRows, product_rows
-from unmask.kv import Frame, InPlace, KVStore, Past, RowGroup, Span
+from unmask.kv import Frame, InPlace, KVStore, Past, RowGroup, Span, shared_context
 from unmask.suffix import SuffixPolicy
 
 # A row's shape in a model call depends on the row alone, whoever shares the call, because the
@@ -79,6 +80,17 @@ ATTENTION_SHAPES: dict[str, tuple[Callable[[np.ndarray], np.ndarray], ...]] = {
     "exact": (exact, exact),
     "canonical": (canonical_tokens, canonical_keys),
 }
+
+
+class Placed(NamedTuple):
+    """A call's rows that attend in place (`Runner._in_place`): which (R,) bool; order (M,) those
+    rows in the order they attend; starts (M,) their places (`InPlace.starts`); one_block (M,)
+    whether a row forwards one block alone (else finished blocks too: it attends by chunk)."""
+
+    which: np.ndarray
+    order: np.ndarray
+    starts: np.ndarray
+    one_block: np.ndarray
 
 
 def shape_groups(t_hat: np.ndarray, k_hat: np.ndarray) -> list[np.ndarray]:
@@ -217,6 +229,7 @@ class Runner:
         self.suppress = torch.cat([torch.tensor([mask_id] if mask_id < vocab else [],
                                                 dtype=torch.long, device=self.device), self.drop])
         self.shift = int(getattr(model, "logit_shift", 0))
+        self._buffer: Tensor | None = None  # `_context_buffer`
 
     def _buckets(self, graphs: CudaGraphs | None) -> Buckets | None:
         """The bucketed forward: captured in CUDA graphs where `graphs` is active
@@ -324,50 +337,83 @@ class Runner:
                     None if block_size is None else pos // block_size)
 
     def _in_place(self, past: Past | None, positions: np.ndarray,
-                  n_tokens: np.ndarray) -> np.ndarray | None:
-        """(R,) the call's rows that attend in place (`attend_in_place`), None: none."""
+                  n_tokens: np.ndarray) -> Placed | None:
+        """The call's rows that attend in place (`attend_in_place`), None: none."""
         on = self.device.type == "cpu" if self.attend_in_place is None else self.attend_in_place
         if not (on and self.by_block) or past is None or past.rows.size < IN_PLACE_MIN_ROWS:
             return None  # (a call of fewer rows never qualifies: no step pays the checks)
-        which = past.in_place(positions, n_tokens)
-        # rows forwarding finished blocks too (a prompt's tail, the step after a block
-        # finished) attend one call per span and row in place, where the gathered call runs a
-        # span for its whole shape group at once: at 16 rows 0.87x with short prompts, no gain
-        # with ~600-token ones (BENCHMARKS.md, "Attention in place"), so they gather
+        lined, free = past.in_place(positions, n_tokens)
+        rows = np.flatnonzero(lined)
+        if rows.size < IN_PLACE_MIN_ROWS:
+            return None
+        n = past.n[rows]
+        order, starts = shared_context(
+            [past.store.token[b, :k] for b, k in zip(past.rows[rows].tolist(), n.tolist(),
+                                                      strict=True)],
+            (n + n_tokens[rows]).tolist(), self.block_size)
+        rows, starts = rows[order], np.array(starts, dtype=np.int64)
+        # a row forwarding finished blocks too (a prompt's tail, the step after a block
+        # finished) attends in place only over the buffer: over its store row one call per span
+        # and row ran at 0.87x with short prompts at 16 rows, where the gathered call runs a
+        # span for its whole shape group at once (BENCHMARKS.md, "Attention in place")
         bs = self.block_size
-        last = positions[np.arange(which.size), np.maximum(n_tokens - 1, 0)]
-        which &= positions[:, 0] // bs == last // bs
-        return which if which.sum() >= IN_PLACE_MIN_ROWS else None
+        last = positions[rows, np.maximum(n_tokens[rows] - 1, 0)]
+        one = positions[rows, 0] // bs == last // bs
+        keep = (starts >= 0) | (free[rows] & one)
+        if keep.sum() < IN_PLACE_MIN_ROWS:
+            return None
+        which = np.zeros(lined.size, dtype=bool)
+        which[rows[keep]] = True
+        return Placed(which, rows[keep], starts[keep], one[keep])
 
-    def _in_place_rows(self, past: Past, which: np.ndarray, n_tokens: np.ndarray,
-                       at: np.ndarray | None, width: int, total: int) -> InPlace:
-        """`InPlace` of the call rows `which` (R,) bool, whose fresh K/V is each token's packed
-        index at (R, T), or (at None) unpacked rows of `width` places; the call forwards
-        `total` tokens or places."""
-        i = np.flatnonzero(which)
+    def _in_place_rows(self, past: Past, placed: Placed, n_tokens: np.ndarray,
+                       blocks: np.ndarray, at: np.ndarray | None, width: int,
+                       total: int) -> InPlace:
+        """`InPlace` of the call's rows `placed`, whose fresh K/V is each token's packed index at
+        (R, T), or (at None) unpacked rows of `width` places; the call forwards `total` tokens
+        or places."""
+        i, starts = placed.order, placed.starts
         t, n, srow = n_tokens[i], past.n[i], past.rows[i]
-        # each row forwards one block (`_in_place`): one span, over every key (`_spans`)
-        keys = (n + t).tolist()
-        spans = [[Span(0, c, k)] for c, k in zip(t.tolist(), keys, strict=True)]
-        cols = np.arange(int(t.max()))[None, :]
-        real = cols < t[:, None]  # (R', T')
-        dst = (srow[:, None] * past.store.shape[1] + n[:, None] + cols)[real]
+        spans = [[Span(0, c, k + c)] if one else self._spans(blocks, j, c, past)
+                 for j, c, k, one in zip(i.tolist(), t.tolist(), n.tolist(),
+                                         placed.one_block.tolist(), strict=True)]
+        keys = [max(x.keys for x in sp) for sp in spans]
         if at is None:
-            src = (i[:, None] * width + cols)[real]
             queries = [(b, 0, c) for b, c in zip(i.tolist(), t.tolist(), strict=True)]
         else:
-            src = at[i, : cols.shape[1]][real]
             queries = [(0, a, c) for a, c in zip(at[i, 0].tolist(), t.tolist(), strict=True)]
+        # the rows attending over their store row write their fresh K/V there first
+        d = starts < 0
+        cols = np.arange(int(t[d].max(initial=0)))[None, :]
+        real = cols < t[d, None]  # (R', T')
+        dst = (srow[d, None] * past.store.shape[1] + n[d, None] + cols)[real]
+        src = (i[d, None] * width + cols)[real] if at is None else at[i[d], : cols.shape[1]][real]
         dev = past.store.kv.device
         whole = src.size == total and (src == np.arange(src.size)).all()
+        widest = max((w for w, s in zip(keys, starts.tolist(), strict=True) if s >= 0), default=0)
         return InPlace(past.store.kv, srow.tolist(), spans, keys, queries,
                        torch.from_numpy(dst).to(dev),
-                       None if whole else torch.from_numpy(src).to(dev), self.block_size)
+                       None if whole else torch.from_numpy(src).to(dev), self.block_size,
+                       starts.tolist(), n.tolist(),
+                       self._context_buffer(past.store.kv, widest) if widest else None)
+
+    def _context_buffer(self, kv: Tensor, width: int) -> Tensor:
+        """(2, H_kv, >= width, D) memory for `InPlace.buffer`, like the K/V store kv's (N, W,
+        L, 2, H_kv, D): kept between calls, so that it stays in cache (and is not allocated
+        each call), and grown by doubling."""
+        buf = self._buffer
+        shape = (2, kv.shape[4], width, kv.shape[5])
+        if (buf is None or buf.shape[2] < width or buf.dtype != kv.dtype
+                or buf.device != kv.device or buf.shape[1::2] != shape[1::2]):
+            grown = max(width, 2 * buf.shape[2] if buf is not None else 0)
+            # zeros: a row reads masked keys past its own (a finished block's chunk)
+            self._buffer = buf = kv.new_zeros(2, shape[1], grown, shape[3])
+        return buf
 
     def _call(self, ids: Tensor, pos: Tensor, ok: np.ndarray, n_tokens: np.ndarray,
               t_hat: np.ndarray, embeds: Tensor | None, past: Past | None,
               blocks: np.ndarray | None, rows: np.ndarray, cols: np.ndarray,
-              in_place: np.ndarray | None = None,
+              placed: Placed | None = None,
               ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], np.ndarray | None]:
         """The model call: logits (N, V) at (rows, cols), each layer's fresh (k, v) (`Frame.fresh`)
         and, packed, each token's index among the packed ones ((R, T); None: unpacked). Only the
@@ -386,12 +432,14 @@ class Runner:
         ok_t = self._to_device(ok)
         # rows attending by span read no mask, so no blocks (`Frame.spans`)
         blocks_t = None if blocks is None or self.by_block else self._to_device(blocks)
+        in_place = None if placed is None else placed.which
         every = in_place is not None and bool(in_place.all())
         if self.widen_small_calls and self.by_block and len(groups) == 1 and r * t < self.rows.blocks:
             # gathered: a call this small has few rows (in place pays from IN_PLACE_MIN_ROWS)
             return self._widened(ids, pos, ok_t, embeds, past, blocks, rows, cols)
         if self.unpacked(len(groups), r, t, n) and (in_place is None or every):
-            frame = (Frame(in_place=self._in_place_rows(past, in_place, n_tokens, None, t, r * t))
+            frame = (Frame(in_place=self._in_place_rows(past, placed, n_tokens, blocks, None, t,
+                                                        r * t))
                      if every else self._frame(past, ok_t, blocks_t, self._spans(blocks, 0, t, past)))
             logits = self.model(ids, pos, frame=frame, embeds=embeds,
                                 logits_at=self._at_least(rows, cols))
@@ -404,8 +452,8 @@ class Runner:
         frame = Frame(key_mask=ok_t, packed=True, extra=extra,
                       groups=[self._group(g, whole, at, ok, t_hat, ok_t, past, blocks, blocks_t)
                               for g in groups],
-                      in_place=None if in_place is None else self._in_place_rows(
-                          past, in_place, n_tokens, at, t, n + extra))
+                      in_place=None if placed is None else self._in_place_rows(
+                          past, placed, n_tokens, blocks, at, t, n + extra))
         logits = self.model(self._packed(ids[ok_t], extra), self._packed(pos[ok_t], extra),
                             frame=frame,
                             embeds=None if embeds is None else self._packed(embeds[ok_t], extra),
