@@ -159,6 +159,22 @@ def test_calls_of_few_rows_gather(monkeypatch) -> None:
         assert bool(rows) == used and all(r >= runner_mod.IN_PLACE_MIN_ROWS for r in rows)
 
 
+def test_calls_of_few_rows_sharing_blocks_attend_over_the_buffer(monkeypatch) -> None:
+    """Fewer rows than IN_PLACE_MIN_ROWS, sharing most of their keys: over the context buffer,
+    with the gathered call's bits; a lone row gathers."""
+    for batch in (1, 2, 3):
+        want, want_seen, _ = decoded("sdar", "static-1", torch.float32, False, batch,
+                                     monkeypatch, prompts=LONG[:3])
+        places: list = []
+        got, got_seen, rows = decoded("sdar", "static-1", torch.float32, True, batch,
+                                      monkeypatch, min_rows=runner_mod.IN_PLACE_MIN_ROWS,
+                                      prompts=LONG[:3], places=places)
+        assert got == want
+        assert all(torch.equal(a, b) for a, b in zip(got_seen, want_seen, strict=True))
+        assert bool(rows) == (batch > 1)
+        assert all(st >= 0 for call in places for st, _ in call)
+
+
 def test_which_rows_qualify() -> None:
     store = KVStore.empty(2, 3, 1, 16, 2, torch.float32, torch.device("cpu"))
     store.token[:, :8] = 5  # rows hold positions 0..7

@@ -33,11 +33,11 @@ SYSTEM = Path(__file__).resolve().parents[2] / "benchmarks/data/shared-system-pr
 
 
 def decode(llm: LLM, prompts: list[list[int]], params: DecodeParams,
-           store: PrefixStore | None, prime: list[int] | None = None,
+           store: PrefixStore | None, prime: list[int] | None = None, at_once: int = 16,
            ) -> tuple[float, int, list[list[int]]]:
-    """(CPU seconds, useful tokens, token ids) of the prompts decoded 16 at a time, after
+    """(CPU seconds, useful tokens, token ids) of the prompts decoded `at_once` at a time, after
     `prime` (untimed: a server in its steady state has seen an earlier request)."""
-    eng = Engine(llm.model, SchedulerConfig(max_running=16), prefix=store)
+    eng = Engine(llm.model, SchedulerConfig(max_running=at_once), prefix=store)
     if prime is not None:
         eng.add_request(prime, params)
         eng.run()

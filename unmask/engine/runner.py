@@ -46,11 +46,12 @@ KEY_STEP = 16  # canonical: stored keys up to KEY_STEP * 4 to a multiple of this
 # Block-by-block attention (`Runner._spans`): a row's finished blocks attend in one call per
 # chunk of at least this many positions (whole blocks), each over the keys up to its chunk's end.
 SPAN_CHUNK = 64
-# Attention in place (`Runner.attend_in_place`) for calls of at least this many rows that qualify:
-# in CPU time against the gathered call, rows of ~100 / ~600 keys, static-1 (BENCHMARKS.md,
-# "Attention in place"): 1 row 0.94x / 0.97x, 2-4 rows 0.99-1.02x, 8 rows 1.07x / 1.03x, 16 rows
-# 1.07x / 1.05x (rows read apart, as the store keeps them, where a gathered copy is read in
-# one run).
+# Attention in place over their store rows (`Runner.attend_in_place`) for calls where at least
+# this many rows qualify: in CPU time against the gathered call, rows of ~100 / ~600 keys,
+# static-1 (BENCHMARKS.md, "Attention in place"): 1 row 0.94x / 0.97x, 2-4 rows 0.99-1.02x, 8
+# rows 1.07x / 1.03x, 16 rows 1.07x / 1.05x (rows read apart, as the store keeps them, where a
+# gathered copy is read in one run). Rows sharing the context buffer attend in place in a call
+# of any size (two or more share it): at 4 rows of a shared ~540-token prompt, steps 1.23-1.34x.
 IN_PLACE_MIN_ROWS = 8
 
 
@@ -340,11 +341,12 @@ class Runner:
                   n_tokens: np.ndarray) -> Placed | None:
         """The call's rows that attend in place (`attend_in_place`), None: none."""
         on = self.device.type == "cpu" if self.attend_in_place is None else self.attend_in_place
-        if not (on and self.by_block) or past is None or past.rows.size < IN_PLACE_MIN_ROWS:
-            return None  # (a call of fewer rows never qualifies: no step pays the checks)
+        fewest = min(2, IN_PLACE_MIN_ROWS)  # two share the buffer
+        if not (on and self.by_block) or past is None or past.rows.size < fewest:
+            return None  # (a lone row never qualifies: a lone request pays no checks)
         lined, free = past.in_place(positions, n_tokens)
         rows = np.flatnonzero(lined)
-        if rows.size < IN_PLACE_MIN_ROWS:
+        if rows.size < fewest:
             return None
         n = past.n[rows]
         order, starts = shared_context(
@@ -359,8 +361,9 @@ class Runner:
         bs = self.block_size
         last = positions[rows, np.maximum(n_tokens[rows] - 1, 0)]
         one = positions[rows, 0] // bs == last // bs
-        keep = (starts >= 0) | (free[rows] & one)
-        if keep.sum() < IN_PLACE_MIN_ROWS:
+        direct = (starts < 0) & free[rows] & one  # over their store rows
+        keep = (starts >= 0) | (direct if direct.sum() >= IN_PLACE_MIN_ROWS else False)
+        if not keep.any():
             return None
         which = np.zeros(lined.size, dtype=bool)
         which[rows[keep]] = True
