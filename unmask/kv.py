@@ -548,7 +548,7 @@ class Past:
         no stored token, where their fresh K/V may be written before the store takes what it
         keeps (a row attending over its store row)."""
         r = np.arange(self.rows.size)
-        if np.unique(self.rows).size != r.size:
+        if len(set(self.rows.tolist())) != r.size:  # (np.unique: ~30 us a call)
             none = np.zeros(r.size, dtype=bool)
             return none, none
         n = self.n
