@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import peaky_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from unmask import kv as kv_mod
 from unmask.decoding.params import DecodeParams
@@ -148,6 +150,20 @@ def test_shared_context_orders_rows_by_their_blocks() -> None:
     # sharing less than SHARE_MIN of its keys: over its store row
     order, starts = kv_mod.shared_context([a, b], [14, 40], 4)
     assert starts == [-1, -1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 2), max_size=12), st.integers(0, 6)),
+                min_size=1, max_size=8), st.sets(st.integers(0, 7)))
+def test_shared_context_over_fewer_rows_shares_no_more(rows, dropped) -> None:
+    """`Runner._shared`'s look: if some rows of a call share the buffer, all of them do (so a
+    call whose rows share nothing has no subset that does)."""
+    prefixes = [np.array(p, dtype=np.int64) for p, _ in rows]
+    keys = [len(p) + t for p, t in rows]
+    some = [i for i in range(len(rows)) if i not in dropped]
+    _, sub = kv_mod.shared_context([prefixes[i] for i in some], [keys[i] for i in some], 2)
+    _, every = kv_mod.shared_context(prefixes, keys, 2)
+    assert max(sub, default=-1) < 0 or max(every) >= 0
 
 
 def test_calls_of_few_rows_gather(monkeypatch) -> None:

@@ -262,6 +262,8 @@ class InPlace:
 # with the row before it are at least this share of its keys: it then copies the rest of its
 # keys there and attends over keys in cache, where over its store row it reads every key from
 # memory (a step of 16 rows of a shared ~540-token prompt: BENCHMARKS.md, "Attention in place").
+# 0.25 measured alike; 0, every row through the buffer sharing or not, 0.90-0.97x on prompts
+# that share nothing (benchmarks/probe/attend-in-place.md).
 SHARE_MIN = 0.5
 
 

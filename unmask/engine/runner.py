@@ -447,7 +447,8 @@ class Runner:
         in_place = None if placed is None else placed.which
         every = in_place is not None and bool(in_place.all())
         if self.widen_small_calls and self.by_block and len(groups) == 1 and r * t < self.rows.blocks:
-            # gathered: a call this small has few rows (in place pays from IN_PLACE_MIN_ROWS)
+            # gathered: a call this small has a row or few (in place over store rows pays
+            # from IN_PLACE_MIN_ROWS; over the buffer unmeasured at the few rows of a widened call)
             return self._widened(ids, pos, ok_t, embeds, past, blocks, rows, cols)
         if self.unpacked(len(groups), r, t, n) and (in_place is None or every):
             frame = (Frame(in_place=self._in_place_rows(past, placed, n_tokens, blocks, None, t,
