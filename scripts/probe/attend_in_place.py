@@ -7,14 +7,15 @@ held-out question each; "nothing": the questions alone), each after an untimed r
 question.
 
     .venv/bin/python scripts/probe/attend_in_place.py [--rounds 5] [--n 16] [--concurrency 16] \
-        [--decoder SPEC ...]
+        [--decoder SPEC ...] [--share-min X ...]
 
 Each round runs every (workload, decoder) three ways, in a rotated order: gathered
 (`attend_in_place` off), store rows (in place, rows over their store rows: `kv.SHARE_MIN` past
 1, so no row shares the buffer, rows forwarding finished blocks gather, and so does every row of
 a call of fewer than `IN_PLACE_MIN_ROWS`) and buffer, this tree's default (in place, rows sharing
 leading blocks over the buffer in a call of any size); ratios are taken within a round, then
-their median (range in brackets). Tokens must be the same.
+their median (range in brackets). Tokens must be the same. Each --share-min X adds a way: the
+buffer at `kv.SHARE_MIN` X.
 """
 
 from __future__ import annotations
