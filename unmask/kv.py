@@ -367,9 +367,9 @@ class Frame:
         finished block is the same bits whichever request computed it
         (unmask.engine.prefix_store; docs/engine.md, "Prefix reuse"). span_rows: the model's
         block size, the fewest queries a call runs with.
-    in_place: rows that attend over their store row where it lies (`InPlace`): an unpacked
-        frame's every row (it has no past then), or some of a packed frame's (its groups hold
-        the others).
+    in_place: rows that attend over their context where it lies, their store row or the context
+        buffer (`InPlace`): an unpacked frame's every row (it has no past then), or some of a
+        packed frame's (its groups hold the others).
     After the forward, `fresh` holds each layer's (k, v) of the forwarded tokens as attention
     got them: (B, H_kv, T, D), or packed (1, H_kv, N, D).
     """
