@@ -63,7 +63,7 @@ def decoded(kind: str, spec: str, dtype: torch.dtype, on: bool, batch: int, monk
             rows.append(len(self.rows))
             if places is not None:
                 places.append([(st, len(sp)) for st, sp in zip(
-                    self.starts or [-1] * len(self.rows), self.spans, strict=True)])
+                    self.starts, self.spans, strict=True)])
         return real_attend(self, layer, *a, **k)
 
     with monkeypatch.context() as mp:

@@ -216,7 +216,7 @@ class InPlace:
         attending over their store row, src (M,) its index among the call's B * T tokens (None:
         all of them, in order).
     span_rows: as `Frame.span_rows`.
-    starts: each row's place: -1 its store row; s >= 0 the buffer (None: every row's store row).
+    starts: each row's place: -1 its store row; s >= 0 the buffer.
     buffer: (2, H_kv, >= keys, D) zeros or K/V (a masked key is read; a masked NaN is still NaN),
         at least the widest buffer row's keys.
     """
@@ -228,9 +228,9 @@ class InPlace:
     queries: list[tuple[int, int, int]]
     dst: Tensor
     src: Tensor | None
+    starts: list[int]
+    stored: list[int]
     span_rows: int = 1
-    starts: list[int] | None = None
-    stored: list[int] | None = None
     buffer: Tensor | None = None
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
@@ -244,10 +244,8 @@ class InPlace:
             if self.src is not None:
                 flat = flat.index_select(0, self.src)
             kv.view(-1, *kv.shape[2:]).index_copy_(0, self.dst, flat)
-        n_rows = len(self.rows)
         for r, spans, w, (b, a, t), s, n in zip(self.rows, self.spans, self.keys, self.queries,
-                                                self.starts or [-1] * n_rows,
-                                                self.stored or [0] * n_rows, strict=True):
+                                                self.starts, self.stored, strict=True):
             if s < 0:
                 seen = kv[r, :w].permute(1, 2, 0, 3)  # (2, H_kv, w, D)
             else:

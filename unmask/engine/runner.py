@@ -344,13 +344,17 @@ class Runner:
         fewest = min(2, IN_PLACE_MIN_ROWS)  # two share the buffer
         if not (on and self.by_block) or past is None or past.rows.size < fewest:
             return None  # (a lone row never qualifies: a lone request pays no checks)
-        if past.rows.size < IN_PLACE_MIN_ROWS and max(self._shared(past, None, n_tokens)[1]) < 0:
-            return None  # only rows sharing the buffer could, and none does: a look of ~20 us
+        every = None  # `_shared` of all the call's rows, where a small call looked first
+        if past.rows.size < IN_PLACE_MIN_ROWS:
+            every = self._shared(past, None, n_tokens)
+            if max(every[1]) < 0:
+                return None  # only rows sharing the buffer could, and none does: a ~20 us look
         lined, free = past.in_place(positions, n_tokens)
         rows = np.flatnonzero(lined)
         if rows.size < fewest:
             return None
-        order, starts = self._shared(past, rows, n_tokens)
+        order, starts = (every if every is not None and rows.size == lined.size
+                         else self._shared(past, rows, n_tokens))
         rows, starts = rows[order], np.array(starts, dtype=np.int64)
         # a row forwarding finished blocks too (a prompt's tail, the step after a block
         # finished) attends in place only over the buffer: over its store row one call per span
@@ -405,8 +409,8 @@ class Runner:
         widest = max((w for w, s in zip(keys, starts.tolist(), strict=True) if s >= 0), default=0)
         return InPlace(past.store.kv, srow.tolist(), spans, keys, queries,
                        torch.from_numpy(dst).to(dev),
-                       None if whole else torch.from_numpy(src).to(dev), self.block_size,
-                       starts.tolist(), n.tolist(),
+                       None if whole else torch.from_numpy(src).to(dev), starts.tolist(),
+                       n.tolist(), self.block_size,
                        self._context_buffer(past.store.kv, widest) if widest else None)
 
     def _context_buffer(self, kv: Tensor, width: int) -> Tensor:
