@@ -213,3 +213,16 @@ def test_which_rows_qualify() -> None:
     shared = Past(store, np.array([0, 0]), pos[:2], (pos < 8)[:2], np.array([8, 8]),
                   np.array([8, 8]), (pos // 4)[:2])
     assert not np.concatenate(shared.in_place(positions[:2], t[:2])).any()
+
+
+def test_rows_outputs_are_joined_only_where_they_tile_the_call() -> None:
+    """kv._tiling: the rows' outputs go out in one copy only when, in call order, they fill the
+    call's output: whole unpacked rows (dim 0), or packed places covering its one row with no
+    gap, overlap or extra places (dim 2); anything else writes row by row."""
+    shape = torch.Size
+    assert kv_mod._tiling([(1, 0, 4), (0, 0, 4)], shape([2, 4, 4, 8])) == (0, True)
+    assert kv_mod._tiling([(0, 4, 8), (0, 0, 4)], shape([1, 4, 12, 8])) == (2, True)
+    assert not kv_mod._tiling([(0, 0, 4), (0, 5, 4)], shape([1, 4, 9, 8]))[1]  # a gap
+    assert not kv_mod._tiling([(0, 0, 4), (0, 4, 4)], shape([1, 4, 12, 8]))[1]  # extra places
+    assert not kv_mod._tiling([(0, 0, 4)], shape([2, 4, 4, 8]))[1]  # another row's
+    assert not kv_mod._tiling([(0, 0, 3), (1, 0, 4)], shape([2, 4, 4, 8]))[1]  # a short row

@@ -364,6 +364,33 @@ def test_the_stores_read_only_lookup_counts_what_a_join_would_read() -> None:
 
 
 # --- (d) budgets ---------------------------------------------------------------------------------
+def test_a_requests_blocks_are_hashed_once_for_the_windows_look_and_its_restore(
+        monkeypatch) -> None:
+    """PromptKeys: the admission window's look (Engine.uncached) and the restore of the step
+    that admits the request read one chain of keys, computed once, the same keys a fresh
+    computation gives; and a reader that stops early (a miss) leaves the rest uncomputed."""
+    m = model("sdar", torch.float32)
+    store = PrefixStore(BS, 1 << 30)
+    eng = Engine(m, mask_id=MASK, eos_id=EOS, prefix=store)
+    stored = list(range(3, 20))
+    eng.add_request(stored, params("static-1", 4, 0))
+    eng.run()
+    hashed = []
+    real = prefix_store_mod.hashlib.blake2b
+    monkeypatch.setattr(prefix_store_mod.hashlib, "blake2b",
+                        lambda *a, **k: hashed.append(1) or real(*a, **k))
+    req = eng.add_request(stored + [30, 31], params("static-1", 4, 0))
+    assert eng.uncached(req) == 19 - 16
+    assert len(hashed) == 4  # the prompt's four whole blocks before its last token's
+    eng.step()  # restores it
+    assert len(hashed) == 4 and req.cached_tokens == 16
+    assert list(req.prompt_keys) == list(PrefixStore.keys(b"", stored[:16], BS))
+    keys = prefix_store_mod.PromptKeys([41] * 17, BS)
+    hashed.clear()
+    first = next(iter(keys))
+    assert len(hashed) == 1 and list(keys)[0] == first and len(hashed) == 4
+
+
 @pytest.mark.parametrize("gib", [0, -1, float("nan"), float("inf"), True, "1"])
 def test_bad_budgets_are_refused(gib) -> None:
     with pytest.raises(InputError, match="prefix_cache_gib"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -232,28 +233,106 @@ class InPlace:
     stored: list[int]
     span_rows: int = 1
     buffer: Tensor | None = None
+    _places: list[_Places] | None = field(default=None, init=False, repr=False)
+    _join: tuple[int, bool] | None = field(default=None, init=False, repr=False)
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> None:
         """Write the fresh k/v (B, H_kv, T, D) of `layer` of the rows attending over their store
         row there, then every row's attention of q (B, H, T, D) into out (B, H, T, D) at its
         places."""
-        kv = self.kv.select(2, layer)  # (N, W, 2, H_kv, D)
-        fresh = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2)  # (B, T, 2, H_kv, D)
         if self.dst.numel():
+            fresh = torch.stack([k.transpose(1, 2), v.transpose(1, 2)], dim=2)  # (B, T, 2, H_kv, D)
             flat = fresh.view(-1, *fresh.shape[2:])
             if self.src is not None:
                 flat = flat.index_select(0, self.src)
+            kv = self.kv.select(2, layer)  # (N, W, 2, H_kv, D)
             kv.view(-1, *kv.shape[2:]).index_copy_(0, self.dst, flat)
+        if self._places is None:  # the same views serve every layer of the call
+            self._places = self._place()
+        pair = torch.stack([k, v]) if self.buffer is not None else None  # (2, B, H_kv, T, D)
+        gqa = q.shape[1] != k.shape[1]
+        if self._join is None:
+            self._join = _tiling(self.queries, q.shape)
+        joined = [None] * len(self._places) if self._join[1] else None
+        for p in self._places:
+            if p.fresh is None:  # its store row: the layer's keys there
+                keys, values = p.keys[layer], p.values[layer]
+            else:
+                if p.copy is not None:
+                    p.copy[1].copy_(p.copy[0][layer])
+                p.fresh.copy_(pair[:, p.b, :, p.a : p.a + p.t])
+                keys, values = p.keys, p.values
+            qr = q[p.b : p.b + 1, :, p.a : p.a + p.t]
+            if p.spans is None:  # one block over every key: the kernel called as it comes
+                o = F.scaled_dot_product_attention(qr, keys, values, enable_gqa=gqa)
+            else:
+                o = by_block(qr, keys, values, p.spans, self.span_rows)
+            if joined is None:
+                out[p.b, :, p.a : p.a + p.t] = o[0]
+            else:
+                joined[p.at] = o
+        if joined is not None:  # one copy instead of a write a row (~4 us each)
+            torch.cat(joined, dim=self._join[0], out=out)
+
+    def _place(self) -> list[_Places]:
+        """Each row's views, in the order rows attend (`_Places`)."""
+        places = []
+        at = {bat: i for i, bat in enumerate(sorted(self.queries))}
         for r, spans, w, (b, a, t), s, n in zip(self.rows, self.spans, self.keys, self.queries,
                                                 self.starts, self.stored, strict=True):
+            s0 = spans[0]
+            plain = (len(spans) == 1 and s0.mask is None and s0.a == 0 and s0.b == t
+                     and s0.keys == w and t >= self.span_rows)  # as by_block's first case
             if s < 0:
-                seen = kv[r, :w].permute(1, 2, 0, 3)  # (2, H_kv, w, D)
-            else:
-                self.buffer[:, :, s:n] = kv[r, s:n].permute(1, 2, 0, 3)
-                self.buffer[:, :, n : n + t] = fresh[b, a : a + t].permute(1, 2, 0, 3)
-                seen = self.buffer[:, :, :w]
-            out[b, :, a : a + t] = by_block(q[b : b + 1, :, a : a + t], seen[None, 0],
-                                            seen[None, 1], spans, self.span_rows)[0]
+                # (L, 1, H_kv, w, D): layer l's keys as the kernel takes them
+                seen = self.kv[r, :w].permute(1, 2, 3, 0, 4).unsqueeze(2)
+                places.append(_Places(b, a, t, at[b, a, t], None if plain else spans,
+                                      seen[:, 0], seen[:, 1]))
+                continue
+            buf = self.buffer
+            copy = None
+            if n > s:  # (L, 2, H_kv, n - s, D) its stored keys past what the row before left
+                copy = (self.kv[r, s:n].permute(1, 2, 3, 0, 4), buf[:, :, s:n])
+            places.append(_Places(b, a, t, at[b, a, t], None if plain else spans,
+                                  buf[None, 0, :, :w], buf[None, 1, :, :w], copy,
+                                  buf[:, :, n : n + t]))
+        return places
+
+
+def _tiling(queries: list[tuple[int, int, int]], shape: torch.Size) -> tuple[int, bool]:
+    """(dim, whether) the rows' outputs, in call order, tile a call's (B, H, T, D) output
+    along dim: unpacked rows each a whole call row (dim 0), or packed rows whose places fill
+    its one row (dim 2; a call with other rows or extra places does not)."""
+    order = sorted(queries)
+    if len(order) == shape[0] and all(a == 0 and t == shape[2] for _, a, t in order):
+        return 0, True
+    ends = [a + t for _, a, t in order]  # each row's, where the next must start
+    return 2, (shape[0] == 1 and all(b == 0 for b, _, _ in order)
+               and [a for _, a, _ in order] == [0, *ends[:-1]] and ends[-1] == shape[2])
+
+
+class _Places(NamedTuple):
+    """A row's views for `InPlace.attend`, built at a call's first layer and read by every
+    layer (a view costs as much to make as a small kernel takes to run: building them once a
+    call instead of once a layer cut a step of 16 rows' attention ~20%,
+    benchmarks/probe/attend-in-place.md).
+
+    spans: None when the row's one span reads every key (the kernel called as it comes, as
+        `by_block` would). keys/values: over its store row, (L, 1, H_kv, w, D), layer l's at
+        [l]; over the buffer, (1, H_kv, w, D), the same every layer. copy: a buffer row's
+        stored keys past what the row before it left, (L, 2, H_kv, m, D) from its store row,
+        and their (2, H_kv, m, D) places in the buffer (None: nothing to copy). fresh: a buffer
+        row's (2, H_kv, t, D) places of its fresh K/V (None: it attends over its store row)."""
+
+    b: int
+    a: int
+    t: int
+    at: int  # its place among the outputs joined in call order (`_tiling`)
+    spans: list[Span] | None
+    keys: Tensor
+    values: Tensor
+    copy: tuple[Tensor, Tensor] | None = None
+    fresh: Tensor | None = None
 
 
 # A row attends over the context buffer (`shared_context`) when the finished blocks it shares

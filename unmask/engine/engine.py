@@ -222,7 +222,7 @@ class Engine:
         store, or there is none). A read-only look (PrefixStore.held), for the admission window."""
         if self.prefix is None or not reuses(req.params):
             return req.prompt_len
-        return req.prompt_len - self.prefix.held(req.prompt_ids)
+        return req.prompt_len - self.prefix.held(req)
 
     @property
     def has_unfinished(self) -> bool:
