@@ -231,15 +231,18 @@ def test_prompt_too_many_characters_is_400(server: LiveServer, llm: LLM) -> None
 def test_tokenizing_does_not_block_the_event_loop(server: LiveServer, llm: LLM, monkeypatch,
                                                    path: str, body: dict) -> None:
     """While one request's prompt is being tokenized (made slow here), /health answers."""
-    real = llm.tokenizer.encode
     started = threading.Event()
 
-    def slow(*a, **kw):
-        started.set()
-        time.sleep(1.0)
-        return real(*a, **kw)
+    def slowed(real):
+        def slow(*a, **kw):
+            started.set()
+            time.sleep(1.0)
+            return real(*a, **kw)
+        return slow
 
-    monkeypatch.setattr(llm.tokenizer, "encode", slow)
+    # chats (and chat=True prompts) are tokenized by LLM.chat_tokens, other prompts by the tokenizer
+    monkeypatch.setattr(llm.tokenizer, "encode", slowed(llm.tokenizer.encode))
+    monkeypatch.setattr(llm.chat_tokens, "encode", slowed(llm.chat_tokens.encode))
     out: list[httpx.Response] = []
     t = threading.Thread(target=lambda: out.append(httpx.post(server.url + path, json=body,
                                                               timeout=60)))

@@ -49,6 +49,7 @@ from unmask.quantize import (
     weight_bytes,
 )
 from unmask.rowint8 import SCHEME as ROW_SCHEME
+from unmask.tokens import ChatTokens
 
 DEFAULT_MODEL = SHIPPED[DEFAULT_NAME]
 log = logging.getLogger("unmask")
@@ -298,6 +299,7 @@ class LLM:
                                               prefix_cache_gib)
         self.tokenizer = load_tokenizer(self.path)
         check_tokenizer(self.tokenizer, self.config, self.path)
+        self.chat_tokens = ChatTokens(self.tokenizer)  # encode_messages', its shared pieces kept
         self._automata = Automata()  # LLM.constraint's
 
     def _quantize_note(self, scheme: str | None) -> str:
@@ -378,7 +380,7 @@ class LLM:
 
     def encode_messages(self, messages: list[dict]) -> list[int]:
         """Token ids of messages through the chat template, ready for the assistant's turn."""
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.chat_tokens.encode(self.render_chat(messages))
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Text of generated tokens (special tokens dropped); the server streams prefixes of it."""
