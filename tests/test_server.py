@@ -299,6 +299,28 @@ def test_streamed_text_with_stops_is_the_final_text(canvas: list[int], data) -> 
     assert streamed == want
 
 
+def test_a_step_committing_past_the_prefix_detokenizes_nothing() -> None:
+    """TextStream.update: the text is a function of the committed prefix, so a step whose commits
+    all lie past it sends nothing and does not detokenize again; the next step that extends the
+    prefix sends the text of both."""
+    from unmask.engine.request import StepEvent
+    from unmask.server.output import TextStream
+
+    llm = _CharLLM()
+    calls = []
+    spell = llm.detokenize
+    llm.detokenize = lambda ids: calls.append(ids) or spell(ids)
+    text = TextStream(llm, 4, None)
+
+    def step(i: int, positions: list[int], prefix: int) -> str:
+        return text.update(StepEvent("r", i, positions, [1] * len(positions), [], True, False,
+                                     (0, 4), prefix, 0, 0, 0))
+
+    assert step(0, [0], 1) == "a" and len(calls) == 1
+    assert step(1, [2], 1) == "" and len(calls) == 1  # past the prefix: nothing to make
+    assert step(2, [1], 3) == "aa" and len(calls) == 2
+
+
 def test_stream_disconnect_aborts(server: LiveServer) -> None:
     """A streaming client that leaves mid-answer has its request aborted: the running count
     drops and the engine makes no more model calls for it."""
