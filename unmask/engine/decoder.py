@@ -105,6 +105,7 @@ class Decoder:
         forward_first = self.commit.reads_at_once and not self.method.drafts
         self._order: Callable[[DecodeBatch, bool], StepResult] = (
             self._forward_then_commit if forward_first else self._commit_then_forward)
+        self.commits_first_step = forward_first  # a row's first step commits its first tokens
         self.store_capacity = graphs.store_capacity(model) if self.runner.captures else None
 
     def new_batch(self) -> DecodeBatch:

@@ -102,6 +102,7 @@ class Engine:
         self.model_calls = 0
         self.max_idle = 8  # decoders kept while they have no rows (_drop_idle)
         self.token_forwards = 0  # token positions those calls processed
+        self._alone = False  # the last step was joining requests' alone (_joiners_first)
         self._lock = threading.RLock()  # add_request, abort and step (_locked)
         tune_for(model)  # a CPU forward's activations reuse freed memory (allocator.py)
 
@@ -258,11 +259,32 @@ class Engine:
             self.batches[key].extend(reqs)
             if self._reuses(self.decoders[key]):
                 self.prefix.restore(self.batches[key], reqs)
-        for key, b in list(self.batches.items()):
-            if len(b):
-                events += self._run(self.decoders[key], b)
+        if self._joiners_first(joining):
+            for key, reqs in joining.items():  # they are their batch's last rows (extend)
+                b = self.batches[key]
+                events += self._run_rows(self.decoders[key], b,
+                                         np.arange(len(b) - len(reqs), len(b)))
+        else:
+            for key, b in list(self.batches.items()):
+                if len(b):
+                    events += self._run(self.decoders[key], b)
         self._drop_idle()
         return events
+
+    def _joiners_first(self, joining: dict[Hashable, list[Request]]) -> bool:
+        """Whether this step is the joining requests' alone (SchedulerConfig.joiners_first):
+        some join a batch whose rows are already decoding, and every batch they join commits in
+        a row's first step (a decoder that commits before it forwards commits nothing there:
+        its joiners take that forward in the batch's step, `Decoder._prime`). Their first
+        tokens then leave after a step of their rows only, not of the whole batch; the batch's
+        other rows, and batches nobody joined, take their step next time, which is never
+        such a step again (requests joining then step with the batch)."""
+        alone, self._alone = self._alone, False
+        if not (joining and self.scheduler.config.joiners_first) or alone:
+            return False  # never twice in a row: joins at every step would starve the batch
+        self._alone = (any(len(self.batches[k]) > len(r) for k, r in joining.items())
+                       and all(self.decoders[k].commits_first_step for k in joining))
+        return self._alone
 
     def _drop_idle(self) -> None:
         """Forget all but the `max_idle` most recently used decoders with no rows. An empty
@@ -278,22 +300,42 @@ class Engine:
                 self.batches[key].release_store()
 
     def _run(self, dec: Decoder, b: DecodeBatch) -> list[StepEvent]:
+        events, gone = self._stepped(dec, b)
+        if gone.any():
+            b.filter((~gone).tolist())
+        return events
+
+    def _run_rows(self, dec: Decoder, b: DecodeBatch, rows: np.ndarray) -> list[StepEvent]:
+        """A step of b's rows `rows` (R',) alone (the whole batch when they are all of it):
+        they step as a batch of their own would (`DecodeBatch.subset`, the same K/V store),
+        and their state goes back to b."""
+        if rows.size == len(b):
+            return self._run(dec, b)
+        sub = b.subset(rows)
+        events, gone = self._stepped(dec, sub)
+        b.put(rows, sub)
+        if gone.any():
+            keep = np.ones(len(b), dtype=bool)
+            keep[rows[gone]] = False
+            b.filter(keep.tolist())
+        return events
+
+    def _stepped(self, dec: Decoder, b: DecodeBatch) -> tuple[list[StepEvent], np.ndarray]:
+        """A step of b: its events and (R,) the rows leaving it after the step (the caller
+        drops them)."""
         trace = any(r.trace for r in b.requests)
         tok_fw_before = int(b.rows.tok_fw.sum())
         try:
             res = dec.step(b, trace=trace)
         except Exception as e:  # noqa: BLE001 - a failing batch must not take the engine down
             log.exception("a decoder step failed; its %d requests fail with it", len(b))
-            return self._fail(b, f"{type(e).__name__}: {e}")
+            return self._fail(b, f"{type(e).__name__}: {e}"), np.ones(len(b), dtype=bool)
         self.model_calls += res.model_calls
         gone = res.finished | res.stalled  # (R,) rows leaving the batch after this step
         if self._reuses(dec):
             self.prefix.offer(b, gone)
         self.token_forwards += int(b.rows.tok_fw.sum()) - tok_fw_before
-        events = self._events(dec, b, res)
-        if gone.any():
-            b.filter((~gone).tolist())
-        return events
+        return self._events(dec, b, res), gone
 
     def _reuses(self, dec: Decoder) -> bool:
         """Whether `dec` reads and feeds the prefix store."""
@@ -348,13 +390,13 @@ class Engine:
         return events
 
     def _fail(self, b: DecodeBatch, message: str) -> list[StepEvent]:
+        """Every request of b failed (the caller drops its rows)."""
         events = []
         for req in list(b.requests):
             req.error = message
             req.finished_at = time.perf_counter()
             self._retire(req, "error")
             events.append(self._final_event(req))
-        b.filter([False] * len(b))
         return events
 
     def _retire(self, req: Request, reason: str) -> None:

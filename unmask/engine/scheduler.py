@@ -26,10 +26,17 @@ class SchedulerConfig:
     max_running: int = 16  # rows decoded at once, all decoders together
     max_queue: int | None = None  # waiting requests; None = unbounded
     max_slots: int | None = None  # padded canvas slots held at once; None = unbounded
+    # Requests joining a batch that is already decoding take their first step in a step of
+    # their own, before the batch's next (Engine.step, "joiners first"): their first tokens
+    # come a batch step sooner, the batch's rows wait for that small step. A server's choice
+    # (time to first token); off for offline decoding, where only throughput counts.
+    joiners_first: bool = False
 
     def __post_init__(self) -> None:
         if not (_is_int(self.max_running) and self.max_running >= 1):
             raise InputError(f"max_running must be an integer >= 1, got {self.max_running!r}")
+        if not isinstance(self.joiners_first, bool):
+            raise InputError(f"joiners_first must be True or False, got {self.joiners_first!r}")
         for key in ("max_queue", "max_slots"):
             v = getattr(self, key)
             if v is not None and not (_is_int(v) and v >= 0):

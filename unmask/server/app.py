@@ -46,7 +46,8 @@ def build_app(llm: LLM, config: ServerConfig | None = None) -> FastAPI:
     config = config or ServerConfig()
     engine = Engine(llm.model, SchedulerConfig(max_running=config.max_running,
                                                max_queue=config.max_queue,
-                                               max_slots=config.max_slots),
+                                               max_slots=config.max_slots,
+                                               joiners_first=config.joiners_first),
                     prefix=llm.prefix_store, graphs=llm.graphs)
     metrics = ServerMetrics()
     metrics.watch_prefix(llm.prefix_store)

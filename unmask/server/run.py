@@ -58,6 +58,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"request never waits, nor one whose first step holds more than "
                         f"{ADMISSION_PREFILL_TOKENS} prompt tokens the prefix store does not "
                         f"(default: {DEFAULT_ADMISSION_WINDOW_MS:g}; 0: off)")
+    p.add_argument("--no-joiners-first", dest="joiners_first", action="store_false",
+                   help="requests joining a running batch take their first step with the batch "
+                        "(default: alone, before the batch's next step, so that their first "
+                        "text comes a batch step sooner)")
     p.add_argument("--model-name", default=None,
                    help="model id in /v1/models and responses (default: the folder's name)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -135,7 +139,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           max_queue=args.max_queue, max_slots=args.max_slots,
                           model_name=args.model_name, shutdown_timeout=args.shutdown_timeout,
                           api_key=api_key(args), cors_origins=tuple(args.cors_origin or ()),
-                          admission_window_ms=args.admission_window_ms)
+                          admission_window_ms=args.admission_window_ms,
+                          joiners_first=args.joiners_first)
     if getattr(args, "ray", False):
         return _run_ray(args, config)
     given = [n for n in RAY_ONLY if getattr(args, n, None) is not None]

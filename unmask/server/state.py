@@ -42,6 +42,9 @@ class ServerConfig:
     # how long an idle engine's first step waits for requests already inside the server, so
     # that a burst is admitted in one step (admission.py); 0: it steps at once
     admission_window_ms: float = DEFAULT_ADMISSION_WINDOW_MS
+    # requests joining a running batch take their first step alone, before the batch's next
+    # (SchedulerConfig.joiners_first): their first text a batch step sooner
+    joiners_first: bool = True
 
     def __post_init__(self) -> None:
         DecodeParams.parse(self.decoder)  # a bad default spec fails at startup, not per request
