@@ -98,7 +98,8 @@ class Engine:
         # Engine-wide NFE: forward passes, one per decoder batch per step that forwarded (the
         # runner makes one model call for the batch, however its attention is grouped), and one
         # more where rows joining a decoding batch first forward alone (Decoder._prime: the
-        # decoders that commit before they forward).
+        # decoders that commit before they forward); a step of joiners alone (joiners first)
+        # is their batch's call of that step.
         self.model_calls = 0
         self.max_idle = 8  # decoders kept while they have no rows (_drop_idle)
         self.token_forwards = 0  # token positions those calls processed
