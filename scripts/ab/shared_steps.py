@@ -6,8 +6,8 @@ rounds; ratios taken within a round, then their median and range.
 - steady: 16 requests decoding at once, each replaced as soon as it finishes (the server's
   closed loop at concurrency 16): the median step, those that admit a request ("admit") and
   those that do not ("plain") apart.
-- burst: 16 requests added at once to an idle engine whose store holds the system prompt: the
-  step that admits them all (the median of --bursts).
+- burst: then 16 requests added at once to the idle engine, whose store holds the system
+  prompt: the step that admits them all (the median of six bursts).
 
 Each question is the shared ~540-token system prompt (scripts/bench/prefix_reuse_cpu.py) and a
 held-out math question through the chat template, gen_length 32, `static-1,early_exit=true`
@@ -79,8 +79,7 @@ def measure(n: int) -> dict:
                     live[i] = eng.add_request(queue.pop(0), params)
                     joined = True
     burst = []
-    for b in range(BURSTS):
-        eng = engine()
+    for b in range(BURSTS):  # the same engine, idle now: its pool and store as a server's
         reqs = [eng.add_request(p, params) for p in prompts[n + 16 * b : n + 16 * (b + 1)]]
         burst.append(step(eng))
         eng.run()
