@@ -124,3 +124,22 @@ def test_a_failing_step_of_joiners_fails_them_alone(monkeypatch) -> None:
 def test_joiners_first_takes_a_bool(bad) -> None:
     with pytest.raises(InputError, match="joiners_first"):
         SchedulerConfig(joiners_first=bad)
+
+
+def test_joiners_with_a_long_prefill_step_with_the_batch(monkeypatch) -> None:
+    """A joiner whose first step forwards more prompt tokens than JOINERS_FIRST_TOKENS (here 6)
+    steps with the batch: alone, its long prefill would stall the batch for about as long as it
+    takes beside it; the same prompt held by the prefix store (8 of its 9 tokens read from it,
+    one to forward) steps alone."""
+    from unmask.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "JOINERS_FIRST_TOKENS", 6)
+    m = model("sdar", torch.float32)
+    long = list(range(3, 12))  # 9 tokens: two whole blocks, the last token's block forwarded
+    jobs = [([20, 21, 22], "static-1", 12), (long, "static-1", 8)]
+    _, stepped, _ = run(m, jobs, [0, 3], 4, True)
+    assert stepped[3] == {0, 1}  # 9 tokens to forward: with the batch
+    store = PrefixStore(4, 1 << 30)
+    run(m, [(long, "static-1", 4)], [0], 4, True, store)  # its blocks into the store
+    _, stepped, _ = run(m, jobs, [0, 3], 4, True, store)
+    assert stepped[3] == {1}  # one prompt token to forward: alone

@@ -37,7 +37,7 @@ from unmask.engine.graphs import CudaGraphs
 from unmask.engine.layout import block_size_of, canvas_length, for_model
 from unmask.engine.prefix_store import PrefixStore, reuses
 from unmask.engine.request import Request, StepEvent, useful_length
-from unmask.engine.scheduler import Scheduler, SchedulerConfig
+from unmask.engine.scheduler import JOINERS_FIRST_TOKENS, Scheduler, SchedulerConfig
 from unmask.errors import CanvasTooLong, InputError
 
 log = logging.getLogger("unmask.engine")
@@ -276,15 +276,19 @@ class Engine:
         """Whether this step is the joining requests' alone (SchedulerConfig.joiners_first):
         some join a batch whose rows are already decoding, and every batch they join commits in
         a row's first step (a decoder that commits before it forwards commits nothing there:
-        its joiners take that forward in the batch's step, `Decoder._prime`). Their first
-        tokens then leave after a step of their rows only, not of the whole batch; the batch's
+        its joiners take that forward in the batch's step, `Decoder._prime`), and their prompts'
+        tokens the prefix store did not hold are at most JOINERS_FIRST_TOKENS (a short step).
+        Their first tokens then leave after a step of their rows only, not of the whole batch; the batch's
         other rows, and batches nobody joined, take their step next time, which is never
         such a step again (requests joining then step with the batch)."""
         alone, self._alone = self._alone, False
         if not (joining and self.scheduler.config.joiners_first) or alone:
             return False  # never twice in a row: joins at every step would starve the batch
+        reqs = [r for rs in joining.values() for r in rs]
         self._alone = (any(len(self.batches[k]) > len(r) for k, r in joining.items())
-                       and all(self.decoders[k].commits_first_step for k in joining))
+                       and all(self.decoders[k].commits_first_step for k in joining)
+                       and sum(r.prompt_len - r.cached_tokens for r in reqs)
+                       <= JOINERS_FIRST_TOKENS)
         return self._alone
 
     def _drop_idle(self) -> None:

@@ -21,15 +21,26 @@ class QueueFull(InputError):
     """The waiting queue is at its limit; try again later."""
 
 
+# Prompt tokens the joining requests' first step forwards (those the prefix store did not
+# hold), past which they step with the batch instead of alone: a step of long prefills alone
+# stalls the batch's rows for about as long as it would take beside them and gives the joiners
+# their text barely sooner (the shared-prompt benchmark with the store off, ~560 tokens each:
+# tokens/s 0.91x, TTFT at concurrency 4 1.13x), while questions after a stored system prompt
+# (~30 tokens each, a burst's group of 16 at most ~440) step alone in a few milliseconds
+# (benchmarks/ab/prefix-ttft-serve-joiners-first.md).
+JOINERS_FIRST_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running: int = 16  # rows decoded at once, all decoders together
     max_queue: int | None = None  # waiting requests; None = unbounded
     max_slots: int | None = None  # padded canvas slots held at once; None = unbounded
     # Requests joining a batch that is already decoding take their first step in a step of
-    # their own, before the batch's next (Engine.step, "joiners first"): their first tokens
-    # come a batch step sooner, the batch's rows wait for that small step. A server's choice
-    # (time to first token); off for offline decoding, where only throughput counts.
+    # their own, before the batch's next, where it is short (JOINERS_FIRST_TOKENS; docs/engine.md,
+    # "Joiners first"): their first tokens come a batch step sooner, the batch's rows wait for
+    # that small step. A server's choice (time to first token); off for offline decoding, where
+    # only throughput counts.
     joiners_first: bool = False
 
     def __post_init__(self) -> None:
