@@ -21,8 +21,8 @@ from unmask.errors import InputError
 
 def run(m, jobs, join_at: list[int], max_running: int, first: bool,
         store: PrefixStore | None = None) -> tuple[dict, list[set[int]], list[set[int]]]:
-    """Jobs (prompt, spec, gen) joining at engine steps join_at. Returns each job's events
-    (positions, tokens, finished) and outcome, and per engine step the jobs with events and
+    """Jobs (prompt, spec, gen) joining at engine steps join_at. Returns each job's events that
+    commit or finish (positions, tokens, finished) and outcome, and per engine step the jobs with events and
     the jobs running before it."""
     eng = Engine(m, SchedulerConfig(max_running=max_running, joiners_first=first), mask_id=MASK,
                  eos_id=EOS, prefix=store)
@@ -37,8 +37,11 @@ def run(m, jobs, join_at: list[int], max_running: int, first: bool,
         label = {r.request_id: i for i, r in reqs.items()}
         evs = eng.step()
         step += 1
-        for ev in evs:
-            events[label[ev.request_id]].append((ev.positions, ev.tokens, ev.finished))
+        for ev in evs:  # a step that committed nothing: when it comes is scheduling's
+            # (FreeDave's first step commits nothing in an empty batch, and joining a decoding
+            # one takes it in the batch's step: Decoder._prime)
+            if ev.positions or ev.finished:
+                events[label[ev.request_id]].append((ev.positions, ev.tokens, ev.finished))
         stepped.append({label[ev.request_id] for ev in evs})
         running.append(before)
         assert step < 600
