@@ -280,9 +280,7 @@ class InPlace:
         at = {bat: i for i, bat in enumerate(sorted(self.queries))}
         for r, spans, w, (b, a, t), s, n in zip(self.rows, self.spans, self.keys, self.queries,
                                                 self.starts, self.stored, strict=True):
-            s0 = spans[0]
-            plain = (len(spans) == 1 and s0.mask is None and s0.a == 0 and s0.b == t
-                     and s0.keys == w and t >= self.span_rows)  # as by_block's first case
+            plain = _one_call(spans, t, w, self.span_rows)
             if s < 0:
                 # (L, 1, H_kv, w, D): layer l's keys as the kernel takes them
                 seen = self.kv[r, :w].permute(1, 2, 3, 0, 4).unsqueeze(2)
@@ -569,6 +567,14 @@ class Frame:
         return mask if keys is None else mask & keys
 
 
+def _one_call(spans: list[Span], t: int, keys: int, span_rows: int) -> bool:
+    """Whether spans are a decode step's one block of t queries over all `keys` keys, unmasked:
+    the kernel called as it comes (`by_block`)."""
+    s0 = spans[0]
+    return (len(spans) == 1 and s0.mask is None and s0.a == 0 and s0.b == t and s0.keys == keys
+            and t >= span_rows)
+
+
 def by_block(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], span_rows: int) -> Tensor:
     """`Frame.spans` one call each: q (B, H, T, D) over k/v (B, H_kv, K, D) -> (B, H, T, D). A
     span of fewer queries than span_rows is padded with copies of its first: the kernel
@@ -577,10 +583,8 @@ def by_block(q: Tensor, k: Tensor, v: Tensor, spans: list[Span], span_rows: int)
     tokens (its chunk reaches past them) are zeros (`Frame._concat`) or whatever the store row
     holds there (`InPlace`), which its mask hides."""
     gqa = q.shape[1] != k.shape[1]
-    t, s0 = q.shape[2], spans[0]
-    if (len(spans) == 1 and s0.mask is None and s0.a == 0 and s0.b == t
-            and s0.keys == k.shape[2] and t >= span_rows):
-        # a decode step's one block over every key: the call as it comes
+    t = q.shape[2]
+    if _one_call(spans, t, k.shape[2], span_rows):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     # queries past the last span (a widened call's added places: `Runner._widened`) get
     # zeros, not whatever empty memory holds: later layers' chunk spans read their keys

@@ -278,9 +278,9 @@ class Engine:
         a row's first step (a decoder that commits before it forwards commits nothing there:
         its joiners take that forward in the batch's step, `Decoder._prime`), and their prompts'
         tokens the prefix store did not hold are at most JOINERS_FIRST_TOKENS (a short step).
-        Their first tokens then leave after a step of their rows only, not of the whole batch; the batch's
-        other rows, and batches nobody joined, take their step next time, which is never
-        such a step again (requests joining then step with the batch)."""
+        Their first tokens then leave after a step of their rows only, not of the whole batch;
+        the batch's other rows, and batches nobody joined, take their step next time, which is
+        never such a step again (requests joining then step with the batch)."""
         alone, self._alone = self._alone, False
         if not (joining and self.scheduler.config.joiners_first) or alone:
             return False  # never twice in a row: joins at every step would starve the batch
