@@ -10,15 +10,12 @@ from __future__ import annotations
 import itertools
 import time
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from unmask.decoding.grammar import Constraint
 from unmask.decoding.params import DecodeParams
 from unmask.engine.layout import canvas_length
-
-if TYPE_CHECKING:
-    from unmask.engine.prefix_store import PromptKeys
 
 # Why a request finished. `eos`/`length` are the decode's own ends (OpenAI's "stop" and
 # "length"); `stop`: a caller saw a stop string; `abort`: cancelled; `error`: failed alone.
@@ -57,7 +54,7 @@ class Request:
     decided: int = 0  # generated positions committed by a forward's decision (not EOS fill)
     cached_tokens: int = 0  # prompt positions whose K/V came from the prefix store, not forwarded
     # the prefix store's keys of its prompt's blocks, hashed once (prefix_store.PromptKeys)
-    prompt_keys: PromptKeys | None = field(default=None, repr=False, compare=False)
+    prompt_keys: Iterable[bytes] | None = field(default=None, repr=False, compare=False)
     steps: int = 0
     started: float | None = None  # when its first step began
     finished_at: float | None = None
