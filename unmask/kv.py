@@ -247,12 +247,10 @@ class InPlace:
                 flat = flat.index_select(0, self.src)
             kv = self.kv.select(2, layer)  # (N, W, 2, H_kv, D)
             kv.view(-1, *kv.shape[2:]).index_copy_(0, self.dst, flat)
-        if self._places is None:  # the same views serve every layer of the call
-            self._places = self._place()
+        if self._places is None:  # the same views and tiling serve every layer of the call
+            self._places, self._join = self._place(), _tiling(self.queries, q.shape)
         pair = torch.stack([k, v]) if self.buffer is not None else None  # (2, B, H_kv, T, D)
         gqa = q.shape[1] != k.shape[1]
-        if self._join is None:
-            self._join = _tiling(self.queries, q.shape)
         joined = [None] * len(self._places) if self._join[1] else None
         for p in self._places:
             if p.fresh is None:  # its store row: the layer's keys there

@@ -260,7 +260,9 @@ class Engine:
             self.batches[key].extend(reqs)
             if self._reuses(self.decoders[key]):
                 self.prefix.restore(self.batches[key], reqs)
-        if self._joiners_first(joining):
+        # never twice in a row: joins at every step would starve the batch
+        self._alone = not self._alone and self._joiners_first(joining)
+        if self._alone:
             for key, reqs in joining.items():  # they are their batch's last rows (extend)
                 b = self.batches[key]
                 events += self._run_rows(self.decoders[key], b,
@@ -280,16 +282,13 @@ class Engine:
         tokens the prefix store did not hold are at most JOINERS_FIRST_TOKENS (a short step).
         Their first tokens then leave after a step of their rows only, not of the whole batch;
         the batch's other rows, and batches nobody joined, take their step next time, which is
-        never such a step again (requests joining then step with the batch)."""
-        alone, self._alone = self._alone, False
-        if not (joining and self.scheduler.config.joiners_first) or alone:
-            return False  # never twice in a row: joins at every step would starve the batch
+        never such a step again (`step`: requests joining then step with the batch)."""
+        if not (joining and self.scheduler.config.joiners_first):
+            return False
         reqs = [r for rs in joining.values() for r in rs]
-        self._alone = (any(len(self.batches[k]) > len(r) for k, r in joining.items())
-                       and all(self.decoders[k].commits_first_step for k in joining)
-                       and sum(r.prompt_len - r.cached_tokens for r in reqs)
-                       <= JOINERS_FIRST_TOKENS)
-        return self._alone
+        return (any(len(self.batches[k]) > len(r) for k, r in joining.items())
+                and all(self.decoders[k].commits_first_step for k in joining)
+                and sum(r.prompt_len - r.cached_tokens for r in reqs) <= JOINERS_FIRST_TOKENS)
 
     def _drop_idle(self) -> None:
         """Forget all but the `max_idle` most recently used decoders with no rows. An empty
